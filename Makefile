@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine (the venv is created on first use):
+#   make demo   run the main job on 4 processes (CPU/gloo by default)
+#   make test   single-process tests, then the 4-process suite
+VENV   ?= .venv
+PYTHON ?= python3
+NPROC  ?= 4
+# The CPU build of torch 2.13.0 lies on local disk on the project's CPU machines.
+TORCH  ?= torch==2.13.0
+PY       := $(VENV)/bin/python
+TORCHRUN := $(VENV)/bin/torchrun
+PYTEST   := -m pytest -q -p no:cacheprovider
+
+.PHONY: demo test test-single test-dist clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "$(TORCH)"
+	$(VENV)/bin/pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(TORCHRUN) --nproc-per-node $(NPROC) examples/shard_gather.py
+
+test: test-single test-dist
+
+test-single: $(VENV)/.installed
+	$(PY) $(PYTEST)
+
+test-dist: $(VENV)/.installed
+	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) tests/distributed
+
+clean:
+	rm -rf $(VENV) build *.egg-info

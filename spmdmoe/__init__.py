@@ -1,0 +1,26 @@
+"""spmdmoe: sequence- and expert-parallel Mixture-of-Experts with exact token counts.
+
+Tensors carry their layout on one mesh axis (:class:`SPMDTensor`): placement
+and the global token count, so no code path infers a global shape from a local
+shard. See ``DESIGN.md`` for the chunk rule and the collectives.
+"""
+
+from . import collectives, testing, types
+from .collectives import all_gather, all_reduce, all_to_all, exchange_counts, redistribute, reduce_scatter
+from .types import *  # noqa: F401,F403
+from .types import __all__ as _types_all
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "collectives",
+    "testing",
+    "types",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "exchange_counts",
+    "redistribute",
+    "reduce_scatter",
+    *_types_all,
+]

@@ -1,0 +1,33 @@
+"""Differentiable collectives over ``SPMDTensor`` (DESIGN.md §4).
+
+=====================  ==========================  ===============================
+op                     forward                     backward
+=====================  ==========================  ===============================
+``all_gather``         Shard -> Replicate          reduce_scatter (sum) -> Shard
+``reduce_scatter``     Partial -> Shard            all_gather
+``all_reduce``         Partial -> Replicate        all_reduce (sum)
+``redistribute``       table of transitions        composed
+``all_to_all``         Varying -> Varying          reverse all_to_all
+=====================  ==========================  ===============================
+
+Token counts come from the input's type, never from ``local.shape * world``;
+padding happens only inside these ops, only on ranks that need it, at the tail.
+"""
+
+from ._common import host_sync_count
+from .all_gather import all_gather
+from .all_reduce import all_reduce
+from .all_to_all import all_to_all, exchange_counts
+from .redistribute import TRANSITIONS, redistribute
+from .reduce_scatter import reduce_scatter
+
+__all__ = [
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "redistribute",
+    "all_to_all",
+    "exchange_counts",
+    "host_sync_count",
+    "TRANSITIONS",
+]

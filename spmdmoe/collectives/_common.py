@@ -1,0 +1,83 @@
+"""Shared pieces of the collectives: token-dim moves, padded send buffers, host syncs.
+
+Collectives work on "row tensors": the token dimension moved to dim 0 and
+contiguous, so a rank's rows are one contiguous block. For ``token_dim == 0``
+and a contiguous input that move is free; otherwise it costs one copy.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..types.errors import SPMDLayoutError, SPMDMeshError
+from ..types.mesh import MeshLike, mesh_axis
+from ..types.placement import Placement
+from ..types.tensor import SPMDTensor
+
+_host_syncs = [0]
+
+
+def host_sync_count() -> int:
+    """How many explicit device-to-host transfers spmdmoe's collectives made so far.
+
+    Only the documented ones count (``all_to_all``/``exchange_counts`` reading
+    split sizes, collective checks). Tests use it to assert "exactly one sync".
+    """
+    return _host_syncs[0]
+
+
+def to_host(t: torch.Tensor) -> list[int]:
+    """The one explicit device-to-host transfer of a small int tensor (counted)."""
+    _host_syncs[0] += 1
+    return t.tolist()
+
+
+def rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with the token dim first and contiguous (free when it already is)."""
+    return (t if dim == 0 else t.movedim(dim, 0)).contiguous()
+
+
+def restore_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Undo :func:`rows_view`'s move (a view, no copy)."""
+    return t if dim == 0 else t.movedim(0, dim)
+
+
+def padded_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
+    """``rows`` as a contiguous block of ``padded`` rows: no copy when already full.
+
+    Otherwise one copy into an ``empty`` buffer; the tail rows are never read
+    by spmdmoe (a reduce-scatter sums them into rows that are dropped).
+    """
+    if rows.shape[0] == padded and rows.is_contiguous():
+        return rows
+    send = rows.new_empty((padded, *rows.shape[1:]))
+    send[: rows.shape[0]].copy_(rows)
+    return send
+
+
+def expect(x: SPMDTensor, op: str, allowed: tuple[type, ...], mesh: Optional[MeshLike]) -> None:
+    """Check the input type of a collective (local checks on the type, no communication)."""
+    if not isinstance(x, SPMDTensor):
+        raise SPMDLayoutError(
+            f"{op} takes an SPMDTensor, found {type(x).__name__}; wrap it with spmdmoe.from_local(t, mesh, ...)"
+        )
+    if not isinstance(x.placement, allowed):
+        names = " or ".join(f"{a.__name__}" for a in allowed)
+        raise SPMDLayoutError(
+            f"rank {x.axis.rank}: {op} takes a {names} tensor, found {x.placement}; "
+            f"use spmdmoe.redistribute(x, ...) for other transitions"
+        )
+    if mesh is not None and mesh_axis(mesh) != x.axis:
+        raise SPMDMeshError(
+            f"rank {x.axis.rank}: {op} was asked to run on {mesh_axis(mesh)} but the tensor lives on "
+            f"{x.axis}; redistribute on the tensor's own mesh axis, or build it on this one"
+        )
+
+
+def result(
+    x: SPMDTensor, local: torch.Tensor, placement: Placement, buffer: Optional[torch.Tensor] = None
+) -> SPMDTensor:
+    """A trusted SPMDTensor with ``x``'s axis, token dim and token count."""
+    return SPMDTensor._new(local, x.axis, placement, x._global_tokens, x.token_dim, buffer)

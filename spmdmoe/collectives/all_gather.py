@@ -1,0 +1,69 @@
+"""``all_gather``: Shard(tokens) -> Replicate, with exactly ``global_tokens`` rows."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .._dist import all_gather_single
+from ..types import layout
+from ..types.mesh import MeshAxis, MeshLike
+from ..types.placement import Replicate, Shard
+from ..types.tensor import SPMDTensor
+from ._common import expect, padded_rows, restore_dim, result, rows_view
+
+
+class _AllGather(torch.autograd.Function):
+    """Gather ``p`` rows from every rank into ``p * n`` rows; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, buffer: Optional[torch.Tensor], axis: MeshAxis, total: int, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.meta = (axis, total, dim)
+        p = layout.padded_local_tokens(total, axis.size)
+        rows = rows_view(local, dim)
+        send = buffer if buffer is not None and dim == 0 else padded_rows(rows, p)
+        out = rows.new_empty((p * axis.size, *rows.shape[1:]))
+        if p:
+            all_gather_single(out, send, group=axis.group)
+        return restore_dim(out, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        from .reduce_scatter import _ReduceScatter
+
+        axis, total, dim = ctx.meta
+        padded = _ReduceScatter.apply(grad, None, axis, layout.padded_global_tokens(total, axis.size), dim)
+        rows = layout.local_tokens(total, axis.size, axis.rank)
+        return padded.narrow(dim, 0, rows), None, None, None, None
+
+
+def all_gather(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
+    """Shard(tokens) -> Replicate: every rank gets all ``global_tokens`` rows.
+
+    Per rank: sends ``padded_local_tokens`` rows and receives
+    ``padded_global_tokens`` rows through one ``all_gather_single``
+    (``all_gather_into_tensor``); the result is the view ``[:T]`` of that buffer.
+
+    Padding: only a rank holding fewer than ``padded_local_tokens`` rows copies
+    its rows into an ``empty`` send buffer (at most one such rank under the
+    chunk rule, plus ranks with no rows); full ranks send their tensor as is,
+    and a ``Shard`` backed by a padded ``buffer`` is sent without a copy. A
+    token dim other than 0 costs a copy to move it first.
+
+    Backward: reduce-scatter (sum) of the gradient (a ``Replicate``'s gradient
+    is ``Partial``) back to this rank's rows, padded the same way.
+
+    ``mesh``, if given, must be the tensor's own axis (else ``SPMDMeshError``).
+
+    >>> import torch, spmdmoe
+    >>> pg = spmdmoe.testing.single_process_group()
+    >>> spmdmoe.all_gather(spmdmoe.shard(torch.ones(5, 2), pg)).local.shape
+    torch.Size([5, 2])
+    """
+    expect(x, "all_gather", (Shard,), mesh)
+    total, dim = x.global_tokens, x.token_dim
+    out = _AllGather.apply(x.local, x.buffer, x.axis, total, dim)
+    if out.shape[dim] != total:
+        out = out.narrow(dim, 0, total)
+    return result(x, out, Replicate())

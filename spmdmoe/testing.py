@@ -1,0 +1,123 @@
+"""Helpers for testing parallel code against a single-device reference.
+
+Every helper that can fail makes its verdict collectively: a mismatch on one
+rank raises on every rank (naming the ranks that failed), so a failing test
+never leaves the other ranks waiting in the next test's collective.
+
+* :func:`reference_tensor` — the same random tensor on every rank, from a seed.
+* :func:`assert_close_everywhere` — compare with a reference, fail on all ranks.
+* :func:`assert_raises_everywhere` — a call must raise the given error on every rank.
+* :func:`single_process_group` — a world-size-1 gloo group for examples and doctests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Sequence, Type
+
+import torch
+import torch.distributed as dist
+
+from .types.mesh import MeshLike, mesh_axis
+
+__all__ = [
+    "reference_tensor",
+    "assert_close_everywhere",
+    "assert_raises_everywhere",
+    "all_ranks_agree",
+    "single_process_group",
+]
+
+
+def single_process_group() -> dist.ProcessGroup:
+    """The default group, initialised as a 1-rank gloo group if there is none."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError("single_process_group() is for one-process examples; use your real group")
+    return dist.group.WORLD  # type: ignore[return-value]
+
+
+def reference_tensor(
+    shape: Sequence[int],
+    seed: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Optional[torch.device | str] = None,
+) -> torch.Tensor:
+    """A standard-normal tensor that is bitwise identical on every rank for one seed."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+def all_ranks_agree(ok: bool, mesh: Optional[MeshLike] = None) -> list[int]:
+    """The ranks (in the axis) where ``ok`` is false; the same list on every rank."""
+    if mesh is None:
+        group, size, rank = None, dist.get_world_size(), dist.get_rank()
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    else:
+        axis = mesh_axis(mesh)
+        group, size, rank, device = axis.group, axis.size, axis.rank, axis.metadata_device()
+    flags = torch.zeros(size, dtype=torch.int32, device=device)
+    flags[rank] = 0 if ok else 1
+    dist.all_reduce(flags, group=group)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def assert_close_everywhere(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    rtol: float,
+    atol: float,
+    name: str = "tensor",
+    mesh: Optional[MeshLike] = None,
+) -> None:
+    """``torch.testing.assert_close`` on every rank, failing on all ranks if any fails.
+
+    Shapes must match exactly; values within ``atol + rtol * |expected|``.
+    """
+    message = ""
+    try:
+        torch.testing.assert_close(actual, expected.to(actual.device), rtol=rtol, atol=atol)
+    except AssertionError as e:
+        message = str(e)
+    failed = all_ranks_agree(not message, mesh)
+    if failed:
+        mine = f"\nthis rank's mismatch: {message}" if message else ""
+        raise AssertionError(f"{name}: mismatch against the reference on ranks {failed}{mine}")
+
+
+def assert_raises_everywhere(
+    error: Type[BaseException], fn: Callable[[], Any], *, match: Optional[str] = None, mesh: Optional[MeshLike] = None
+) -> BaseException:
+    """Call ``fn``; it must raise ``error`` (message matching ``match``) on every rank."""
+    import re
+
+    caught: Optional[BaseException] = None
+    problem = ""
+    try:
+        fn()
+        problem = "returned without raising"
+    except error as e:  # noqa: PERF203
+        caught = e
+        if match is not None and not re.search(match, str(e)):
+            problem = f"raised {type(e).__name__} but the message {str(e)!r} does not match {match!r}"
+    except BaseException as e:  # a different error: report it on every rank
+        problem = f"raised {type(e).__name__}: {e}"
+    failed = all_ranks_agree(not problem, mesh)
+    if failed:
+        raise AssertionError(
+            f"expected {error.__name__} on every rank; ranks {failed} did not"
+            + (f"\nthis rank: {problem}" if problem else "")
+        )
+    assert caught is not None
+    return caught
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Fork the CPU RNG with a fixed seed (same values on every rank)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

@@ -1,0 +1,39 @@
+"""The vocabulary of spmdmoe: placements, mesh axes, ``SPMDTensor``, errors, checks."""
+
+from .checks import Layout, assert_layout, checks, checks_enabled, layout_checked, set_checks
+from .construct import from_local, padded_empty, shard
+from .errors import SPMDDeviceError, SPMDLayoutError, SPMDMeshError, SPMDTokenCountError
+from .layout import chunk_counts, chunk_offset, local_tokens, padded_global_tokens, padded_local_tokens
+from .mesh import MeshAxis, MeshLike, mesh_axis
+from .placement import Partial, Placement, Replicate, Shard, Varying
+from .tensor import SPMDTensor
+
+__all__ = [
+    "Layout",
+    "MeshAxis",
+    "MeshLike",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "SPMDDeviceError",
+    "SPMDLayoutError",
+    "SPMDMeshError",
+    "SPMDTensor",
+    "SPMDTokenCountError",
+    "Shard",
+    "Varying",
+    "assert_layout",
+    "checks",
+    "checks_enabled",
+    "chunk_counts",
+    "chunk_offset",
+    "from_local",
+    "layout_checked",
+    "local_tokens",
+    "mesh_axis",
+    "padded_empty",
+    "padded_global_tokens",
+    "padded_local_tokens",
+    "set_checks",
+    "shard",
+]

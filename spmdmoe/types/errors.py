@@ -1,0 +1,42 @@
+"""Exceptions raised by spmdmoe.
+
+Every layout violation is an :class:`SPMDLayoutError` (a ``ValueError``), so
+``except SPMDLayoutError`` catches them all. Subclasses name the kind of
+mistake for tests and for callers that want to handle one case:
+
+=========================  ====================================================
+``SPMDLayoutError``        a shard does not match the declared token layout
+``SPMDMeshError``          the mesh argument cannot serve as one mesh axis
+``SPMDDeviceError``        a tensor lives on a device the axis' backend cannot use
+``SPMDTokenCountError``    a token count that is not a non-negative ``int``
+=========================  ====================================================
+
+Messages say what was expected, what was found, on which rank, and how to fix
+it. Errors that depend on other ranks' data are raised on every rank together
+(see :func:`spmdmoe.from_local`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SPMDLayoutError",
+    "SPMDMeshError",
+    "SPMDDeviceError",
+    "SPMDTokenCountError",
+]
+
+
+class SPMDLayoutError(ValueError):
+    """A tensor's layout violates the declared placement or token counts."""
+
+
+class SPMDMeshError(SPMDLayoutError):
+    """The mesh argument is not a usable single mesh axis (e.g. a 2-D mesh)."""
+
+
+class SPMDDeviceError(SPMDLayoutError):
+    """A tensor is on a device that the mesh axis' backend cannot communicate."""
+
+
+class SPMDTokenCountError(SPMDLayoutError, TypeError):
+    """A token count is negative or not an integer."""

@@ -1,0 +1,151 @@
+"""One mesh axis: the process group a placement lives on.
+
+Every public function that takes ``mesh`` accepts
+
+* a 1-D ``torch.distributed.device_mesh.DeviceMesh`` (``mesh2d["sp"]`` is a
+  named dim of a larger mesh, and is 1-D),
+* a ``(DeviceMesh, "name")`` pair, meaning ``mesh[name]``,
+* a ``torch.distributed.ProcessGroup``,
+* or a :class:`MeshAxis` already built from one of those.
+
+:func:`mesh_axis` normalises them once (the result is cached per object) to a
+:class:`MeshAxis`: the group, this rank's index in it, its size, and the device
+types its backend can communicate. Two axes are equal when they use the same
+process group, whatever object they were built from.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .errors import SPMDDeviceError, SPMDMeshError
+
+__all__ = ["MeshAxis", "MeshLike", "mesh_axis"]
+
+_BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "xccl": ("xpu",)}
+
+
+class MeshAxis:
+    """A normalised mesh axis. Immutable; compares by process group identity.
+
+    Attributes: ``group`` (the ``ProcessGroup``), ``rank`` (this process' index
+    in the group), ``size``, ``device_type`` (where small metadata tensors for
+    this axis live: ``"cuda"`` for NCCL, else ``"cpu"``), ``devices`` (device
+    types the backend accepts), ``source`` (the object it was built from).
+    """
+
+    __slots__ = ("group", "rank", "size", "device_type", "devices", "source", "__weakref__")
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    device_type: str
+    devices: tuple[str, ...]
+    source: Any
+
+    def __init__(self, group: dist.ProcessGroup, device_type: str | None = None, source: Any = None):
+        backend = str(dist.get_backend(group))
+        devices: list[str] = []
+        for part in backend.split(","):
+            name = part.split(":")[-1]
+            for dev in _BACKEND_DEVICES.get(name, ("cpu", "cuda")):
+                if dev not in devices:
+                    devices.append(dev)
+        if device_type is None:
+            device_type = "cuda" if "cuda" in devices and torch.cuda.is_available() else devices[0]
+        setattr_ = object.__setattr__
+        setattr_(self, "group", group)
+        setattr_(self, "rank", group.rank())
+        setattr_(self, "size", group.size())
+        setattr_(self, "device_type", device_type)
+        setattr_(self, "devices", tuple(devices))
+        setattr_(self, "source", group if source is None else source)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("MeshAxis is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MeshAxis) and other.group is self.group
+
+    def __hash__(self) -> int:
+        return id(self.group)
+
+    def __repr__(self) -> str:
+        return f"MeshAxis(rank={self.rank}, size={self.size}, backend={dist.get_backend(self.group)})"
+
+    def metadata_device(self) -> torch.device:
+        """The device for this axis' small metadata exchanges."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    def device_problem(self, tensor: torch.Tensor) -> str | None:
+        """Why ``tensor`` cannot be communicated on this axis, or ``None``."""
+        dev = tensor.device
+        if dev.type not in self.devices:
+            return (
+                f"tensor is on {dev}, but the axis' backend ({dist.get_backend(self.group)}) "
+                f"communicates {'/'.join(self.devices)} tensors; move it with .to(...)"
+            )
+        if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+            return (
+                f"tensor is on {dev}, but this rank's current CUDA device is "
+                f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) "
+                "and create tensors there"
+            )
+        return None
+
+    def check_device(self, tensor: torch.Tensor, what: str = "tensor") -> None:
+        """Raise :class:`SPMDDeviceError` if ``tensor`` cannot be sent on this axis."""
+        problem = self.device_problem(tensor)
+        if problem is not None:
+            raise SPMDDeviceError(f"rank {self.rank}: {what}: {problem}")
+
+
+MeshLike = Union[DeviceMesh, "tuple[DeviceMesh, str]", dist.ProcessGroup, MeshAxis]
+
+_cache: "weakref.WeakKeyDictionary[Any, MeshAxis]" = weakref.WeakKeyDictionary()
+
+
+def _from_device_mesh(mesh: DeviceMesh, source: Any) -> MeshAxis:
+    if mesh.ndim != 1:
+        names = getattr(mesh, "mesh_dim_names", None)
+        hint = f"pick one axis, e.g. mesh[{names[0]!r}]" if names else "build a 1-D mesh or pass a named dim"
+        raise SPMDMeshError(
+            f"rank {dist.get_rank()}: expected a 1-D mesh (one axis), found a {mesh.ndim}-D mesh "
+            f"of shape {tuple(mesh.shape)} (dims {names}); {hint}"
+        )
+    return MeshAxis(mesh.get_group(), mesh.device_type, source)
+
+
+def mesh_axis(mesh: MeshLike) -> MeshAxis:
+    """Normalise ``mesh`` to a :class:`MeshAxis` (cached per mesh object)."""
+    if isinstance(mesh, MeshAxis):
+        return mesh
+    try:
+        cached = _cache.get(mesh)
+    except TypeError:  # unhashable or not weak-referenceable
+        cached = None
+    if cached is not None:
+        return cached
+    if isinstance(mesh, DeviceMesh):
+        axis = _from_device_mesh(mesh, mesh)
+    elif isinstance(mesh, tuple) and len(mesh) == 2 and isinstance(mesh[0], DeviceMesh):
+        return _from_device_mesh(mesh[0][mesh[1]], mesh)
+    elif isinstance(mesh, dist.ProcessGroup):
+        axis = MeshAxis(mesh)
+    else:
+        raise SPMDMeshError(
+            f"expected a 1-D DeviceMesh, a (DeviceMesh, dim_name) pair, a ProcessGroup or a "
+            f"MeshAxis as mesh, found {type(mesh).__name__}"
+        )
+    try:
+        _cache[mesh] = axis
+    except TypeError:
+        pass
+    return axis

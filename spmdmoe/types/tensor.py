@@ -1,0 +1,368 @@
+"""``SPMDTensor``: a local tensor plus its layout on one mesh axis.
+
+The type is the source of truth for token counts. Nothing in spmdmoe ever
+derives a global shape from ``local.shape * world``; counts come from here.
+
+=========================  ===============================================
+attribute                  meaning
+=========================  ===============================================
+``local``                  this rank's valid rows (autograd flows through)
+``mesh`` / ``axis``        the mesh object given / its :class:`MeshAxis`
+``placement``              ``Shard(d)``, ``Replicate()``, ``Partial()``, ``Varying()``
+``token_dim``              the token dimension of ``local``
+``global_tokens``          ``T``: valid rows of the global tensor
+``local_tokens``           rows held here (chunk rule for Shard, ``T`` otherwise)
+``padded_local_tokens``    ``ceil(T / n)``: rows per rank inside a collective
+``padded_global_tokens``   ``padded_local_tokens * n``
+``buffer``                 optional backing storage with spare tail rows
+=========================  ===============================================
+
+Construction does local checks only (no communication). Use
+:func:`spmdmoe.from_local` to verify a layout across ranks, or
+:func:`spmdmoe.shard` to cut a full tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import layout
+from .errors import SPMDLayoutError, SPMDTokenCountError
+from .mesh import MeshAxis, MeshLike, mesh_axis
+from .placement import Partial, Placement, Replicate, Shard, Varying
+
+__all__ = ["SPMDTensor"]
+
+_SLOTS = ("_local", "_axis", "_placement", "_global_tokens", "_token_dim", "_buffer")
+
+
+def _rows_expected(placement: Placement, total: int, axis: MeshAxis) -> int:
+    if isinstance(placement, Shard):
+        return layout.local_tokens(total, axis.size, axis.rank)
+    return total
+
+
+def _buffer_rows(placement: Placement, total: int, axis: MeshAxis) -> int:
+    if isinstance(placement, Shard):
+        return layout.padded_local_tokens(total, axis.size)
+    return layout.padded_global_tokens(total, axis.size)
+
+
+class SPMDTensor:
+    """A local ``torch.Tensor`` with its placement and token counts on one mesh axis.
+
+    Immutable and cheap to build; a pytree node (leaf: ``local``; context: the
+    layout), so ``torch.compile`` and ``torch.utils._pytree`` see through it.
+
+    Args:
+        local: this rank's valid rows.
+        mesh: a 1-D ``DeviceMesh``, ``(DeviceMesh, name)``, ``ProcessGroup`` or ``MeshAxis``.
+        placement: ``Shard(dim)``, ``Replicate()``, ``Partial()`` or ``Varying()``.
+        global_tokens: ``T``; required except for ``Varying``.
+        token_dim: token dimension for ``Replicate``/``Partial``/``Varying``
+            (``Shard`` uses its own ``dim``). Default 0.
+
+    Raises:
+        SPMDLayoutError: ``local`` does not hold this rank's rows for ``T``.
+
+    Example (one process, world size 1, so rank 0 holds every row):
+
+    >>> import torch, torch.distributed as dist, spmdmoe
+    >>> pg = spmdmoe.testing.single_process_group()
+    >>> x = spmdmoe.SPMDTensor(torch.ones(5, 3), pg, spmdmoe.Shard(0), global_tokens=5)
+    >>> x.local_tokens, x.padded_global_tokens
+    (5, 5)
+    >>> y = x.with_local(x.local * 2)
+    >>> y.placement
+    Shard(dim=0)
+    """
+
+    __slots__ = _SLOTS
+
+    _local: torch.Tensor
+    _axis: MeshAxis
+    _placement: Placement
+    _global_tokens: Optional[int]
+    _token_dim: int
+    _buffer: Optional[torch.Tensor]
+
+    def __init__(
+        self,
+        local: torch.Tensor,
+        mesh: MeshLike,
+        placement: Placement,
+        *,
+        global_tokens: Optional[int] = None,
+        token_dim: int = 0,
+    ) -> None:
+        axis = mesh_axis(mesh)
+        dim = _check_token_dim(local, placement, token_dim, axis)
+        rows = local.shape[dim]
+        if not isinstance(placement, Varying):
+            total = _check_total(global_tokens, axis)
+            expected = _rows_expected(placement, total, axis)
+            if rows != expected:
+                raise SPMDLayoutError(_bad_rows_message(placement, total, axis, rows, dim))
+        else:
+            total = None
+        _init(self, local, axis, _normalised(placement, dim), total, dim, None)
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def _new(
+        cls,
+        local: torch.Tensor,
+        axis: MeshAxis,
+        placement: Placement,
+        global_tokens: Optional[int],
+        token_dim: int,
+        buffer: Optional[torch.Tensor] = None,
+    ) -> "SPMDTensor":
+        """Trusted constructor for library code: no checks at all."""
+        self = object.__new__(cls)
+        _init(self, local, axis, placement, global_tokens, token_dim, buffer)
+        return self
+
+    @classmethod
+    def from_buffer(
+        cls,
+        buffer: torch.Tensor,
+        mesh: MeshLike,
+        placement: Placement,
+        *,
+        global_tokens: int,
+        token_dim: int = 0,
+    ) -> "SPMDTensor":
+        """Wrap storage that holds the valid rows followed by spare tail rows.
+
+        ``buffer`` has ``padded_local_tokens`` rows along the token dimension for
+        ``Shard`` and ``padded_global_tokens`` rows for ``Partial``/``Replicate``;
+        ``.local`` is the view of the valid rows. A producer that writes into
+        such a buffer lets a collective send it without a padding copy.
+        """
+        axis = mesh_axis(mesh)
+        if isinstance(placement, Varying):
+            raise SPMDLayoutError("Varying tensors have no padded layout; build them with SPMDTensor(...)")
+        dim = _check_token_dim(buffer, placement, token_dim, axis)
+        total = _check_total(global_tokens, axis)
+        want = _buffer_rows(placement, total, axis)
+        if buffer.shape[dim] != want:
+            raise SPMDLayoutError(
+                f"rank {axis.rank}: a {placement} buffer for global_tokens={total} on {axis.size} "
+                f"ranks must have {want} rows along dim {dim}, found {buffer.shape[dim]}; "
+                f"allocate it with spmdmoe.padded_empty(...)"
+            )
+        if not buffer.is_contiguous():
+            raise SPMDLayoutError(
+                f"rank {axis.rank}: a padded buffer must be contiguous so a collective can send it "
+                f"without a copy, found strides {buffer.stride()} for shape {tuple(buffer.shape)}; "
+                "allocate it with spmdmoe.padded_empty(...)"
+            )
+        local = buffer.narrow(dim, 0, _rows_expected(placement, total, axis))
+        return cls._new(local, axis, _normalised(placement, dim), total, dim, buffer)
+
+    def with_local(self, local: torch.Tensor) -> "SPMDTensor":
+        """The same layout around new local data (e.g. after a row-wise op).
+
+        The token dimension must keep its size; other dimensions may change.
+        Raises :class:`SPMDLayoutError` otherwise. Only row-wise (per-token) ops
+        keep a ``Shard`` meaningful, and only linear ops keep a ``Partial`` one:
+        that part is the caller's promise.
+        """
+        dim = self._token_dim
+        if local.dim() <= dim or local.shape[dim] != self._local.shape[dim]:
+            raise SPMDLayoutError(
+                f"rank {self._axis.rank}: with_local must keep the token dimension {dim}: expected "
+                f"{self._local.shape[dim]} rows (layout {self._placement}, global_tokens="
+                f"{self._global_tokens}), found shape {tuple(local.shape)}; apply row-wise ops "
+                "to .local, or rebuild the layout with spmdmoe.from_local"
+            )
+        return SPMDTensor._new(local, self._axis, self._placement, self._global_tokens, dim)
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's valid rows (a view of ``buffer`` when there is one)."""
+        return self._local
+
+    @property
+    def mesh(self) -> Any:
+        """The mesh object this tensor was built with (DeviceMesh, ProcessGroup, ...)."""
+        return self._axis.source
+
+    @property
+    def axis(self) -> MeshAxis:
+        """The normalised mesh axis."""
+        return self._axis
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    @property
+    def token_dim(self) -> int:
+        return self._token_dim
+
+    @property
+    def buffer(self) -> Optional[torch.Tensor]:
+        """Backing storage with spare tail rows, or ``None``."""
+        return self._buffer
+
+    @property
+    def global_tokens(self) -> int:
+        """``T``, the valid rows of the global tensor (undefined for ``Varying``)."""
+        if self._global_tokens is None:
+            raise SPMDLayoutError(
+                "a Varying tensor has no global tensor, so no global_tokens; use .local_tokens "
+                "(this rank's rows)"
+            )
+        return self._global_tokens
+
+    @property
+    def local_tokens(self) -> int:
+        """Valid rows held by this rank."""
+        return self._local.shape[self._token_dim]
+
+    @property
+    def padded_local_tokens(self) -> int:
+        """``ceil(T / n)``: rows each rank contributes to a collective."""
+        if self._global_tokens is None:
+            return self.local_tokens
+        return layout.padded_local_tokens(self._global_tokens, self._axis.size)
+
+    @property
+    def padded_global_tokens(self) -> int:
+        """``padded_local_tokens * n``: the virtually padded global length."""
+        return layout.padded_global_tokens(self.global_tokens, self._axis.size)
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The logical global shape (``local.shape`` with ``T`` on the token dim)."""
+        shape = list(self._local.shape)
+        shape[self._token_dim] = self.global_tokens
+        return torch.Size(shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._local.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._local.requires_grad
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("SPMDTensor is immutable: build a new one with with_local(...)")
+
+    def __repr__(self) -> str:
+        if self._global_tokens is None:
+            counts = f"local_tokens={self.local_tokens}"
+        else:
+            counts = (
+                f"global_tokens={self._global_tokens}, local_tokens={self.local_tokens}, "
+                f"padded={self.padded_local_tokens}x{self._axis.size}"
+            )
+        return (
+            f"SPMDTensor({self._placement}, rank {self._axis.rank}/{self._axis.size}, {counts}, "
+            f"local={tuple(self._local.shape)} {self._local.dtype} on {self._local.device})"
+        )
+
+
+def _init(
+    self: SPMDTensor,
+    local: torch.Tensor,
+    axis: MeshAxis,
+    placement: Placement,
+    total: Optional[int],
+    dim: int,
+    buffer: Optional[torch.Tensor],
+) -> None:
+    s = object.__setattr__
+    s(self, "_local", local)
+    s(self, "_axis", axis)
+    s(self, "_placement", placement)
+    s(self, "_global_tokens", total)
+    s(self, "_token_dim", dim)
+    s(self, "_buffer", buffer)
+
+
+def _normalised(placement: Placement, dim: int) -> Placement:
+    return Shard(dim) if isinstance(placement, Shard) and placement.dim != dim else placement
+
+
+def _check_token_dim(t: torch.Tensor, placement: Placement, token_dim: int, axis: MeshAxis) -> int:
+    if not isinstance(placement, (Shard, Replicate, Partial, Varying)):
+        raise SPMDLayoutError(
+            f"rank {axis.rank}: expected a placement Shard(d), Replicate(), Partial() or Varying(), "
+            f"found {placement!r}"
+        )
+    dim = placement.dim if isinstance(placement, Shard) else token_dim
+    nd = t.dim()
+    if not -nd <= dim < nd or nd == 0:
+        raise SPMDLayoutError(
+            f"rank {axis.rank}: token dim {dim} is out of range for a tensor of shape "
+            f"{tuple(t.shape)} ({nd} dims); pass a dim in [{-nd}, {nd})"
+        )
+    return dim % nd
+
+
+def _check_total(total: Any, axis: MeshAxis) -> int:
+    if isinstance(total, bool) or not hasattr(total, "__index__"):
+        raise SPMDTokenCountError(
+            f"rank {axis.rank}: global_tokens must be a non-negative int, found "
+            f"{type(total).__name__} {total!r}"
+        )
+    total = total.__index__()
+    if total < 0:
+        raise SPMDTokenCountError(
+            f"rank {axis.rank}: global_tokens must be a non-negative int, found {total}"
+        )
+    return total
+
+
+def _bad_rows_message(placement: Placement, total: int, axis: MeshAxis, rows: int, dim: int) -> str:
+    expected = _rows_expected(placement, total, axis)
+    if isinstance(placement, Shard):
+        rule = layout.chunk_counts(total, axis.size) if axis.size <= 16 else "chunk rule"
+        fix = (
+            f"cut the global tensor with spmdmoe.shard(x, mesh) or rows [{layout.chunk_offset(total, axis.size, axis.rank)}"
+            f":{layout.chunk_offset(total, axis.size, axis.rank) + expected}), or declare the real global_tokens"
+        )
+        return (
+            f"rank {axis.rank}: bad SP split for global_tokens={total} on {axis.size} ranks: expected "
+            f"{expected} rows along dim {dim} (chunk rule {rule}), found {rows}; fix: {fix}"
+        )
+    return (
+        f"rank {axis.rank}: a {placement} tensor with global_tokens={total} must hold all {total} rows "
+        f"along dim {dim}, found {rows}; declare global_tokens={rows} or pass the full tensor"
+    )
+
+
+def _flatten(x: SPMDTensor) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
+    return [x._local], (x._axis, x._placement, x._global_tokens, x._token_dim)
+
+
+def _unflatten(leaves: Any, ctx: tuple[Any, ...]) -> SPMDTensor:
+    (local,) = leaves
+    axis, placement, total, dim = ctx
+    return SPMDTensor._new(local, axis, placement, total, dim)
+
+
+def _flatten_with_keys(x: SPMDTensor) -> tuple[list[tuple[Any, torch.Tensor]], tuple[Any, ...]]:
+    leaves, ctx = _flatten(x)
+    return [(pytree.GetAttrKey("local"), leaves[0])], ctx
+
+
+pytree.register_pytree_node(
+    SPMDTensor,
+    _flatten,
+    _unflatten,
+    serialized_type_name="spmdmoe.SPMDTensor",
+    flatten_with_keys_fn=_flatten_with_keys,
+)
