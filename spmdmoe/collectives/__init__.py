@@ -15,11 +15,11 @@ padding happens only inside these ops, only on ranks that need it, at the tail.
 """
 
 from ._common import host_sync_count
-from .all_gather import all_gather
-from .all_reduce import all_reduce
-from .all_to_all import all_to_all, exchange_counts
-from .redistribute import TRANSITIONS, redistribute
-from .reduce_scatter import reduce_scatter
+from .allgather import all_gather
+from .allreduce import all_reduce
+from .alltoall import all_to_all, exchange_counts
+from .transitions import TRANSITIONS, redistribute
+from .reducescatter import reduce_scatter
 
 __all__ = [
     "all_gather",

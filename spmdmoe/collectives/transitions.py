@@ -18,7 +18,7 @@ takes part in no transition; ``Shard(d)`` only goes to ``Shard(d)``.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +29,9 @@ from ..types.mesh import MeshLike
 from ..types.placement import Partial, Placement, Replicate, Shard, Varying
 from ..types.tensor import SPMDTensor
 from ._common import expect, result
-from .all_gather import all_gather
-from .all_reduce import all_reduce
-from .reduce_scatter import reduce_scatter
+from .allgather import all_gather
+from .allreduce import all_reduce
+from .reducescatter import reduce_scatter
 
 
 def _chunk(x: SPMDTensor, dst: Placement) -> SPMDTensor:
@@ -50,9 +50,21 @@ def _zero_extend(x: SPMDTensor, dst: Placement) -> SPMDTensor:
     return result(x, F.pad(x.local, pad), Partial())
 
 
+class _ZerosLike(torch.autograd.Function):
+    """Zeros that stay in the autograd graph (the input's gradient is zero, not None)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.zeros_like(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.zeros_like(grad)
+
+
 def _rank0_keeps(x: SPMDTensor, dst: Placement) -> SPMDTensor:
     """Replicate -> Partial: rank 0's copy is the sum, the others contribute zeros."""
-    return result(x, x.local if x.axis.rank == 0 else torch.zeros_like(x.local), Partial())
+    return result(x, x.local if x.axis.rank == 0 else _ZerosLike.apply(x.local), Partial())
 
 
 def _identity(x: SPMDTensor, dst: Placement) -> SPMDTensor:

@@ -30,7 +30,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        from .all_gather import _AllGather
+        from .allgather import _AllGather
 
         axis, total, dim = ctx.meta
         full = _AllGather.apply(grad, None, axis, layout.padded_global_tokens(total, axis.size), dim)

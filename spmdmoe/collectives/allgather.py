@@ -30,7 +30,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        from .reduce_scatter import _ReduceScatter
+        from .reducescatter import _ReduceScatter
 
         axis, total, dim = ctx.meta
         padded = _ReduceScatter.apply(grad, None, axis, layout.padded_global_tokens(total, axis.size), dim)

@@ -1,0 +1,67 @@
+"""Bad inputs to collectives raise specific errors on every rank (within the test timeout)."""
+
+import pytest
+import torch
+
+import spmdmoe
+from spmdmoe import Partial, Replicate, Shard, SPMDLayoutError, SPMDMeshError, SPMDTensor, Varying
+from spmdmoe.testing import assert_raises_everywhere
+
+
+def test_placement_not_allowed(world, device):
+    x = spmdmoe.shard(torch.zeros(5, 2, device=device), world)
+    rep = spmdmoe.all_gather(x)
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_gather(rep), match="all_gather takes a Shard tensor, found Replicate")
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.reduce_scatter(x), match="takes a Partial tensor")
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_reduce(rep), match="takes a Partial tensor")
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, [0]), match="takes a Varying tensor")
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_gather(torch.zeros(2)), match="takes an SPMDTensor")
+    v = SPMDTensor(torch.zeros(1, 2, device=device), world, Varying())
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.redistribute(v, Replicate()), match="no transition")
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.redistribute(rep, Shard(1)), match="token dim")
+
+
+@pytest.mark.world4
+def test_mismatched_meshes(world, mesh2x2, device):
+    x = spmdmoe.shard(torch.zeros(5, 2, device=device), world)
+    assert_raises_everywhere(SPMDMeshError, lambda: spmdmoe.all_gather(x, mesh=mesh2x2["sp"]),
+                             match="asked to run on .* but the tensor lives on")
+    assert spmdmoe.all_gather(x, mesh=world).global_tokens == 5
+
+
+def test_non_contiguous_buffer(world, device):
+    buf = torch.zeros(4, 8, device=device).t()
+    assert_raises_everywhere(SPMDLayoutError, lambda: SPMDTensor.from_buffer(buf, world, Partial(), global_tokens=8),
+                             match="must be contiguous")
+
+
+def test_non_contiguous_input_is_fine(world, device):
+    full = torch.arange(40.0, device=device).view(8, 5)
+    x = spmdmoe.from_local(full.t().contiguous().t()[:, :3], world, placement=Replicate())
+    assert not x.local.is_contiguous()
+    assert torch.equal(spmdmoe.redistribute(spmdmoe.redistribute(x, Shard(0)), Replicate()).local, full[:, :3])
+
+
+def test_bad_counts_on_one_rank(world, device):
+    n, r = world.size(), world.get_local_rank()
+    x = SPMDTensor(torch.zeros(2, 3, device=device), world, Varying())
+    counts = [2] + [0] * (n - 1)
+    wrong = [3] + [0] * (n - 1) if r == 1 else counts  # sums to 3 but only 2 rows
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, torch.tensor(wrong, device=device)),
+                             match="rejected the send counts of ranks \\[1\\]")
+    short = counts[:-1] if r == 0 else counts
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, torch.tensor(short, device=device)),
+                             match="rejected the send counts of ranks \\[0\\]")
+    negative = [3, -1] + [0] * (n - 2) if r == 0 else counts
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, torch.tensor(negative, device=device)))
+    recv = [2 if s == 0 else 0 for s in range(n)] if r == 0 else [0] * n
+    host_wrong = [1] + [0] * (n - 1) if r == 2 % n else counts
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, host_wrong, recv),
+                             match="rejected the counts of ranks")
+
+
+def test_dtype_mismatch_detected_by_from_local(world, device):
+    dtype = torch.float16 if world.get_local_rank() == 0 else torch.float32
+    assert_raises_everywhere(SPMDLayoutError,
+                             lambda: spmdmoe.from_local(torch.zeros(2, 2, device=device, dtype=dtype), world),
+                             match="disagree on dtype")
