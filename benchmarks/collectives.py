@@ -104,11 +104,14 @@ def main() -> None:
             x = SPMDTensor(local, mesh, Shard(0), global_tokens=G)
             send, out = rand(p, H), torch.empty(p * n, H, device="cuda", dtype=dt)
             dtensor = DTensor.from_local(local, mesh, [DShard(0)], shape=(G, H), stride=(H, 1))
-            ours = timed(lambda: spmdmoe.all_gather(x), args.iters, args.reps)
+            pre = spmdmoe.padded_empty(mesh, Shard(0), G, (H,), dtype=dt, device="cuda")
+            pre.local.copy_(local)
             raw = timed(lambda: all_gather_single(out, send), args.iters, args.reps)
             dtt = timed(lambda: dtensor.redistribute(mesh, [DReplicate()]), args.iters, args.reps)
-            lines.append(f"| all_gather | {rows} | {G} | {ours:.3f} | {raw:.3f} | {dtt:.3f} | {ours / raw:.3f} | {dtt / ours:.2f} | {busbw(ours):.0f} |")
-            del out, dtensor
+            for name, z in (("all_gather", x), ("all_gather (pre-padded)", pre)):
+                ours = timed(lambda: spmdmoe.all_gather(z), args.iters, args.reps)
+                lines.append(f"| {name} | {rows} | {G} | {ours:.3f} | {raw:.3f} | {dtt:.3f} | {ours / raw:.3f} | {dtt / ours:.2f} | {busbw(ours):.0f} |")
+            del out, dtensor, pre
 
             # reduce_scatter: Partial -> Shard, plain input and pre-padded producer buffer
             part = rand(G, H)
@@ -125,26 +128,28 @@ def main() -> None:
             del part, pre, big, small, dpart, y
             torch.cuda.empty_cache()
 
-    # eager host overhead on a tiny tensor (8 global rows x 16): what Python adds per call
-    G = 2 * n - 1
-    tiny = torch.randn(layout.local_tokens(G, n, rank), 16, device="cuda", dtype=dt)
-    x = SPMDTensor(tiny, mesh, Shard(0), global_tokens=G)
-    dtensor = DTensor.from_local(tiny, mesh, [DShard(0)], shape=(G, 16), stride=(16, 1))
-    send, out = torch.randn(2, 16, device="cuda", dtype=dt), torch.empty(2 * n, 16, device="cuda", dtype=dt)
-    h_ours = host_us(lambda: spmdmoe.all_gather(x))
-    h_raw = host_us(lambda: all_gather_single(out, send))
-    h_dt = host_us(lambda: dtensor.redistribute(mesh, [DReplicate()]))
-    part = torch.randn(G, 16, device="cuda", dtype=dt)
-    h_from = host_us(lambda: spmdmoe.from_local(tiny, mesh, global_tokens=G), calls=50)
-    lines += [
-        "",
-        f"| eager host time per call, tiny all_gather ({G} rows x 16) | us |",
-        "|---|---|",
-        f"| spmdmoe.all_gather | {h_ours:.1f} |",
-        f"| raw all_gather_into_tensor | {h_raw:.1f} |",
-        f"| DTensor redistribute(Shard(0) -> Replicate) | {h_dt:.1f} |",
-        f"| spmdmoe.from_local with its cross-rank check (all-gather + sync) | {h_from:.1f} |",
-    ]
+    # eager host overhead on a tiny tensor: what Python adds per call
+    lines += ["", "| eager host time per call, tiny all_gather (x 16 features) | even 2n rows, us | uneven 2n-1 rows, us |", "|---|---|---|"]
+    host: dict[str, list[float]] = {}
+    for G in (2 * n, 2 * n - 1):
+        tiny = torch.randn(layout.local_tokens(G, n, rank), 16, device="cuda", dtype=dt)
+        leaf = tiny.clone().requires_grad_()
+        x = SPMDTensor(tiny, mesh, Shard(0), global_tokens=G)
+        xg = SPMDTensor(leaf, mesh, Shard(0), global_tokens=G)
+        dtensor = DTensor.from_local(tiny, mesh, [DShard(0)], shape=(G, 16), stride=(16, 1))
+        dgrad = DTensor.from_local(leaf, mesh, [DShard(0)], shape=(G, 16), stride=(16, 1))
+        send, out = torch.randn(2, 16, device="cuda", dtype=dt), torch.empty(2 * n, 16, device="cuda", dtype=dt)
+        for name, fn in (
+            ("spmdmoe.all_gather", lambda: spmdmoe.all_gather(x)),
+            ("spmdmoe.all_gather, input requires grad (autograd recorded)", lambda: spmdmoe.all_gather(xg)),
+            ("raw all_gather_into_tensor (same bytes)", lambda: all_gather_single(out, send)),
+            ("DTensor redistribute(Shard(0) -> Replicate)", lambda: dtensor.redistribute(mesh, [DReplicate()])),
+            ("DTensor redistribute, input requires grad", lambda: dgrad.redistribute(mesh, [DReplicate()])),
+            ("spmdmoe.from_local with its cross-rank check (all-gather + sync)",
+             lambda: spmdmoe.from_local(tiny, mesh, global_tokens=G)),
+        ):
+            host.setdefault(name, []).append(host_us(fn, calls=50 if "from_local" in name else 200))
+    lines += [f"| {name} | {v[0]:.1f} | {v[1]:.1f} |" for name, v in host.items()]
     if rank == 0:
         head = (f"device: {n}x {torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL "
                 f"{'.'.join(map(str, torch.cuda.nccl.version()))}, bf16, H={H}, iters={args.iters}, reps={args.reps}")

@@ -10,7 +10,15 @@ from .._dist import all_reduce as _dist_all_reduce
 from ..types.mesh import MeshAxis, MeshLike
 from ..types.placement import Partial, Replicate
 from ..types.tensor import SPMDTensor
-from ._common import expect, result
+from ._common import differentiable, expect, result
+
+
+def summed(local: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """A fresh tensor holding the sum over ranks (no autograd; the input is untouched)."""
+    out = local.clone(memory_format=torch.contiguous_format)
+    if out.numel():
+        _dist_all_reduce(out, group=axis.group)
+    return out
 
 
 class _AllReduce(torch.autograd.Function):
@@ -19,14 +27,14 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, axis: MeshAxis) -> torch.Tensor:  # type: ignore[override]
         ctx.axis = axis
-        out = local.clone(memory_format=torch.contiguous_format)
-        if out.numel():
-            _dist_all_reduce(out, group=axis.group)
-        return out
+        return summed(local, axis)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        return _AllReduce.apply(grad, ctx.axis), None
+        return summed_op(grad, ctx.axis), None
+
+
+summed_op = differentiable(_AllReduce, summed)
 
 
 def all_reduce(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
@@ -46,4 +54,4 @@ def all_reduce(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
     Replicate()
     """
     expect(x, "all_reduce", (Partial,), mesh)
-    return result(x, _AllReduce.apply(x.local, x.axis), Replicate())
+    return result(x, summed_op(x.local, x.axis), Replicate())

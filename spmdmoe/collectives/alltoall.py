@@ -20,26 +20,34 @@ from ..types.errors import SPMDLayoutError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Varying
 from ..types.tensor import SPMDTensor
-from ._common import expect, restore_dim, result, rows_view, to_host
+from ._common import differentiable, expect, restore_dim, result, rows_view, to_host
 
 Counts = Union[Sequence[int], torch.Tensor]
 
 
+def exchanged(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int) -> torch.Tensor:
+    """Rows to ranks by ``send`` splits, received source-major by ``recv`` splits (no autograd)."""
+    rows = rows_view(local, dim)
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send, group=axis.group)
+    return restore_dim(out, dim)
+
+
 class _AllToAll(torch.autograd.Function):
-    """Rows to ranks by ``send`` splits, received by ``recv`` splits; backward swaps them."""
+    """The exchange; backward is the exchange with send and receive splits swapped."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int) -> torch.Tensor:  # type: ignore[override]
         ctx.meta = (send, recv, axis, dim)
-        rows = rows_view(local, dim)
-        out = rows.new_empty((sum(recv), *rows.shape[1:]))
-        all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send, group=axis.group)
-        return restore_dim(out, dim)
+        return exchanged(local, send, recv, axis, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         send, recv, axis, dim = ctx.meta
-        return _AllToAll.apply(grad, recv, send, axis, dim), None, None, None, None
+        return exchanged_op(grad, recv, send, axis, dim), None, None, None, None
+
+
+exchanged_op = differentiable(_AllToAll, exchanged)
 
 
 def exchange_counts(
@@ -131,7 +139,7 @@ def all_to_all(
         send, recv = list(send_counts), list(recv_counts)
         if checks_enabled():
             _check_host_counts(send, recv, x.local_tokens, axis)
-    return result(x, _AllToAll.apply(x.local, send, recv, axis, dim), Varying())
+    return result(x, exchanged_op(x.local, send, recv, axis, dim), Varying())
 
 
 def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAxis) -> None:

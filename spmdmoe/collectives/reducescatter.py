@@ -11,7 +11,18 @@ from ..types import layout
 from ..types.mesh import MeshAxis, MeshLike
 from ..types.placement import Partial, Shard
 from ..types.tensor import SPMDTensor
-from ._common import expect, padded_rows, restore_dim, result, rows_view
+from ._common import differentiable, expect, padded_rows, restore_dim, result, rows_view
+
+
+def scatter_padded(local: torch.Tensor, buffer: Optional[torch.Tensor], axis: MeshAxis, total: int, dim: int) -> torch.Tensor:
+    """Sum of every rank's ``p * n`` rows, this rank's ``p``-row block (no autograd)."""
+    p = layout.padded_local_tokens(total, axis.size)
+    rows = rows_view(local, dim)
+    out = rows.new_empty((p, *rows.shape[1:]))
+    if p:
+        send = buffer if buffer is not None and dim == 0 else padded_rows(rows, p * axis.size)
+        reduce_scatter_single(out, send, group=axis.group)
+    return restore_dim(out, dim)
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -20,21 +31,18 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, buffer: Optional[torch.Tensor], axis: MeshAxis, total: int, dim: int) -> torch.Tensor:  # type: ignore[override]
         ctx.meta = (axis, total, dim)
-        p = layout.padded_local_tokens(total, axis.size)
-        rows = rows_view(local, dim)
-        send = buffer if buffer is not None and dim == 0 else padded_rows(rows, p * axis.size)
-        out = rows.new_empty((p, *rows.shape[1:]))
-        if p:
-            reduce_scatter_single(out, send, group=axis.group)
-        return restore_dim(out, dim)
+        return scatter_padded(local, buffer, axis, total, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        from .allgather import _AllGather
+        from .allgather import gather_padded_op
 
         axis, total, dim = ctx.meta
-        full = _AllGather.apply(grad, None, axis, layout.padded_global_tokens(total, axis.size), dim)
+        full = gather_padded_op(grad, None, axis, layout.padded_global_tokens(total, axis.size), dim)
         return full.narrow(dim, 0, total), None, None, None, None
+
+
+scatter_padded_op = differentiable(_ReduceScatter, scatter_padded)
 
 
 def reduce_scatter(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
@@ -63,7 +71,7 @@ def reduce_scatter(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTen
     """
     expect(x, "reduce_scatter", (Partial,), mesh)
     total, dim = x.global_tokens, x.token_dim
-    padded = _ReduceScatter.apply(x.local, x.buffer, x.axis, total, dim)
+    padded = scatter_padded_op(x.local, x.buffer, x.axis, total, dim)
     rows = layout.local_tokens(total, x.axis.size, x.axis.rank)
     local = padded if padded.shape[dim] == rows else padded.narrow(dim, 0, rows)
     return result(x, local, Shard(dim), padded if dim == 0 else None)
