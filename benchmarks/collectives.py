@@ -33,24 +33,30 @@ from spmdmoe._dist import all_gather_single, reduce_scatter_single
 from spmdmoe.types import layout
 
 
-def timed(fn, iters: int, reps: int) -> float:
-    """Median over reps of the mean time per call (ms), max over ranks."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
+def timed(fns: dict, iters: int, reps: int) -> dict:
+    """Median over reps of the mean time per call (ms), max over ranks, for each fn.
+
+    The candidates are interleaved within every rep, so drift (clocks, other
+    tenants) hits all of them alike.
+    """
+    for fn in fns.values():
+        for _ in range(3):
             fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    t = torch.tensor([statistics.median(times)], device="cuda")
+    times: dict = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            dist.barrier()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / iters)
+    t = torch.tensor([statistics.median(v) for v in times.values()], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return dict(zip(fns, t.tolist()))
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -73,8 +79,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -106,10 +112,14 @@ def main() -> None:
             dtensor = DTensor.from_local(local, mesh, [DShard(0)], shape=(G, H), stride=(H, 1))
             pre = spmdmoe.padded_empty(mesh, Shard(0), G, (H,), dtype=dt, device="cuda")
             pre.local.copy_(local)
-            raw = timed(lambda: all_gather_single(out, send), args.iters, args.reps)
-            dtt = timed(lambda: dtensor.redistribute(mesh, [DReplicate()]), args.iters, args.reps)
-            for name, z in (("all_gather", x), ("all_gather (pre-padded)", pre)):
-                ours = timed(lambda: spmdmoe.all_gather(z), args.iters, args.reps)
+            t = timed({
+                "all_gather": lambda: spmdmoe.all_gather(x),
+                "all_gather (pre-padded)": lambda: spmdmoe.all_gather(pre),
+                "raw": lambda: all_gather_single(out, send),
+                "dtensor": lambda: dtensor.redistribute(mesh, [DReplicate()]),
+            }, args.iters, args.reps)
+            for name in ("all_gather", "all_gather (pre-padded)"):
+                ours, raw, dtt = t[name], t["raw"], t["dtensor"]
                 lines.append(f"| {name} | {rows} | {G} | {ours:.3f} | {raw:.3f} | {dtt:.3f} | {ours / raw:.3f} | {dtt / ours:.2f} | {busbw(ours):.0f} |")
             del out, dtensor, pre
 
@@ -120,10 +130,14 @@ def main() -> None:
             pre.local.copy_(part)
             big, small = rand(p * n, H), torch.empty(p, H, device="cuda", dtype=dt)
             dpart = DTensor.from_local(part, mesh, [DPartial()], shape=(G, H), stride=(H, 1))
-            raw = timed(lambda: reduce_scatter_single(small, big), args.iters, args.reps)
-            dtt = timed(lambda: dpart.redistribute(mesh, [DShard(0)]), args.iters, args.reps)
-            for name, z in (("reduce_scatter", y), ("reduce_scatter (pre-padded)", pre)):
-                ours = timed(lambda: spmdmoe.reduce_scatter(z), args.iters, args.reps)
+            t = timed({
+                "reduce_scatter": lambda: spmdmoe.reduce_scatter(y),
+                "reduce_scatter (pre-padded)": lambda: spmdmoe.reduce_scatter(pre),
+                "raw": lambda: reduce_scatter_single(small, big),
+                "dtensor": lambda: dpart.redistribute(mesh, [DShard(0)]),
+            }, args.iters, args.reps)
+            for name in ("reduce_scatter", "reduce_scatter (pre-padded)"):
+                ours, raw, dtt = t[name], t["raw"], t["dtensor"]
                 lines.append(f"| {name} | {rows} | {G} | {ours:.3f} | {raw:.3f} | {dtt:.3f} | {ours / raw:.3f} | {dtt / ours:.2f} | {busbw(ours):.0f} |")
             del part, pre, big, small, dpart, y
             torch.cuda.empty_cache()
