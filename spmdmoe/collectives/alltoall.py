@@ -66,36 +66,48 @@ def exchange_counts(
     axis = mesh_axis(mesh)
     n = axis.size
     counts = send_counts.to(device=axis.metadata_device(), dtype=torch.int64)
-    width = counts[0].numel() if counts.dim() >= 1 and counts.shape[0] > 0 else 1
-    payload = torch.zeros((n, width + 1), dtype=torch.int64, device=counts.device)
     if counts.dim() >= 1 and counts.shape[0] == n:
         flat = counts.reshape(n, -1)
-        payload[:, :width] = flat
         bad = (flat < 0).any()
         if rows is not None:
             bad = bad | (flat.sum() != rows)
-        payload[:, width] = bad.to(torch.int64)
-    else:
-        payload[:, width] = 2  # wrong shape: still take part, with the error flag set
-    received = torch.empty_like(payload)
-    all_to_all_single(received, payload, group=axis.group)
-    both = to_host(torch.stack([payload, received]))
-    mine, theirs = both[0], both[1]
-    flags = [row[width] for row in theirs]
-    if any(flags) or mine[0][width]:
-        bad_ranks = [r for r, f in enumerate(flags) if f]
-        if mine[0][width] and axis.rank not in bad_ranks:
-            bad_ranks.append(axis.rank)
+        code: Union[int, torch.Tensor] = bad.to(torch.int64)
+    else:  # wrong shape: still take part, with the error flag set
+        width = counts[0].numel() if counts.dim() >= 1 and counts.shape[0] > 0 else 1
+        flat, code = torch.zeros((n, width), dtype=torch.int64, device=counts.device), 2
+    send, recv, codes = exchange_with_codes(flat, code, axis)
+    if any(codes):
+        bad_ranks = [r for r, c in enumerate(codes) if c]
         own = ""
-        if mine[0][width] == 2:
+        if codes[axis.rank] == 2:
             own = f"; this rank's send_counts have shape {tuple(send_counts.shape)}, expected leading size {n}"
-        elif mine[0][width]:
-            own = f"; this rank's send_counts {[r[:width] for r in mine]} (rows to send: {rows})"
+        elif codes[axis.rank]:
+            own = f"; this rank's send_counts {send} (rows to send: {rows})"
         raise SPMDLayoutError(
-            f"rank {axis.rank}: exchange_counts rejected the send counts of ranks {sorted(bad_ranks)}: "
+            f"rank {axis.rank}: exchange_counts rejected the send counts of ranks {bad_ranks}: "
             f"counts must be non-negative, one row per destination, summing to the rows sent{own}"
         )
-    return [c for r in mine for c in r[:width]], [c for r in theirs for c in r[:width]]
+    return send, recv
+
+
+def exchange_with_codes(
+    counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
+) -> tuple[list[int], list[int], list[int]]:
+    """One ``all_to_all_single`` of ``(n, W)`` counts plus a problem code, one host transfer.
+
+    Returns this rank's flat send counts, the flat received counts (``W`` per
+    source, source-major) and every rank's code (the same list on every rank),
+    so callers raise together without another collective.
+    """
+    n, width = counts_nW.shape
+    payload = torch.empty((n, width + 1), dtype=torch.int64, device=counts_nW.device)
+    payload[:, :width] = counts_nW
+    payload[:, width] = code
+    received = torch.empty_like(payload)
+    all_to_all_single(received, payload, group=axis.group)
+    mine, theirs = to_host(torch.stack([payload, received]))
+    codes = [row[width] for row in theirs]
+    return [c for r in mine for c in r[:width]], [c for r in theirs for c in r[:width]], codes
 
 
 def all_to_all(

@@ -2,14 +2,27 @@
 
 from .checks import Layout, assert_layout, checks, checks_enabled, layout_checked, set_checks
 from .construct import from_local, padded_empty, shard
-from .errors import SPMDDeviceError, SPMDLayoutError, SPMDMeshError, SPMDTokenCountError
+from .errors import (
+    MoEConfigError,
+    SPMDDeviceError,
+    SPMDLayoutError,
+    SPMDMeshError,
+    SPMDRoutingError,
+    SPMDShapeError,
+    SPMDTokenCountError,
+)
 from .layout import chunk_counts, chunk_offset, local_tokens, padded_global_tokens, padded_local_tokens
 from .mesh import MeshAxis, MeshLike, mesh_axis
 from .placement import Partial, Placement, Replicate, Shard, Varying
+from .routed import RoutedTokens
 from .tensor import SPMDTensor
 
 __all__ = [
     "Layout",
+    "MoEConfigError",
+    "RoutedTokens",
+    "SPMDRoutingError",
+    "SPMDShapeError",
     "MeshAxis",
     "MeshLike",
     "Partial",

@@ -9,6 +9,9 @@ mistake for tests and for callers that want to handle one case:
 ``SPMDMeshError``          the mesh argument cannot serve as one mesh axis
 ``SPMDDeviceError``        a tensor lives on a device the axis' backend cannot use
 ``SPMDTokenCountError``    a token count that is not a non-negative ``int``
+``SPMDShapeError``         a feature shape that does not match the module
+``MoEConfigError``         an MoE configuration or parallel plan that cannot work
+``SPMDRoutingError``       router output that cannot be routed (NaN logits)
 =========================  ====================================================
 
 Messages say what was expected, what was found, on which rank, and how to fix
@@ -23,6 +26,9 @@ __all__ = [
     "SPMDMeshError",
     "SPMDDeviceError",
     "SPMDTokenCountError",
+    "SPMDShapeError",
+    "MoEConfigError",
+    "SPMDRoutingError",
 ]
 
 
@@ -40,3 +46,15 @@ class SPMDDeviceError(SPMDLayoutError):
 
 class SPMDTokenCountError(SPMDLayoutError, TypeError):
     """A token count is negative or not an integer."""
+
+
+class SPMDShapeError(SPMDLayoutError):
+    """A tensor's feature shape does not match what the module expects (e.g. model dim)."""
+
+
+class MoEConfigError(ValueError):
+    """An MoE configuration or parallel plan that cannot work (top_k > E, E % ep != 0, ...)."""
+
+
+class SPMDRoutingError(ValueError):
+    """Router output that cannot be routed, e.g. NaN logits; raised on every rank of the EP group."""

@@ -1,0 +1,160 @@
+"""Token dispatch and combine: one small interface, one class per transport.
+
+Legend: ``T`` tokens routed here, ``D`` model dim, ``K`` top-k, ``N = T*K``
+routed copies, ``E`` experts, ``e`` local experts, ``n`` EP ranks, ``R`` rows
+received by this rank's experts.
+
+Interface (DESIGN.md §5.1)::
+
+    routed = transport.dispatch(x_TD, ids_TK, problem=code)   # -> RoutedTokens
+    out_TD = transport.combine(y_RD, routed, weights_TK)
+
+``LocalTransport`` (no EP: every expert is local) and ``AllToAllTransport``
+(EP, sync mode) share the sort and the gathers of ``permute.py``; which one a
+layer uses follows from the meshes it was given. ``problem`` is a device int
+(0 = fine) that travels with the all-to-all count exchange, so a bad input on
+one rank raises on every rank of the EP group (code 1: NaN router logits,
+code 2: wrong model dim), with no extra collective or sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from ..collectives.alltoall import exchanged_op, exchange_with_codes
+from ..types.errors import SPMDRoutingError, SPMDShapeError
+from ..types.mesh import MeshAxis
+from ..types.routed import RoutedTokens
+from .permute import gather_rows, sort_by_expert, weighted_combine
+
+__all__ = ["LocalTransport", "AllToAllTransport", "NAN_LOGITS", "BAD_DIM"]
+
+NAN_LOGITS, BAD_DIM = 1, 2
+Problem = Union[int, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Sorted:
+    order_N: torch.Tensor
+    pos_N: torch.Tensor
+    K: int
+
+
+def _fan_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, _Sorted]:
+    """The ``N`` routed copies of the rows in stable expert order, and the per-expert counts."""
+    T, K = ids_TK.shape
+    order_N, pos_N, counts_E = sort_by_expert(ids_TK, num_experts)
+    x_ND = gather_rows(x_TD, torch.div(order_N, K, rounding_mode="floor"), pos_N.view(T, K))
+    return x_ND, counts_E, _Sorted(order_N, pos_N, K)
+
+
+class LocalTransport:
+    """Every expert lives on this rank: sort, group, and un-sort. No communication, no sync."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Problem = 0) -> RoutedTokens:
+        x_ND, counts_E, srt = _fan_out(x_TD, ids_TK, self.num_experts)
+        offsets = counts_E.cumsum(0).to(torch.int32)
+        return RoutedTokens(x_ND, offsets, x_ND.shape[0], None, srt)
+
+    def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
+        srt: _Sorted = routed.handle
+        return weighted_combine(y_RD, srt.pos_N, srt.order_N, weights_TK)
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    srt: _Sorted
+    send: list[int]  # rows to each EP rank
+    recv: list[int]  # rows from each EP rank
+    perm_R: torch.Tensor  # expert-major row r reads source-major row perm_R[r]
+    inv_R: torch.Tensor  # its inverse
+
+
+class AllToAllTransport:
+    """Expert parallel over ``axis``: experts are contiguous blocks of ``e = E / n`` per rank.
+
+    Dispatch: stable sort by expert (so rows are grouped by destination too),
+    exchange the ``(n, e)`` counts with one ``all_to_all_single`` plus ONE
+    explicit host transfer (the documented sync of sync mode, counted by
+    ``spmdmoe.collectives.host_sync_count``), ``all_to_all_single`` of the
+    rows, then a device gather from source-major to expert-major order.
+    Combine: the inverse gather, the reverse all-to-all, and the weighted
+    gather-sum over the K copies. Backward: the same moves reversed (gathers,
+    never scatter-adds). Zero rows anywhere are fine.
+    """
+
+    def __init__(self, axis: MeshAxis, num_experts: int):
+        self.axis = axis
+        self.num_experts = num_experts
+        self.local_experts = num_experts // axis.size
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Problem = 0) -> RoutedTokens:
+        n, e = self.axis.size, self.local_experts
+        x_ND, counts_E, srt = _fan_out(x_TD, ids_TK, self.num_experts)
+        counts = counts_E.view(n, e).to(self.axis.metadata_device())
+        send_flat, recv_flat, codes = exchange_with_codes(counts, problem, self.axis)
+        _raise_for(codes, self.axis)
+        send = [sum(send_flat[r * e : (r + 1) * e]) for r in range(n)]
+        recv = [sum(recv_flat[r * e : (r + 1) * e]) for r in range(n)]
+        x_recv = exchanged_op(x_ND, send, recv, self.axis, 0)
+        perm_R, sizes = _expert_major(recv_flat, n, e, x_ND.device)
+        inv_R = torch.empty_like(perm_R)
+        inv_R.scatter_(0, perm_R, torch.arange(perm_R.numel(), device=perm_R.device))
+        x_RD = gather_rows(x_recv, perm_R, inv_R.view(-1, 1))
+        offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=x_ND.device, dtype=torch.int32)
+        return RoutedTokens(x_RD, offsets, x_RD.shape[0], sizes, _Exchange(srt, send, recv, perm_R, inv_R))
+
+    def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
+        ex: _Exchange = routed.handle
+        y_recv = gather_rows(y_RD, ex.inv_R, ex.perm_R.view(-1, 1))
+        y_ND = exchanged_op(y_recv, ex.recv, ex.send, self.axis, 0)
+        return weighted_combine(y_ND, ex.srt.pos_N, ex.srt.order_N, weights_TK)
+
+
+def _expert_major(recv_flat: list[int], n: int, e: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The gather index from source-major (src, expert) blocks to expert-major (expert, src) blocks."""
+    starts, at = {}, 0
+    for src in range(n):
+        for j in range(e):
+            starts[src, j] = at
+            at += recv_flat[src * e + j]
+    deltas, lengths, dst = [], [], 0
+    for j in range(e):
+        for src in range(n):
+            rows = recv_flat[src * e + j]
+            deltas.append(starts[src, j] - dst)
+            lengths.append(rows)
+            dst += rows
+    table = torch.tensor([deltas, lengths], dtype=torch.int64).to(device)
+    perm = torch.arange(at, device=device) + torch.repeat_interleave(table[0], table[1], output_size=at)
+    sizes = [sum(recv_flat[src * e + j] for src in range(n)) for j in range(e)]
+    return perm, sizes
+
+
+def _raise_for(codes: list[int], axis: MeshAxis) -> None:
+    """Raise on every rank when any rank reported a problem with its input."""
+    if not any(codes):
+        return
+    shape_bad = [r for r, c in enumerate(codes) if c & BAD_DIM]
+    nan_bad = [r for r, c in enumerate(codes) if c & NAN_LOGITS]
+    if shape_bad:
+        raise SPMDShapeError(
+            f"rank {axis.rank}: MoE input on EP ranks {shape_bad} does not have the layer's model dim "
+            "(see that rank's input shape); every rank must pass (tokens, dim) rows"
+        )
+    raise SPMDRoutingError(
+        f"rank {axis.rank}: router logits contain NaN on EP ranks {nan_bad}; the tokens cannot be "
+        "routed. Check the inputs and the gate weights of those ranks (e.g. torch.autograd.detect_anomaly, "
+        "a lower learning rate, or gradient clipping)"
+    )
+
+
+def nan_code(logits_TE: torch.Tensor) -> Optional[torch.Tensor]:
+    """A device int that is ``NAN_LOGITS`` when any logit is NaN (no host sync)."""
+    return torch.isnan(logits_TE).any().to(torch.int64) * NAN_LOGITS

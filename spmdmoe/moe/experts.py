@@ -1,0 +1,67 @@
+"""Routed experts (grouped SwiGLU over expert-major rows) and shared experts (dense SwiGLU).
+
+Legend: ``R`` routed rows received by this rank's experts, ``T`` local tokens,
+``D`` model dim, ``F`` expert hidden dim (this rank's slice of it under
+tensor-parallel experts), ``E`` experts, ``e`` local experts, ``S`` shared experts.
+
+Expert math (torchtitan's): ``y = w2 @ (silu(w1 @ x) * (w3 @ x))``. The weights
+are passed in explicitly so a parallel wrapper can hand in views whose
+backward reduces the gradient (``spmdmoe.moe.grads``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..types.routed import RoutedTokens
+from .gemm import grouped_mm
+
+__all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu"]
+
+
+class GroupedExperts(nn.Module):
+    """Parameters ``w1`` (E, F, D), ``w2`` (E, D, F), ``w3`` (E, F, D)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, routed: RoutedTokens, *weights: torch.Tensor) -> torch.Tensor:
+        """``y_RD`` for ``routed.x_RD``; ``weights`` (w1, w2, w3) override the parameters."""
+        return grouped_swiglu(routed, *(weights or (self.w1, self.w2, self.w3)))
+
+
+class SharedExperts(nn.Module):
+    """A dense SwiGLU FFN: ``w1.weight`` (S·F, D), ``w2.weight`` (D, S·F), ``w3.weight`` (S·F, D)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x_TD: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        """The FFN of ``x_TD``; ``weights`` (w1, w2, w3) override the parameters."""
+        return swiglu(x_TD, *(weights or (self.w1.weight, self.w2.weight, self.w3.weight)))
+
+
+def grouped_swiglu(
+    routed: RoutedTokens, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor
+) -> torch.Tensor:
+    """``y_RD`` for the routed rows: three grouped GEMMs with the device offsets."""
+    x_RD, offs, sizes = routed.x_RD, routed.group_offsets, routed.group_sizes
+    h_RF = F.silu(grouped_mm(x_RD, w1_eFD, offs, sizes)) * grouped_mm(x_RD, w3_eFD, offs, sizes)
+    return grouped_mm(h_RF, w2_eDF, offs, sizes)
+
+
+def swiglu(x_TD: torch.Tensor, w1_FD: torch.Tensor, w2_DF: torch.Tensor, w3_FD: torch.Tensor) -> torch.Tensor:
+    """The dense SwiGLU FFN of the shared experts."""
+    return F.linear(F.silu(F.linear(x_TD, w1_FD)) * F.linear(x_TD, w3_FD), w2_DF)

@@ -1,0 +1,75 @@
+"""The grouped GEMM seam: ``y[rows of group g] = x[rows] @ w[g].T``.
+
+Legend: ``M`` rows, ``K`` reduction dim, ``N`` output dim, ``e`` groups.
+
+On aligned shapes this is ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``
+on torch 2.11) with the device-resident group offsets: no host sync, no
+token-group padding (bf16 needs none, REFERENCE.md). torch's kernels need every
+row stride to be a multiple of 16 bytes; other shapes (toy dims) take a
+per-group ``mm`` loop that needs the group sizes on the host: free when the
+dispatcher already has them (the all-to-all's one sync), otherwise one
+counted device-to-host copy. The FP8 and Triton paths plug in here later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..collectives._common import to_host
+
+__all__ = ["grouped_mm", "native_grouped_mm_ok"]
+
+_native = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: torch's grouped GEMM
+    backward rejects expanded (stride-0) gradients such as ``y.sum()``'s."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
+def native_grouped_mm_ok(x_MK: torch.Tensor, w_eNK: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands (dtype and 16-byte strides)."""
+    size = x_MK.element_size()
+    return (
+        _native is not None
+        and x_MK.dtype in _DTYPES
+        and w_eNK.dtype == x_MK.dtype
+        and (w_eNK.shape[-1] * size) % 16 == 0
+        and (w_eNK.shape[-2] * size) % 16 == 0
+    )
+
+
+def grouped_mm(
+    x_MK: torch.Tensor, w_eNK: torch.Tensor, offsets_e: torch.Tensor, sizes: Optional[list[int]] = None
+) -> torch.Tensor:
+    """Rows ``[offsets[g-1], offsets[g])`` of ``x`` times ``w[g].T``; differentiable.
+
+    ``offsets_e`` is int32 on ``x``'s device and its last entry must equal
+    ``M`` (rows past it would be left uninitialised by torch's kernel).
+    ``sizes``: the group sizes on the host, if known (used by the fallback).
+    """
+    if native_grouped_mm_ok(x_MK, w_eNK):
+        y_MN = _native(x_MK.contiguous(), w_eNK.transpose(-2, -1), offs=offsets_e)
+        return _ContiguousGrad.apply(y_MN) if y_MN.requires_grad else y_MN
+    if sizes is None:
+        ends = to_host(offsets_e)
+        sizes = [b - a for a, b in zip([0, *ends[:-1]], ends)]
+    parts, start = [], 0
+    for g, rows in enumerate(sizes):  # empty groups too: their weight gradient is a zero, not None
+        parts.append(x_MK[start : start + rows] @ w_eNK[g].transpose(0, 1))
+        start += rows
+    if not parts:
+        return x_MK.new_empty((0, w_eNK.shape[-2]))
+    return torch.cat(parts)

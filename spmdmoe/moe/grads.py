@@ -1,0 +1,126 @@
+"""Gradients of parameters replicated along an SP axis (DESIGN.md §5.2).
+
+A parameter replicated along an SP axis (router, shared experts, attention,
+norms; experts when they are not split along that axis) is used by every rank
+on its own tokens, so each rank's gradient is a partial sum. After
+``backward`` every rank must hold the gradient of the loss summed over the SP
+group's tokens. The reduction runs at the parameter's *use*: an
+identity-forward node whose backward all-reduces the *fresh* gradients of
+every parameter it covers (one flattened collective per dtype), before they
+are accumulated into ``.grad``. So gradient accumulation over micro-batches
+stays exact (earlier ``.grad`` is never reduced again), a rank with zero
+tokens still takes part (a parameter with no use on a rank contributes zeros),
+and ``.grad`` is a tensor, never ``None``. The collective runs once per
+forward call, in the same place on every rank.
+
+Reduction across data-parallel replicas holding different batches is the DP
+wrapper's job, not this one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .._dist import all_reduce
+from ..types.errors import SPMDLayoutError
+from ..types.mesh import MeshAxis, MeshLike, mesh_axis
+
+__all__ = ["sync_grads", "replicate_grads"]
+
+
+class _SyncGrads(torch.autograd.Function):
+    """Identity forward; backward sums the incoming gradients over the axis."""
+
+    @staticmethod
+    def forward(ctx: Any, axis: MeshAxis, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.axis = axis
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        out: list[Optional[torch.Tensor]] = [None] * len(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            idx = by_dtype[dtype]
+            flat = torch.cat([grads[i].reshape(-1) for i in idx])
+            if flat.numel():
+                all_reduce(flat, group=ctx.axis.group)
+            for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
+                out[i] = part.view_as(grads[i])
+        return (None, *out)
+
+
+def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike) -> list[torch.Tensor]:
+    """Views of ``tensors`` whose backward sums their fresh gradients over ``mesh``.
+
+    Use the returned views in place of the parameters in the forward; every
+    rank of the axis must call this once per forward, with the same tensors
+    in the same order (also a rank with no tokens). A 1-rank axis, or no
+    tensor that needs a gradient, returns the tensors unchanged.
+
+    >>> import torch, spmdmoe
+    >>> pg = spmdmoe.testing.single_process_group()
+    >>> w = torch.nn.Parameter(torch.ones(2))
+    >>> (v,) = spmdmoe.moe.sync_grads([w], pg)
+    >>> (3 * v).sum().backward(); w.grad
+    tensor([3., 3.])
+    """
+    axis = mesh_axis(mesh)
+    tensors = list(tensors)
+    if axis.size == 1 or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return tensors
+    return list(_SyncGrads.apply(axis, *tensors))
+
+
+def replicate_grads(
+    module: nn.Module, mesh: MeshLike, *, include: Optional[Callable[[str], bool]] = None
+) -> nn.Module:
+    """Make ``module``'s replicated parameters get SP-summed gradients; returns ``module``.
+
+    Wraps ``module.forward`` (in place; parameter names, ``state_dict`` and
+    optimizers are unchanged): during each call the parameters (those whose
+    name ``include`` accepts, default all that require grad) are swapped for
+    :func:`sync_grads` views. For model code such as attention and norm
+    weights replicated along the SP axis. Call it once per module.
+
+    >>> import torch, spmdmoe
+    >>> pg = spmdmoe.testing.single_process_group()
+    >>> lin = spmdmoe.moe.replicate_grads(torch.nn.Linear(2, 2), pg)
+    >>> lin(torch.ones(1, 2)).shape
+    torch.Size([1, 2])
+    """
+    axis = mesh_axis(mesh)
+    if getattr(module, "_spmdmoe_replicated", None) is not None:
+        raise SPMDLayoutError(
+            f"rank {axis.rank}: replicate_grads was already applied to this {type(module).__name__}; "
+            "applying it twice would reduce its gradients twice"
+        )
+    entries = []
+    for name, p in module.named_parameters():
+        if p.requires_grad and (include is None or include(name)):
+            owner, _, leaf = name.rpartition(".")
+            entries.append((module.get_submodule(owner) if owner else module, leaf))
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        params = [owner._parameters[leaf] for owner, leaf in entries]
+        views = sync_grads(params, axis)  # type: ignore[arg-type]
+        for (owner, leaf), view in zip(entries, views):
+            owner._parameters[leaf] = view  # type: ignore[assignment]
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            for (owner, leaf), p in zip(entries, params):
+                owner._parameters[leaf] = p
+
+    module.forward = forward  # type: ignore[method-assign]
+    object.__setattr__(module, "_spmdmoe_replicated", axis)
+    return module

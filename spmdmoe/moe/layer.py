@@ -1,0 +1,162 @@
+"""``MoE``: the single-device layer, and the row pipeline every layout shares.
+
+Legend: ``T`` tokens (valid rows only), ``D`` model dim, ``F`` expert hidden
+dim, ``E`` experts, ``e`` local experts, ``K`` top-k, ``R`` rows received by
+the local experts, ``S`` shared experts.
+
+Pipeline (DESIGN.md §5): route the valid rows -> count load -> dispatch
+(``RoutedTokens``) -> grouped SwiGLU experts -> combine (weighted gather-sum
+over the K copies). ``parallelize_moe`` runs the same pipeline with other
+weights (its slices, gradient-synced views) and another transport.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+import torch.nn as nn
+
+from ..types.errors import SPMDShapeError
+from ..types.mesh import MeshAxis
+from ..types.routed import RoutedTokens
+from . import balance
+from .config import MoEConfig
+from .dispatch import LocalTransport, nan_code
+from .experts import GroupedExperts, SharedExperts
+from .router import Router
+
+__all__ = ["MoE", "Transport"]
+
+EXPERT_WEIGHTS = ("experts.w1", "experts.w2", "experts.w3")
+SHARED_WEIGHTS = ("shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight")
+
+
+class Transport(Protocol):
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: object = 0) -> RoutedTokens: ...
+
+    def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor: ...
+
+
+class _Layer(nn.Module):
+    """Parameters, buffers and the bias/load API shared by ``MoE`` and the parallel layer."""
+
+    config: MoEConfig
+    load_axes: tuple[MeshAxis, ...] = ()
+
+    def _build(
+        self, config: MoEConfig, router: Router, experts: GroupedExperts, shared: Optional[SharedExperts],
+        expert_bias: torch.Tensor,
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.experts = experts
+        self.shared_experts = shared
+        self.register_buffer("expert_bias", expert_bias)
+        counts = torch.zeros(config.num_experts, dtype=torch.int64, device=expert_bias.device)
+        self.register_buffer("tokens_per_expert", counts, persistent=False)
+        self.aux_loss: Optional[torch.Tensor] = None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The parameters the pipeline uses, by name."""
+        return dict(self.named_parameters())
+
+    def update_expert_bias(self) -> torch.Tensor:
+        """Apply the aux-loss-free bias update and reset the counts; returns the summed load.
+
+        Call it once per optimizer step (e.g. from an optimizer pre-step
+        hook), on every rank of the layer's load axes. Without
+        ``load_balance_coeff`` it only sums and resets the counts.
+        """
+        coeff = self.config.load_balance_coeff
+        return balance.update_expert_bias(self.expert_bias, self.tokens_per_expert, coeff or 0.0, self.load_axes)
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens per expert since the last update, summed over the load axes (a collective)."""
+        return balance.reduce_counts(self.tokens_per_expert, self.load_axes)
+
+    def _rows(
+        self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Transport, own: Optional[slice] = None,
+        problem: object = 0,
+    ) -> torch.Tensor:
+        """Route, count, dispatch, experts, combine. ``own``: the rows this rank holds (load counting)."""
+        cfg = self.config
+        r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
+        own_ids = r.ids_TK if own is None else r.ids_TK[own]
+        counts_E = balance.count_tokens(own_ids, cfg.num_experts)
+        if not balance.in_recompute():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts_E)
+        if cfg.aux_loss_coeff is not None:
+            total_E = balance.reduce_counts(counts_E, self.load_axes)
+            own_scores = r.scores_TE if own is None else r.scores_TE[own]
+            self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff)
+        routed = transport.dispatch(h_TD, r.ids_TK, problem=nan_code(r.logits_TE) | problem)
+        y_RD = self.experts(routed, *(w[n] for n in EXPERT_WEIGHTS))
+        return transport.combine(y_RD, routed, r.weights_TK)
+
+    def _shared(self, x_TD: torch.Tensor, w: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        if self.shared_experts is None:
+            return None
+        return self.shared_experts(x_TD, *(w[n] for n in SHARED_WEIGHTS))
+
+
+class MoE(_Layer):
+    """A Mixture-of-Experts layer on one device: ``forward(x_TD) -> y_TD``.
+
+    Output = sum_k weight_k * expert_k(x) + shared(x). Parameters:
+    ``router.gate.weight`` (E, D); ``experts.w1`` (E, F, D), ``experts.w2``
+    (E, D, F), ``experts.w3`` (E, F, D); with shared experts
+    ``shared_experts.w{1,2,3}.weight`` ((S·F, D), (D, S·F), (S·F, D)). Buffers:
+    ``expert_bias`` (E,) (saved), ``tokens_per_expert`` (E,) (not saved).
+    Leading dims of ``x`` are flattened into tokens. With ``aux_loss_coeff``,
+    ``self.aux_loss`` holds the aux loss of the last forward (add it to the loss).
+
+    >>> import torch
+    >>> from spmdmoe.moe import MoE, MoEConfig
+    >>> moe = MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2))
+    >>> moe(torch.randn(5, 8)).shape
+    torch.Size([5, 8])
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        shared = (
+            SharedExperts(config.dim, config.num_shared_experts * config.hidden_dim)
+            if config.num_shared_experts
+            else None
+        )
+        experts = GroupedExperts(config.num_experts, config.dim, config.hidden_dim)
+        self._build(config, Router(config), experts, shared, torch.zeros(config.num_experts))
+        self.transport = LocalTransport(config.num_experts)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float = 0.02, generator: Optional[torch.Generator] = None) -> None:
+        """Truncated-normal init (torchtitan's): std 0.02 for ``w1``, ``init_std`` elsewhere."""
+        for name, p in self.named_parameters():
+            std = 0.02 if name.endswith("w1") or name.endswith("w1.weight") else init_std
+            nn.init.trunc_normal_(p, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        D = self.config.dim
+        if x.dim() == 0 or x.shape[-1] != D:
+            raise SPMDShapeError(f"MoE expects (..., dim={D}) input, found shape {tuple(x.shape)}")
+        x_TD = x.reshape(-1, D)
+        w = self.weights()
+        out_TD = self._rows(x_TD, w, self.transport)
+        shared = self._shared(x_TD, w)
+        if shared is not None:
+            out_TD = out_TD + shared
+        return out_TD.view(x.shape)
+
+
+def check_dim(x_TD: torch.Tensor, dim: int, rank: int) -> None:
+    """Raise ``SPMDShapeError`` unless ``x_TD`` is ``(tokens, dim)``."""
+    if x_TD.dim() != 2 or x_TD.shape[1] != dim:
+        raise SPMDShapeError(
+            f"rank {rank}: the MoE layer expects local rows of shape (tokens, dim={dim}), found "
+            f"{tuple(x_TD.shape)}; flatten the batch to (tokens, {dim}) before the layer"
+        )

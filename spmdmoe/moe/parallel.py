@@ -1,0 +1,212 @@
+"""``parallelize_moe``: the same layer over an SP axis, an EP axis, or both.
+
+Legend: ``T`` local valid tokens, ``D`` model dim, ``F`` expert hidden dim,
+``E`` experts, ``e = E / ep`` local experts, ``K`` top-k, ``R`` rows received
+by the local experts.
+
+=====================  =========================================  ============================
+plan                   forward                                    parameters
+=====================  =========================================  ============================
+``sp`` local           each SP rank routes its own rows           experts whole (or EP block)
+``sp`` gather          all_gather over SP, TP experts, combine    experts: F split over SP
+                       into ``padded_global_tokens`` rows,
+                       reduce_scatter, + shared on local rows
+``ep``                 all-to-all dispatch / combine over EP      experts: block of ``e``
+=====================  =========================================  ============================
+
+Gradient contract: after ``backward`` of a loss summed over the SP group's
+tokens, every parameter's ``.grad`` is the single-device gradient of that loss
+(experts: this rank's slice, including the tokens other EP ranks routed to
+it). A parameter replicated along the SP axis (router, shared experts;
+experts unless split along SP) has its fresh gradient summed over SP by
+:func:`spmdmoe.moe.sync_grads` at its use. Gradients across data-parallel
+replicas (different batches: the EP axis in EP-only or 2-D plans) are the DP
+wrapper's job.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import all_gather, reduce_scatter
+from ..types import layout
+from ..types.construct import padded_empty
+from ..types.errors import MoEConfigError, SPMDLayoutError, SPMDMeshError
+from ..types.mesh import MeshAxis, MeshLike, mesh_axis
+from ..types.placement import Partial, Shard, Varying
+from ..types.tensor import SPMDTensor
+from .dispatch import BAD_DIM, AllToAllTransport, LocalTransport
+from .experts import GroupedExperts
+from .grads import sync_grads
+from .layer import EXPERT_WEIGHTS, MoE, _Layer, check_dim
+
+__all__ = ["parallelize_moe", "ParallelMoE"]
+
+Input = Union[SPMDTensor, torch.Tensor]
+
+
+def parallelize_moe(
+    moe: MoE,
+    *,
+    sp_mesh: Optional[MeshLike] = None,
+    ep_mesh: Optional[MeshLike] = None,
+    sp_mode: Literal["local", "gather"] = "local",
+) -> "ParallelMoE":
+    """This rank's part of ``moe`` over the given axes (same parameter names, sliced experts).
+
+    ``forward`` takes an ``SPMDTensor`` sharded (``Shard(0)``) on ``sp_mesh`` and
+    returns one with the same layout; with ``sp_mesh=None`` it takes and
+    returns a plain ``(T_rank, D)`` tensor or a ``Varying`` ``SPMDTensor``
+    (each rank its own batch; ``T_rank`` may differ and be 0). ``moe``'s router,
+    shared experts and ``expert_bias`` are copied, its experts sliced; build
+    ``moe`` identically on every rank (same seed) and do not use it afterwards
+    for training the same weights.
+
+    Raises ``MoEConfigError``: ``E % ep != 0``, an unknown ``sp_mode``, gather mode
+    without ``sp_mesh``, with ``ep_mesh`` equal to ``sp_mesh``, or with fewer
+    hidden units than SP ranks. ``SPMDMeshError``: SP and EP axes that are
+    neither the same group nor orthogonal.
+    """
+    sp = None if sp_mesh is None else mesh_axis(sp_mesh)
+    ep = None if ep_mesh is None else mesh_axis(ep_mesh)
+    _check_plan(moe, sp, ep, sp_mode)
+    return ParallelMoE(moe, sp, ep, sp_mode)
+
+
+def _check_plan(moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str) -> None:
+    cfg = moe.config
+    if sp_mode not in ("local", "gather"):
+        raise MoEConfigError(f"sp_mode must be 'local' or 'gather', found {sp_mode!r}")
+    if ep is not None and cfg.num_experts % ep.size:
+        raise MoEConfigError(
+            f"rank {ep.rank}: num_experts={cfg.num_experts} does not divide by the EP size {ep.size} "
+            f"({cfg.num_experts} % {ep.size} = {cfg.num_experts % ep.size}); use an EP size that divides E"
+        )
+    if sp_mode == "gather":
+        if sp is None:
+            raise MoEConfigError("sp_mode='gather' needs sp_mesh (the axis tokens are gathered over)")
+        if ep is not None and ep == sp:
+            raise MoEConfigError(
+                f"rank {sp.rank}: sp_mode='gather' splits the experts' hidden dim over sp_mesh, so EP "
+                "must be another axis (or None); for EP on the SP group use sp_mode='local'"
+            )
+        if cfg.hidden_dim < sp.size:
+            raise MoEConfigError(
+                f"rank {sp.rank}: gather mode splits hidden_dim={cfg.hidden_dim} over {sp.size} SP ranks; "
+                "each rank needs at least one hidden unit"
+            )
+    if sp is not None and ep is not None and sp != ep:
+        shared = set(dist.get_process_group_ranks(sp.group)) & set(dist.get_process_group_ranks(ep.group))
+        if shared != {dist.get_rank()}:
+            raise SPMDMeshError(
+                f"rank {dist.get_rank()}: sp_mesh and ep_mesh must be the same group or orthogonal axes "
+                f"(e.g. two dims of one 2-D mesh); they share ranks {sorted(shared)}"
+            )
+
+
+class ParallelMoE(_Layer):
+    """A :class:`MoE` over SP and/or EP axes; see :func:`parallelize_moe` and the module docstring."""
+
+    def __init__(self, moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str):
+        super().__init__()
+        cfg = moe.config
+        self.sp, self.ep, self.sp_mode = sp, ep, sp_mode
+        n_ep, r_ep = (1, 0) if ep is None else (ep.size, ep.rank)
+        e = cfg.num_experts // n_ep
+        experts_slice = slice(r_ep * e, (r_ep + 1) * e)
+        if sp_mode == "gather":
+            assert sp is not None
+            f0 = layout.chunk_offset(cfg.hidden_dim, sp.size, sp.rank)
+            hidden = slice(f0, f0 + layout.local_tokens(cfg.hidden_dim, sp.size, sp.rank))
+        else:
+            hidden = slice(0, cfg.hidden_dim)
+        src = moe.experts
+        experts = GroupedExperts(e, cfg.dim, hidden.stop - hidden.start).to(device=src.w1.device, dtype=src.w1.dtype)
+        with torch.no_grad():
+            experts.w1.copy_(src.w1[experts_slice, hidden])
+            experts.w2.copy_(src.w2[experts_slice, :, hidden])
+            experts.w3.copy_(src.w3[experts_slice, hidden])
+        self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
+        self.transport = AllToAllTransport(ep, cfg.num_experts) if ep is not None and ep.size > 1 else LocalTransport(e)
+        self.load_axes = tuple(a for i, a in enumerate((sp, ep)) if a is not None and a not in (sp, ep)[:i])
+        experts_replicated = sp is not None and sp_mode == "local" and sp != ep
+        self.sp_synced = tuple(
+            name for name, p in self.named_parameters()
+            if sp is not None and sp.size > 1 and (not name.startswith("experts.") or experts_replicated)
+        )
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        w = dict(self.named_parameters())
+        if self.sp is not None and self.sp_synced:
+            views = sync_grads([w[n] for n in self.sp_synced], self.sp)
+            w.update(zip(self.sp_synced, views))
+        return w
+
+    def forward(self, x: Input) -> Input:
+        if self.sp is None:
+            return self._forward_batches(x)
+        x_TD = self._sp_rows(x)
+        assert isinstance(x, SPMDTensor)
+        w = self.weights()
+        if self.sp_mode == "local":
+            out_TD = self._rows(x_TD, w, self.transport)
+        else:
+            out_TD = self._gathered(x, w)
+        shared = self._shared(x_TD, w)
+        return x.with_local(out_TD if shared is None else out_TD + shared)
+
+    def _gathered(self, x: SPMDTensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Gather mode: route all SP rows, TP experts, combine into the padded buffer, reduce-scatter."""
+        sp, T = x.axis, x.global_tokens
+        start = layout.chunk_offset(T, sp.size, sp.rank)
+        h_TD = all_gather(x).local
+        partial_TD = self._rows(h_TD, w, self.transport, own=slice(start, start + x.local_tokens))
+        buf = padded_empty(sp, Partial(), T, (self.config.dim,), dtype=partial_TD.dtype, device=partial_TD.device)
+        buf.local.copy_(partial_TD)
+        return reduce_scatter(buf).local
+
+    def _sp_rows(self, x: Input) -> torch.Tensor:
+        assert self.sp is not None
+        if not isinstance(x, SPMDTensor) or not isinstance(x.placement, Shard):
+            found = x.placement if isinstance(x, SPMDTensor) else type(x).__name__
+            raise SPMDLayoutError(
+                f"rank {self.sp.rank}: this MoE layer takes an SPMDTensor sharded with Shard(0) on its "
+                f"sp_mesh, found {found}; wrap the local rows with spmdmoe.shard(...) or spmdmoe.from_local(...)"
+            )
+        if x.axis != self.sp:
+            raise SPMDMeshError(
+                f"rank {self.sp.rank}: the input is sharded on {x.axis}, but the layer's sp_mesh is {self.sp}"
+            )
+        if x.token_dim != 0:
+            raise SPMDLayoutError(
+                f"rank {self.sp.rank}: expected tokens on dim 0, found Shard({x.token_dim}); flatten to (tokens, dim)"
+            )
+        check_dim(x.local, self.config.dim, self.sp.rank)
+        return x.local
+
+    def _forward_batches(self, x: Input) -> Input:
+        """EP only (or nothing): each rank routes its own batch."""
+        rank = self.ep.rank if self.ep is not None else 0
+        if isinstance(x, SPMDTensor) and not isinstance(x.placement, Varying):
+            raise SPMDLayoutError(
+                f"rank {rank}: without sp_mesh this MoE layer takes a plain (tokens, dim) tensor or a "
+                f"Varying SPMDTensor, found {x.placement}; pass sp_mesh to parallelize_moe for SP inputs"
+            )
+        x_TD = x.local if isinstance(x, SPMDTensor) else x
+        problem = 0
+        try:
+            check_dim(x_TD, self.config.dim, rank)
+        except SPMDLayoutError:
+            if isinstance(self.transport, LocalTransport):
+                raise
+            # take part in the count exchange with the problem flagged: every EP rank raises together
+            x_TD, problem = x_TD.new_zeros((0, self.config.dim)), BAD_DIM
+        w = self.weights()
+        out_TD = self._rows(x_TD, w, self.transport, problem=problem)
+        shared = self._shared(x_TD, w)
+        out_TD = out_TD if shared is None else out_TD + shared
+        return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD

@@ -1,0 +1,69 @@
+"""Row permutations of the MoE data flow, with gather-only backwards.
+
+Legend: ``T`` tokens, ``K`` top-k, ``N = T*K`` routed copies, ``D`` model dim.
+
+Every move of rows is a gather ``out[m] = src[index[m]]`` whose backward is
+again a gather, by the inverse map, followed by a sum over the ``J`` copies
+each source row was read into (``J = K`` for the dispatch fan-out, ``J = 1``
+for pure permutations). No scatter-add, no atomics: deterministic, in the
+source dtype, summed in fp32. These are the plain-torch references that the
+Triton permute kernels (DESIGN.md §6) will replace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["gather_rows", "sort_by_expert", "weighted_combine"]
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, src: torch.Tensor, index_M: torch.Tensor, inverse_SJ: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse_SJ)
+        return src.index_select(0, index_M)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_M: torch.Tensor) -> Any:  # type: ignore[override]
+        (inverse_SJ,) = ctx.saved_tensors
+        S, J = inverse_SJ.shape
+        if J == 1:
+            return grad_M.index_select(0, inverse_SJ.view(-1)), None, None
+        picked = grad_M.index_select(0, inverse_SJ.reshape(-1)).view(S, J, *grad_M.shape[1:])
+        return picked.sum(dim=1, dtype=torch.float32).to(grad_M.dtype), None, None
+
+
+def gather_rows(src: torch.Tensor, index_M: torch.Tensor, inverse_SJ: torch.Tensor) -> torch.Tensor:
+    """``src[index_M]``; ``inverse_SJ[s]`` lists the ``J`` output rows that read source row ``s``.
+
+    Every source row must be read exactly ``J`` times (a permutation has ``J = 1``).
+    """
+    if src.requires_grad and torch.is_grad_enabled():
+        return _GatherRows.apply(src, index_M, inverse_SJ)
+    return src.index_select(0, index_M)
+
+
+def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order_N, pos_N, counts_E)``: a stable sort of the routed copies by expert.
+
+    ``order_N[i]`` is the flat ``(t, k)`` index of the i-th copy in expert
+    order; ``pos_N`` is its inverse (where copy ``t*K + k`` sits); ``counts_E``
+    the copies per expert. All on the ids' device, no host sync.
+    """
+    ids_N = ids_TK.reshape(-1)
+    order_N = torch.argsort(ids_N, stable=True)
+    pos_N = torch.empty_like(order_N)
+    pos_N.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
+    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    return order_N, pos_N, counts_E
+
+
+def weighted_combine(y_ND: torch.Tensor, pos_N: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k weights[t, k] * y[pos[t*K + k]]`` in fp32, returned in ``y``'s dtype."""
+    T, K = weights_TK.shape
+    y_TKD = gather_rows(y_ND, pos_N, order_N.view(-1, 1)).view(T, K, y_ND.shape[-1])
+    out_TD = torch.einsum("tkd,tk->td", y_TKD.float(), weights_TK.float())
+    return out_TD.to(y_ND.dtype)

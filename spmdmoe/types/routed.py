@@ -1,0 +1,47 @@
+"""``RoutedTokens``: the dispatcher's output, rows grouped by local expert.
+
+Legend: ``R`` rows in the buffer (routed copies received by this rank's
+experts), ``D`` model dim, ``e`` local experts.
+
+A dispatcher (``spmdmoe.moe.dispatch``) turns ``(x_TD, ids_TK)`` into a
+``RoutedTokens`` and ``combine`` turns the experts' output rows back into the
+source layout. The experts only ever see ``x_RD`` and ``group_offsets``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["RoutedTokens"]
+
+
+@dataclass(frozen=True)
+class RoutedTokens:
+    """Expert-major rows for this rank's experts.
+
+    Attributes:
+        x_RD: the rows, grouped by local expert (expert 0's rows first), in the
+            order of their source rank and, within a source, of the source's
+            stable sort.
+        group_offsets: int32 device tensor ``(e,)``: the end row of each local
+            expert's group (the ``offs`` of ``torch.nn.functional.grouped_mm``).
+            Device-resident, so a consumer never needs ``.item()``.
+        capacity: the buffer's row count ``R`` (a host int). In sync mode it is
+            exactly the number of valid rows.
+        group_sizes: per-local-expert row counts on the host when the transport
+            already paid for them (the all-to-all sync); ``None`` otherwise.
+        handle: the transport's private state needed by ``combine``.
+    """
+
+    x_RD: torch.Tensor
+    group_offsets: torch.Tensor
+    capacity: int
+    group_sizes: Optional[list[int]]
+    handle: Any
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_offsets.shape[0])

@@ -1,0 +1,116 @@
+"""Parallel plans for the MoE parity tests, each with its single-device bookkeeping.
+
+A plan says, for this rank: which rows of the global input ``X`` it holds,
+how to wrap them, which axis (if any) acts as data parallel for the dense
+parameters (their gradients cover one batch; the test sums them over that
+axis), and which slice of the reference experts it holds.
+
+=============  ========================  =====================================================
+plan           axes                      batches
+=============  ========================  =====================================================
+``sp_ep``      SP = EP = world           one batch, sharded over SP
+``sp``         SP = world, no EP         one batch, sharded over SP
+``ep``         EP = world, no SP         one batch per rank, uneven sizes, zeros included
+``sp_x_ep``    2x2: EP "dp" dim, SP "sp"  two batches (one per EP index), each sharded over SP
+``gather``     SP = world, gather mode   one batch; experts' hidden dim split over SP
+``gather_ep``  2x2 gather on "sp", EP    two batches, gathered over SP, dispatched over EP
+=============  ========================  =====================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import spmdmoe
+from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
+from spmdmoe.testing import reference_tensor
+from spmdmoe.types import layout
+
+PLANS = ["sp_ep", "sp", "ep", "sp_x_ep", "gather", "gather_ep"]
+FOUR_RANK_PLANS = {"sp_x_ep", "gather_ep"}
+
+
+@dataclass
+class Plan:
+    name: str
+    layer: Any
+    rows: slice  # this rank's rows of the global input
+    wrap: Any  # local rows -> the layer's input
+    dp_group: Optional[Any]  # process group over which dense grads are summed by the test
+    experts: slice  # this rank's experts
+    hidden: slice  # this rank's hidden units
+    sp_group: Optional[Any]
+    routers_per_token: int  # how many ranks route each token (gather mode: the SP size)
+
+
+def reference_moe(cfg: MoEConfig, seed: int, device, dtype=torch.float32) -> MoE:
+    """The same weights on every rank: N(0, 1/fan_in) from a fixed seed."""
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(moe.named_parameters())):
+            fan_in = p.shape[-1]
+            p.copy_(reference_tensor(p.shape, seed * 100 + i) / fan_in**0.5)
+    return moe.to(device=device, dtype=dtype)
+
+
+def _batches(total: int, n: int) -> list[tuple[int, int]]:
+    """(offset, size) of ``n`` uneven per-rank batches of ``total`` rows: empty ranks first."""
+    sizes = [layout.local_tokens(total, n, n - 1 - r) for r in range(n)]
+    offsets = [sum(sizes[:r]) for r in range(n)]
+    return list(zip(offsets, sizes))
+
+
+def build_plan(name: str, moe: MoE, total: int, world, request) -> Plan:
+    n, rank, E, F = world.size(), world.get_local_rank(), moe.config.num_experts, moe.config.hidden_dim
+    if name in FOUR_RANK_PLANS:
+        if n != 4:
+            pytest.skip("the 2x2 plans need 4 ranks")
+        mesh = request.getfixturevalue("mesh2x2")
+        ep, sp = mesh["dp"], mesh["sp"]
+        b, s = ep.get_local_rank(), sp.get_local_rank()
+        b_off, b_rows = layout.chunk_offset(total, 2, b), layout.local_tokens(total, 2, b)
+        start = b_off + layout.chunk_offset(b_rows, 2, s)
+        rows = slice(start, start + layout.local_tokens(b_rows, 2, s))
+        gather = name == "gather_ep"
+        layer = parallelize_moe(moe, sp_mesh=sp, ep_mesh=ep, sp_mode="gather" if gather else "local")
+        wrap = lambda t: spmdmoe.from_local(t, sp, global_tokens=b_rows)  # noqa: E731
+        f0 = layout.chunk_offset(F, 2, s) if gather else 0
+        hidden = slice(f0, f0 + (layout.local_tokens(F, 2, s) if gather else F))
+        e = E // 2
+        return Plan(name, layer, rows, wrap, ep.get_group(), slice(b * e, (b + 1) * e), hidden, sp.get_group(), 2 if gather else 1)
+    if name == "ep":
+        off, size = _batches(total, n)[rank]
+        layer = parallelize_moe(moe, ep_mesh=world)
+        e = E // n
+        return Plan(name, layer, slice(off, off + size), lambda t: t, world.get_group(), slice(rank * e, (rank + 1) * e), slice(0, F), None, 1)
+    start = layout.chunk_offset(total, n, rank)
+    rows = slice(start, start + layout.local_tokens(total, n, rank))
+    wrap = lambda t: spmdmoe.from_local(t, world, global_tokens=total)  # noqa: E731
+    if name == "gather":
+        layer = parallelize_moe(moe, sp_mesh=world, sp_mode="gather")
+        f0 = layout.chunk_offset(F, n, rank)
+        return Plan(name, layer, rows, wrap, None, slice(0, E), slice(f0, f0 + layout.local_tokens(F, n, rank)), world.get_group(), n)
+    if name == "sp":
+        return Plan(name, parallelize_moe(moe, sp_mesh=world), rows, wrap, None, slice(0, E), slice(0, F), world.get_group(), 1)
+    assert name == "sp_ep"
+    e = E // n
+    layer = parallelize_moe(moe, sp_mesh=world, ep_mesh=world)
+    return Plan(name, layer, rows, wrap, None, slice(rank * e, (rank + 1) * e), slice(0, F), world.get_group(), 1)
+
+
+def expert_grad_slice(name: str, grad: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """This rank's part of a reference expert gradient (w1/w3: (E, F, D); w2: (E, D, F))."""
+    g = grad[plan.experts]
+    return g[:, :, plan.hidden] if name.endswith("w2") else g[:, plan.hidden]
+
+
+def summed_over(t: torch.Tensor, group) -> torch.Tensor:
+    out = t.detach().clone()
+    if group is not None:
+        dist.all_reduce(out, group=group)
+    return out

@@ -1,0 +1,94 @@
+"""Bad MoE inputs raise their specific error on EVERY rank (never a hang), each under the timeout."""
+
+import pytest
+import torch
+
+import spmdmoe
+from moe_plans import reference_moe
+from spmdmoe import MoEConfigError, Replicate, SPMDLayoutError, SPMDRoutingError, SPMDShapeError
+from spmdmoe.moe import MoEConfig, parallelize_moe
+from spmdmoe.testing import all_ranks_agree, assert_raises_everywhere, reference_tensor
+from spmdmoe.types import layout
+
+D, F, E = 16, 16, 8
+CFG = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+
+
+def _rows(world, total, device, features=D):
+    rank = world.get_local_rank()
+    return torch.randn(layout.local_tokens(total, world.size(), rank), features, device=device)
+
+
+def test_top_k_larger_than_experts(world, device):
+    assert_raises_everywhere(MoEConfigError, lambda: MoEConfig(dim=D, hidden_dim=F, num_experts=4, top_k=5), match="top_k")
+
+
+def test_experts_not_divisible_by_ep(world, device):
+    moe = reference_moe(MoEConfig(dim=D, hidden_dim=F, num_experts=world.size() + 1, top_k=1), 0, device)
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(moe, ep_mesh=world), match="does not divide")
+
+
+def test_bad_plans(world, device):
+    moe = reference_moe(CFG, 0, device)
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(moe, sp_mesh=world, sp_mode="scatter"))
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(moe, ep_mesh=world, sp_mode="gather"))
+    assert_raises_everywhere(
+        MoEConfigError, lambda: parallelize_moe(moe, sp_mesh=world, ep_mesh=world, sp_mode="gather"), match="EP"
+    )
+
+
+@pytest.mark.parametrize("bad", ["plain", "replicate", "other_mesh"])
+def test_wrong_input_layout(world, device, bad):
+    layer = parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world, ep_mesh=world)
+    full = reference_tensor((9, D), 1, device=device)
+    x = {
+        "plain": lambda: full,
+        "replicate": lambda: spmdmoe.from_local(full, world, placement=Replicate()),
+        "other_mesh": lambda: spmdmoe.shard(full, spmdmoe.testing.single_process_group() if world.size() == 1 else _self_group()),
+    }[bad]()
+    assert_raises_everywhere(SPMDLayoutError, lambda: layer(x))
+
+
+def _self_group():
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
+    return groups[dist.get_rank()]
+
+
+def test_model_dim_mismatch_sp(world, device):
+    layer = parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world, ep_mesh=world)
+    x = spmdmoe.from_local(_rows(world, 10, device, features=D + 1), world, global_tokens=10)
+    assert_raises_everywhere(SPMDShapeError, lambda: layer(x), match="dim=16")
+
+
+def test_model_dim_mismatch_on_one_ep_rank(world, device):
+    """Each rank has its own batch; only the last one has the wrong width: all raise together."""
+    layer = parallelize_moe(reference_moe(CFG, 0, device), ep_mesh=world)
+    bad = world.get_local_rank() == world.size() - 1
+    x = torch.randn(5, D + 3 if bad else D, device=device)
+    assert_raises_everywhere(SPMDShapeError, lambda: layer(x), match="EP ranks")
+
+
+def test_nan_router_logits_with_ep_raise_everywhere(world, device):
+    layer = parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world, ep_mesh=world)
+    local = _rows(world, 4 * world.size(), device)
+    if world.get_local_rank() == 0:
+        local[1, 3] = float("nan")
+    x = spmdmoe.from_local(local, world)
+    assert_raises_everywhere(SPMDRoutingError, lambda: layer(x), match=r"NaN on EP ranks \[0\]")
+
+
+def test_nan_router_logits_without_ep_propagate(world, device):
+    """Documented behaviour without EP (no exchange to carry a flag): the NaN token's output is NaN,
+    every other token's is finite, and no rank blocks."""
+    layer = parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world)
+    local = _rows(world, 4 * world.size(), device)
+    if world.get_local_rank() == 0:
+        local[1, 3] = float("nan")
+    y = layer(spmdmoe.from_local(local, world)).local
+    finite = torch.isfinite(y).all(dim=1)
+    expected = torch.ones_like(finite)
+    if world.get_local_rank() == 0:
+        expected[1] = False
+    assert not all_ranks_agree(bool(torch.equal(finite, expected)))

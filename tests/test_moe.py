@@ -1,0 +1,196 @@
+"""Single-device MoE: against a per-token loop written from the definition, routing rules,
+the permutation gathers, the grouped-GEMM seam, load statistics and config errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from spmdmoe import MoEConfigError, SPMDShapeError
+from spmdmoe.moe import MoE, MoEConfig, route
+from spmdmoe.moe.balance import aux_loss
+from spmdmoe.moe.gemm import grouped_mm, native_grouped_mm_ok
+from spmdmoe.moe.permute import gather_rows, sort_by_expert
+
+CONFIGS = [
+    dict(dim=16, hidden_dim=16, num_experts=8, top_k=2),
+    dict(dim=16, hidden_dim=8, num_experts=4, top_k=1, score_func="sigmoid", num_shared_experts=2),
+    dict(dim=8, hidden_dim=16, num_experts=8, top_k=3, route_norm=True, route_scale=1.7, num_expert_groups=4,
+         num_limited_groups=2, score_func="sigmoid"),
+    dict(dim=6, hidden_dim=5, num_experts=3, top_k=2, num_shared_experts=1),  # unaligned: the mm loop fallback
+]
+
+
+def _moe(cfg: MoEConfig, seed: int = 0, device="cpu", dtype=torch.float32) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(cfg)
+    moe.init_weights(init_std=0.3)
+    with torch.no_grad():
+        moe.experts.w1.normal_(0, 0.3)
+        moe.expert_bias.normal_(0, 0.05)
+    return moe.to(device=device, dtype=dtype)
+
+
+def _loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * w2 @ (silu(w1 @ x) * (w3 @ x)) + shared(x), one token at a time."""
+    r = route(x, moe.router.gate.weight, moe.expert_bias, moe.config)
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros_like(x[t])
+        for k in range(moe.config.top_k):
+            e = int(r.ids_TK[t, k])
+            h = F.silu(moe.experts.w1[e] @ x[t]) * (moe.experts.w3[e] @ x[t])
+            acc = acc + r.weights_TK[t, k] * (moe.experts.w2[e] @ h)
+        rows.append(acc)
+    out = torch.stack(rows) if rows else torch.zeros_like(x)
+    if moe.shared_experts is not None:
+        s = moe.shared_experts
+        out = out + (s.w2.weight @ (F.silu(s.w1.weight @ x.T) * (s.w3.weight @ x.T))).T
+    return out
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 7, 50])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"E{c['num_experts']}k{c['top_k']}D{c['dim']}")
+def test_matches_per_token_loop(cfg, tokens):
+    moe = _moe(MoEConfig(**cfg))
+    x = torch.randn(tokens, cfg["dim"], requires_grad=True)
+    g = torch.randn(tokens, cfg["dim"])
+    y = moe(x)
+    (y * g).sum().backward()
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    xg = x.grad.clone()
+    moe.zero_grad()
+    x.grad = None
+    ref = _loop_reference(moe, x)
+    if tokens:
+        (ref * g).sum().backward()
+    else:
+        x.grad = torch.zeros_like(x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xg, x.grad, rtol=1e-5, atol=1e-6)
+    for n, p in moe.named_parameters():
+        assert grads[n] is not None
+        torch.testing.assert_close(grads[n], p.grad if p.grad is not None else torch.zeros_like(p), rtol=1e-5, atol=1e-6)
+
+
+def test_leading_dims_are_tokens_and_dim_is_checked():
+    moe = _moe(MoEConfig(**CONFIGS[0]))
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(moe(x), moe(x.reshape(6, 16)).view(2, 3, 16))
+    with pytest.raises(SPMDShapeError, match="dim=16"):
+        moe(torch.randn(4, 15))
+
+
+def test_routing_rules():
+    cfg = MoEConfig(dim=8, hidden_dim=8, num_experts=8, top_k=3, num_expert_groups=4, num_limited_groups=2,
+                    score_func="sigmoid", route_norm=True, route_scale=2.0)
+    x, w = torch.randn(64, 8), torch.randn(8, 8)
+    bias = torch.randn(8)
+    r = route(x, w, bias, cfg)
+    scores = torch.sigmoid(x @ w.T)
+    # weights are the unbiased scores of the chosen experts, normalised, scaled
+    chosen = scores.gather(1, r.ids_TK)
+    torch.testing.assert_close(r.weights_TK, 2.0 * chosen / chosen.sum(1, keepdim=True))
+    # chosen experts lie in the token's top-2 groups (group score: sum of its top-2 biased scores)
+    biased = (scores + bias).view(64, 4, 2)
+    top_groups = biased.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+    for t in range(64):
+        assert set((r.ids_TK[t] // 2).tolist()) <= set(top_groups[t].tolist())
+    # the bias steers selection: a large bias forces an expert in
+    forced = torch.zeros(8)
+    forced[6] = 100.0
+    plain = MoEConfig(dim=8, hidden_dim=8, num_experts=8, top_k=1)
+    r2 = route(x, w, forced, plain)
+    assert (r2.ids_TK == 6).all()
+    torch.testing.assert_close(r2.weights_TK[:, 0], torch.softmax(x @ w.T, -1)[:, 6])
+
+
+def test_gather_rows_backward_is_the_index_select_gradient():
+    src = torch.randn(5, 3, requires_grad=True)
+    ids = torch.randint(0, 4, (5, 2))
+    order, pos, counts = sort_by_expert(ids, 4)
+    assert torch.equal(order[pos], torch.arange(10)) and counts.tolist() == torch.bincount(ids.flatten(), minlength=4).tolist()
+    assert torch.equal(ids.flatten()[order], ids.flatten().sort(stable=True).values)
+    out = gather_rows(src, order // 2, pos.view(5, 2))
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    ref = torch.zeros_like(src).index_add_(0, order // 2, g)
+    torch.testing.assert_close(src.grad, ref)
+
+
+@pytest.mark.parametrize("dims", [(16, 8), (6, 5)])
+def test_grouped_mm_native_and_fallback_agree(dims):
+    K, N = dims
+    sizes = [3, 0, 5, 1]
+    x = torch.randn(sum(sizes), K, requires_grad=True)
+    w = torch.randn(4, N, K, requires_grad=True)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    y = grouped_mm(x, w, offs)
+    ref = torch.cat([x[a : a + s] @ w[i].T for i, (a, s) in enumerate(zip([0, 3, 3, 8], sizes))])
+    torch.testing.assert_close(y, ref)
+    y.sum().backward()
+    assert w.grad is not None and torch.count_nonzero(w.grad[1]) == 0
+    assert native_grouped_mm_ok(x, w) == (dims == (16, 8))
+
+
+def test_aux_loss_formula():
+    scores = torch.softmax(torch.randn(10, 4), -1)
+    ids = torch.topk(scores, 2).indices
+    counts = torch.bincount(ids.flatten(), minlength=4)
+    got = aux_loss(scores, counts, 2, 0.5)
+    f = counts.float() / (10 * 2)
+    P = scores.mean(0)
+    torch.testing.assert_close(got, 0.5 * 4 * (f * P).sum())
+
+
+def test_load_counts_and_bias_update_single_device():
+    moe = _moe(MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2, load_balance_coeff=0.1))
+    x = torch.randn(30, 16, requires_grad=True)
+    checkpoint(moe, x, use_reentrant=False).sum().backward()  # recompute must not count twice
+    r = route(x, moe.router.gate.weight, moe.expert_bias, moe.config)
+    counts = torch.bincount(r.ids_TK.flatten(), minlength=4)
+    assert torch.equal(moe.tokens_per_expert, counts)
+    bias_before = moe.expert_bias.clone()
+    load = moe.update_expert_bias()
+    delta = 0.1 * torch.sign(counts.float().mean() - counts.float())
+    torch.testing.assert_close(moe.expert_bias, bias_before + delta - delta.mean())
+    assert torch.equal(load, counts.float()) and int(moe.tokens_per_expert.sum()) == 0
+    assert "tokens_per_expert" not in moe.state_dict() and "expert_bias" in moe.state_dict()
+
+
+def test_parameter_names_and_shapes():
+    moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=6, top_k=2, num_shared_experts=2))
+    shapes = {n: tuple(p.shape) for n, p in moe.named_parameters()}
+    assert shapes == {
+        "router.gate.weight": (6, 8),
+        "experts.w1": (6, 4, 8),
+        "experts.w2": (6, 8, 4),
+        "experts.w3": (6, 4, 8),
+        "shared_experts.w1.weight": (8, 8),
+        "shared_experts.w2.weight": (8, 8),
+        "shared_experts.w3.weight": (8, 8),
+    }
+
+
+@pytest.mark.parametrize("bad", [
+    dict(top_k=9), dict(top_k=0), dict(score_func="relu"), dict(num_expert_groups=3, num_limited_groups=1),
+    dict(num_limited_groups=1), dict(num_expert_groups=4, num_limited_groups=1, top_k=3),
+])
+def test_config_errors(bad):
+    args = dict(dim=8, hidden_dim=8, num_experts=8, top_k=2)
+    args.update(bad)
+    with pytest.raises(MoEConfigError):
+        MoEConfig(**args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_cuda_matches_cpu(dtype, rtol):
+    cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=2, num_shared_experts=1)
+    cpu = _moe(cfg)
+    gpu = _moe(cfg, device="cuda", dtype=dtype)
+    x = torch.randn(300, 64)
+    ref = cpu(x)
+    got = gpu(x.to("cuda", dtype)).float().cpu()
+    torch.testing.assert_close(got, ref, rtol=rtol, atol=rtol * ref.abs().max().item())
