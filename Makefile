@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(TORCHRUN) --nproc-per-node $(NPROC) examples/shard_gather.py
+	$(TORCHRUN) --nproc-per-node $(NPROC) examples/train_moe.py
 
 test: test-single test-dist
 

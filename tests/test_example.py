@@ -1,0 +1,35 @@
+"""README command 1's job, short: examples/train_moe.py on 4 processes must match one process."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("plan", [["--steps", "3"], ["--steps", "2", "--sp", "2", "--ep", "2", "--seq-len", "61"]])
+def test_train_moe_example_matches_single_process(plan):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "train_moe.py"), *plan]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: leave nothing behind
+        out, err = proc.communicate()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "| step | single-process loss |" in out and "(tolerance 1e-04): OK" in out
+    assert out.count("step ") >= int(plan[1])
+
+
+def test_train_moe_example_explains_how_to_launch():
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "torchrun --nproc-per-node 4" in proc.stderr
