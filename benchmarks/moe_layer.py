@@ -84,13 +84,18 @@ def main() -> None:
     x = torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     g = torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-    def layer_step() -> None:
-        y = layer(x)
-        y.backward(g)
+    def layer_step() -> None:  # as in training: gradients start from None (no accumulation add)
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        layer(x).backward(g)
 
     # the same grouped GEMMs alone, on a routed buffer with this rank's real group offsets
     captured = {}
-    hook = layer.experts.register_forward_hook(lambda m, a, out: captured.setdefault("routed", a[0]))
+
+    def grab(module, args, out) -> None:  # a hook that returned a value would replace the output
+        captured["routed"] = args[0]
+
+    hook = layer.experts.register_forward_hook(grab)
     layer(x)
     hook.remove()
     routed = captured["routed"]
@@ -100,6 +105,9 @@ def main() -> None:
     gy = torch.randn(rows.shape, device="cuda", dtype=rows.dtype, generator=gen)
 
     def gemm_step() -> None:
+        rows.grad = None
+        for p in w:
+            p.grad = None
         grouped_swiglu(routed_leaf, *w).backward(gy)
 
     t_layer = timed(layer_step, args.reps, args.iters)

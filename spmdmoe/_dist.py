@@ -11,5 +11,6 @@ import torch.distributed as dist
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+reduce_scatter_list = dist.reduce_scatter  # list form: uneven chunks allowed (NCCL: grouped reduces)
 all_to_all_single = dist.all_to_all_single
 all_reduce = dist.all_reduce

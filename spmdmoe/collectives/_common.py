@@ -47,8 +47,8 @@ def restore_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
 def padded_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
     """``rows`` as a contiguous block of ``padded`` rows: no copy when already full.
 
-    Otherwise one copy into an ``empty`` buffer; the tail rows are never read
-    by spmdmoe (a reduce-scatter sums them into rows that are dropped).
+    Otherwise one copy into an ``empty`` buffer; the tail rows are sent but
+    never read by spmdmoe (receivers keep the first ``T`` rows).
     """
     if rows.shape[0] == padded and rows.is_contiguous():
         return rows

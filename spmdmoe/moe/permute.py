@@ -62,8 +62,14 @@ def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 
 
 def weighted_combine(y_ND: torch.Tensor, pos_N: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_k weights[t, k] * y[pos[t*K + k]]`` in fp32, returned in ``y``'s dtype."""
+    """``out[t] = sum_k weights[t, k] * y[pos[t*K + k]]``, in ``y``'s dtype.
+
+    One batched ``(1, K) @ (K, D)`` product per token: the sum over K is the
+    GEMM's fp32 accumulation, no fp32 copy of the ``N x D`` rows is made, and
+    the backward is two more batched products (no scatter). The fp32 routing
+    weights are cast to ``y``'s dtype (exact for fp32; for bf16 the weights
+    carry bf16 precision, as the rows already do).
+    """
     T, K = weights_TK.shape
     y_TKD = gather_rows(y_ND, pos_N, order_N.view(-1, 1)).view(T, K, y_ND.shape[-1])
-    out_TD = torch.einsum("tkd,tk->td", y_TKD.float(), weights_TK.float())
-    return out_TD.to(y_ND.dtype)
+    return torch.bmm(weights_TK.to(y_ND.dtype).unsqueeze(1), y_TKD).squeeze(1)

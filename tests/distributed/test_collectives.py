@@ -240,3 +240,19 @@ def test_prepadded_buffers_are_sent_without_copy(axis_mesh, device, monkeypatch)
     z = spmdmoe.all_gather(y)  # the Shard is backed by the received block: no padding copy
     assert ag_seen[0][1].data_ptr() == y.buffer.data_ptr()
     assert_close_everywhere(z.local, torch.full((total, 4), float(n), device=device), rtol=0, atol=0)
+
+
+def test_uneven_reduce_scatter_sends_views_of_the_input(axis_mesh, device, monkeypatch):
+    import spmdmoe.collectives.reducescatter as rs
+
+    n = axis_mesh.size()
+    total = 2 * n - 1
+    seen = []
+    real = rs.reduce_scatter_list
+    monkeypatch.setattr(rs, "reduce_scatter_list", lambda out, views, **k: (seen.append(views), real(out, views, **k))[1])
+    part = torch.randn(total, 4, device=device)
+    y = spmdmoe.reduce_scatter(spmdmoe.from_local(part, axis_mesh, placement=Partial(), global_tokens=total))
+    (views,) = seen
+    assert [v.shape[0] for v in views] == layout.chunk_counts(total, n)
+    assert all(v.untyped_storage().data_ptr() == part.untyped_storage().data_ptr() for v in views)  # no pad copy
+    assert y.local_tokens == layout.local_tokens(total, n, axis_mesh.get_local_rank())
