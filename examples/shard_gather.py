@@ -1,11 +1,11 @@
 """Shard a batch whose token count does not divide by 4, check it, gather it back.
 
-    torchrun --nproc-per-node 4 examples/shard_gather.py   (or: make demo)
+    torchrun --nproc-per-node 4 examples/shard_gather.py
 
-Runs on gloo (CPU) by default, NCCL when every rank has a GPU. This is the
-placeholder main job until the MoE layer lands: it shows the chunk rule, the
-collective layout check catching a bad split on every rank, and exact
-round trips through the collectives.
+Runs on gloo (CPU) by default, NCCL when every rank has a GPU. A minimal tour
+of the types: the chunk rule, the collective layout check catching a bad
+split on every rank, and an exact round trip through a collective. The main
+job is ``examples/train_moe.py``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def main() -> int:
     # 1. Every rank builds the same batch and keeps its chunk: no communication.
     full = torch.arange(args.tokens * args.dim, dtype=torch.float32, device=device).view(args.tokens, args.dim)
     x = spmdmoe.shard(full, mesh)
-    rows = [None] * n
-    dist.all_gather_object(rows, x.local_tokens)
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(counts, torch.tensor([x.local_tokens], device=device))
+    rows = [int(c) for c in counts]
     if rank == 0:
         print(f"T={x.global_tokens} on {n} ranks: rows per rank {rows}, "
               f"padded {x.padded_local_tokens} x {n} = {x.padded_global_tokens}")
@@ -63,8 +64,7 @@ def main() -> int:
     ok = torch.equal(gathered.local, full)
     if rank == 0:
         print(f"all_gather -> {gathered.placement}, {tuple(gathered.local.shape)} rows, equal to the batch: {ok}")
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return 0 if ok else 1  # process exit tears the gloo group down
 
 
 if __name__ == "__main__":

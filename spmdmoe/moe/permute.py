@@ -61,15 +61,36 @@ def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     return order_N, pos_N, counts_E
 
 
+class _WeightedSum(torch.autograd.Function):
+    """``out[t] = sum_k w[t, k] * y[t, k]``: forward and weight-gradient as batched
+    matrix-vector products (fp32 accumulation), the row gradient as a broadcast multiply."""
+
+    @staticmethod
+    def forward(ctx: Any, y_TKD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(y_TKD, w_TK)
+        return torch.bmm(w_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_TD: torch.Tensor) -> Any:  # type: ignore[override]
+        y_TKD, w_TK = ctx.saved_tensors
+        g_TD = g_TD.contiguous()
+        grad_y = g_TD.unsqueeze(1) * w_TK.to(g_TD.dtype).unsqueeze(-1) if ctx.needs_input_grad[0] else None
+        grad_w = torch.bmm(y_TKD, g_TD.unsqueeze(-1)).squeeze(-1).to(w_TK.dtype) if ctx.needs_input_grad[1] else None
+        return grad_y, grad_w
+
+
 def weighted_combine(y_ND: torch.Tensor, pos_N: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y[pos[t*K + k]]``, in ``y``'s dtype.
 
-    One batched ``(1, K) @ (K, D)`` product per token: the sum over K is the
-    GEMM's fp32 accumulation, no fp32 copy of the ``N x D`` rows is made, and
-    the backward is two more batched products (no scatter). The fp32 routing
-    weights are cast to ``y``'s dtype (exact for fp32; for bf16 the weights
-    carry bf16 precision, as the rows already do).
+    The sum over K is a batched ``(1, K) @ (K, D)`` product (fp32 accumulation,
+    no fp32 copy of the ``N x D`` rows); its backward is a broadcast multiply
+    for the rows and a batched matrix-vector product for the weights (no
+    scatter, no atomics). The fp32 routing weights are cast to ``y``'s dtype
+    (exact for fp32; for bf16 they carry bf16 precision, as the rows do).
     """
     T, K = weights_TK.shape
     y_TKD = gather_rows(y_ND, pos_N, order_N.view(-1, 1)).view(T, K, y_ND.shape[-1])
-    return torch.bmm(weights_TK.to(y_ND.dtype).unsqueeze(1), y_TKD).squeeze(1)
+    if torch.is_grad_enabled() and (y_TKD.requires_grad or weights_TK.requires_grad):
+        return _WeightedSum.apply(y_TKD, weights_TK)
+    return torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
