@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -31,32 +30,7 @@ import spmdmoe
 from spmdmoe import Partial, Shard, SPMDTensor
 from spmdmoe._dist import all_gather_single, reduce_scatter_single
 from spmdmoe.types import layout
-
-
-def timed(fns: dict, iters: int, reps: int) -> dict:
-    """Median over reps of the mean time per call (ms), max over ranks, for each fn.
-
-    The candidates are interleaved within every rep, so drift (clocks, other
-    tenants) hits all of them alike.
-    """
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    times: dict = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            dist.barrier()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / iters)
-    t = torch.tensor([statistics.median(v) for v in times.values()], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return dict(zip(fns, t.tolist()))
+from timing import timed
 
 
 def try_add(fns: dict, name: str, fn) -> None:

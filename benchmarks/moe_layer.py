@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -31,28 +30,7 @@ import torch.distributed as dist
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.experts import grouped_swiglu
-
-
-def timed(fn, reps: int, iters: int) -> float:
-    """Median over reps of the mean ms per call (CUDA events), max over ranks."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if dist.is_initialized():
-            dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+from timing import timed
 
 
 def main() -> None:
@@ -110,8 +88,8 @@ def main() -> None:
             p.grad = None
         grouped_swiglu(routed_leaf, *w).backward(gy)
 
-    t_layer = timed(layer_step, args.reps, args.iters)
-    t_gemm = timed(gemm_step, args.reps, args.iters)
+    t = timed({"layer": layer_step, "gemm": gemm_step}, args.iters, args.reps)
+    t_layer, t_gemm = t["layer"], t["gemm"]
     R = torch.tensor([rows.shape[0]], device="cuda", dtype=torch.float64)
     if world > 1:
         dist.all_reduce(R, op=dist.ReduceOp.MAX)

@@ -20,7 +20,7 @@ code 2: wrong model dim), with no extra collective or sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
@@ -155,6 +155,6 @@ def _raise_for(codes: list[int], axis: MeshAxis) -> None:
     )
 
 
-def nan_code(logits_TE: torch.Tensor) -> Optional[torch.Tensor]:
+def nan_code(logits_TE: torch.Tensor) -> torch.Tensor:
     """A device int that is ``NAN_LOGITS`` when any logit is NaN (no host sync)."""
     return torch.isnan(logits_TE).any().to(torch.int64) * NAN_LOGITS

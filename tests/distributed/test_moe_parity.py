@@ -20,6 +20,7 @@ from moe_plans import PLANS, build_plan, expert_grad_slice, reference_moe, summe
 from spmdmoe import SPMDTensor
 from spmdmoe.moe import MoEConfig
 from spmdmoe.testing import assert_close_everywhere, reference_tensor
+from spmdmoe.types import layout
 
 TOKENS = [1, 3, 5, 17, 64, 1023]
 D, F, E = 16, 16, 8
@@ -97,8 +98,6 @@ def run_parity(plan_name, total, cfg, world, device, request, *, dtype=torch.flo
 
 
 def layout_offset(y: SPMDTensor) -> int:
-    from spmdmoe.types import layout
-
     return layout.chunk_offset(y.global_tokens, y.axis.size, y.axis.rank)
 
 

@@ -1,0 +1,37 @@
+"""CUDA-event timing shared by the benchmarks: interleaved candidates, median, max over ranks."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def timed(fns: dict[str, Callable[[], object]], iters: int, reps: int) -> dict[str, float]:
+    """Median over ``reps`` of the mean time per call (ms) of each fn, max over ranks.
+
+    The candidates are interleaved within every rep, so drift (clocks, other
+    tenants) hits all of them alike. Three warm-up calls each first.
+    """
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if dist.is_initialized():
+                dist.barrier()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / iters)
+    t = torch.tensor([statistics.median(v) for v in times.values()], device="cuda")
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(fns, t.tolist()))
