@@ -5,7 +5,7 @@ and the global token count, so no code path infers a global shape from a local
 shard. See ``DESIGN.md`` for the chunk rule and the collectives.
 """
 
-from . import collectives, moe, testing, types
+from . import collectives, dtensor, moe, testing, types
 from .collectives import all_gather, all_reduce, all_to_all, exchange_counts, redistribute, reduce_scatter
 from .types import *  # noqa: F401,F403
 from .types import __all__ as _types_all
@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "collectives",
+    "dtensor",
     "moe",
     "testing",
     "types",
