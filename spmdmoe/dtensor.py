@@ -38,6 +38,7 @@ from torch.distributed.tensor import Shard as DShard
 
 from .types.construct import from_local
 from .types.errors import SPMDLayoutError
+from .types.layout import contiguous_strides
 from .types.mesh import mesh_axis
 from .types.placement import Partial, Placement, Replicate, Shard, Varying
 from .types.tensor import SPMDTensor
@@ -156,18 +157,9 @@ def to_dtensor(x: SPMDTensor) -> DTensor:
     else:
         dplace = DPartial()
     shape = x.global_shape
-    dt = DTensor.from_local(local, mesh, [dplace], run_check=False, shape=shape, stride=_contiguous_strides(shape))
+    dt = DTensor.from_local(local, mesh, [dplace], run_check=False, shape=shape, stride=contiguous_strides(shape))
     setattr(dt, _VERIFIED, True)
     return dt
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    """``torch.empty(shape).stride()`` without allocating."""
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(size), 1)
-    return tuple(reversed(strides))
 
 
 class DTensorAdapter(nn.Module):

@@ -194,3 +194,22 @@ def test_cuda_matches_cpu(dtype, rtol):
     ref = cpu(x)
     got = gpu(x.to("cuda", dtype)).float().cpu()
     torch.testing.assert_close(got, ref, rtol=rtol, atol=rtol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("style", ["ours", "new", "old"])
+def test_single_device_loads_torchtitan_state_dicts(style):
+    from spmdmoe.moe.checkpoint import to_torchtitan
+
+    cfg = MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2, num_shared_experts=1)
+    src, dst = _moe(cfg, seed=1), _moe(cfg, seed=2)
+    sd = {k: v.clone() for k, v in src.state_dict().items()}
+    if style == "new":
+        sd = to_torchtitan(sd, names="new")
+        sd["tokens_per_expert"] = torch.ones(4)
+    if style == "old":
+        sd = {k: (v.transpose(1, 2).contiguous() if k.startswith("experts.") else v) for k, v in sd.items()}
+    dst.load_state_dict(sd)
+    for name, p in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[name], p), name
+    with pytest.raises(ValueError, match="expected the global expert tensor"):
+        dst.load_state_dict({**src.state_dict(), "experts.w1": torch.zeros(2, 8, 16)})

@@ -21,6 +21,7 @@ from ..types.errors import SPMDShapeError
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
 from . import balance
+from .checkpoint import install_hooks
 from .config import MoEConfig
 from .dispatch import LocalTransport, nan_code
 from .experts import GroupedExperts, SharedExperts
@@ -109,6 +110,8 @@ class MoE(_Layer):
     (E, D, F), ``experts.w3`` (E, F, D); with shared experts
     ``shared_experts.w{1,2,3}.weight`` ((S·F, D), (D, S·F), (S·F, D)). Buffers:
     ``expert_bias`` (E,) (saved), ``tokens_per_expert`` (E,) (not saved).
+    ``load_state_dict`` also takes torchtitan names and DTensors (see
+    ``spmdmoe.moe.checkpoint``).
     Leading dims of ``x`` are flattened into tokens. With ``aux_loss_coeff``,
     ``self.aux_loss`` holds the aux loss of the last forward (add it to the loss).
 
@@ -129,6 +132,7 @@ class MoE(_Layer):
         experts = GroupedExperts(config.num_experts, config.dim, config.hidden_dim)
         self._build(config, Router(config), experts, shared, torch.zeros(config.num_experts))
         self.transport = LocalTransport(config.num_experts)
+        install_hooks(self, None)
         self.init_weights()
 
     @torch.no_grad()

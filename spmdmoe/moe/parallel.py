@@ -27,7 +27,7 @@ wrapper's job.
 from __future__ import annotations
 
 import copy
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from ..types.errors import MoEConfigError, SPMDLayoutError, SPMDMeshError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Partial, Shard, Varying
 from ..types.tensor import SPMDTensor
+from .checkpoint import ExpertLayout, axis_mesh, grid_mesh, install_hooks
 from .dispatch import BAD_DIM, AllToAllTransport, LocalTransport
 from .experts import GroupedExperts
 from .grads import sync_grads
@@ -108,6 +109,25 @@ def _check_plan(moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mod
             )
 
 
+def _expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
+                   experts: slice, hidden: slice) -> ExpertLayout:
+    """The DTensor layout that ``state_dict()`` gives the expert weights (see ``checkpoint.py``)."""
+    split_ep = ep is not None and ep.size > 1
+    split_tp = sp is not None and sp_mode == "gather" and sp.size > 1
+    if split_ep and split_tp:
+        assert ep is not None and sp is not None
+        mesh, ep_dim, tp_dim = grid_mesh(ep, sp), 0, 1
+    elif split_ep:
+        assert ep is not None
+        mesh, ep_dim, tp_dim = axis_mesh(ep), 0, None
+    elif split_tp:
+        assert sp is not None
+        mesh, ep_dim, tp_dim = axis_mesh(sp), None, 0
+    else:
+        mesh, ep_dim, tp_dim = None, None, None
+    return ExpertLayout(cfg.num_experts, experts, hidden, cfg.hidden_dim, mesh, ep_dim, tp_dim)
+
+
 class ParallelMoE(_Layer):
     """A :class:`MoE` over SP and/or EP axes; see :func:`parallelize_moe` and the module docstring."""
 
@@ -133,6 +153,7 @@ class ParallelMoE(_Layer):
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
         self.transport = AllToAllTransport(ep, cfg.num_experts) if ep is not None and ep.size > 1 else LocalTransport(e)
         self.load_axes = tuple(a for i, a in enumerate((sp, ep)) if a is not None and a not in (sp, ep)[:i])
+        install_hooks(self, _expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden))
         experts_replicated = sp is not None and sp_mode == "local" and sp != ep
         self.sp_synced = tuple(
             name for name, p in self.named_parameters()

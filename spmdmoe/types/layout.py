@@ -25,6 +25,7 @@ __all__ = [
     "local_tokens",
     "chunk_offset",
     "chunk_counts",
+    "contiguous_strides",
 ]
 
 
@@ -52,3 +53,16 @@ def chunk_offset(total: int, size: int, rank: int) -> int:
 def chunk_counts(total: int, size: int) -> list[int]:
     """Valid rows of every rank, in rank order."""
     return [local_tokens(total, size, r) for r in range(size)]
+
+
+def contiguous_strides(shape: "tuple[int, ...] | list[int]") -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (``torch.empty(shape).stride()``), no allocation.
+
+    >>> contiguous_strides((5, 0, 3))
+    (3, 3, 1)
+    """
+    strides, acc = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(int(size), 1)
+    return tuple(reversed(strides))

@@ -102,3 +102,15 @@ def mesh2x2():
     if dist.get_world_size() != 4:
         pytest.skip("needs 4 ranks")
     return init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+
+
+@pytest.fixture
+def shared_tmp(tmp_path):
+    """A directory every rank sees (rank 0's tmp_path; the path travels as a byte tensor)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    raw = torch.zeros(512, dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        encoded = str(tmp_path).encode()
+        raw[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(raw, src=0)
+    return bytes(raw.cpu().tolist()).rstrip(b"\0").decode()
