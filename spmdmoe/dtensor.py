@@ -133,8 +133,8 @@ def to_dtensor(x: SPMDTensor) -> DTensor:
 
     Round trips with :func:`from_dtensor` are exact for every token count,
     including ``T`` smaller than the axis size. ``Varying`` has no DTensor
-    equivalent and raises ``SPMDLayoutError``. The mesh must be a
-    ``DeviceMesh`` (or a named dim of one).
+    equivalent and raises ``SPMDLayoutError``. An axis given as a
+    ``ProcessGroup`` gets a ``DeviceMesh`` built on that group.
     """
     if not isinstance(x, SPMDTensor):
         raise SPMDLayoutError(f"to_dtensor takes an SPMDTensor, found {type(x).__name__}")
@@ -143,12 +143,7 @@ def to_dtensor(x: SPMDTensor) -> DTensor:
             f"rank {x.axis.rank}: a Varying tensor has no global tensor, so no DTensor; redistribute or "
             "wrap its rows with from_local(..., placement=Shard(0)) first"
         )
-    mesh = x.mesh[0][x.mesh[1]] if isinstance(x.mesh, tuple) else x.mesh
-    if not isinstance(mesh, DeviceMesh):
-        raise SPMDLayoutError(
-            f"rank {x.axis.rank}: to_dtensor needs the tensor on a DeviceMesh axis, found {type(mesh).__name__}; "
-            "build it on init_device_mesh(...) or a named dim of one"
-        )
+    mesh = x.axis.device_mesh()  # a ProcessGroup axis gets a DeviceMesh built on its group
     local = x.local
     if isinstance(x.placement, Shard):
         dplace: Any = DShard(x.placement.dim)

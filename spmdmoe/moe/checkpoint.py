@@ -35,7 +35,7 @@ from ..types.errors import SPMDLayoutError
 from ..types.layout import contiguous_strides
 from ..types.mesh import MeshAxis
 
-__all__ = ["to_torchtitan", "install_hooks", "ExpertLayout"]
+__all__ = ["to_torchtitan", "install_hooks", "ExpertLayout", "grid_mesh"]
 
 TORCHTITAN_NAMES = {"experts.w1_EFD": "experts.w1", "experts.w2_EDF": "experts.w2", "experts.w3_EFD": "experts.w3"}
 COUNTERS = ("tokens_per_expert", "tokens_per_expert_E")
@@ -68,16 +68,6 @@ class ExpertLayout:
         index: list[Any] = [self.experts, slice(None), slice(None)]
         index[HIDDEN_DIM[name]] = self.hidden
         return full[tuple(index)]
-
-
-def axis_mesh(axis: MeshAxis) -> DeviceMesh:
-    """A 1-D ``DeviceMesh`` for a mesh axis (the one given, or one built on its group)."""
-    src = axis.source
-    if isinstance(src, tuple):
-        return src[0][src[1]]
-    if isinstance(src, DeviceMesh):
-        return src
-    return DeviceMesh.from_group(axis.group, axis.device_type)
 
 
 def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:

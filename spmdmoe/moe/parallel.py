@@ -39,7 +39,7 @@ from ..types.errors import MoEConfigError, SPMDLayoutError, SPMDMeshError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Partial, Shard, Varying
 from ..types.tensor import SPMDTensor
-from .checkpoint import ExpertLayout, axis_mesh, grid_mesh, install_hooks
+from .checkpoint import ExpertLayout, grid_mesh, install_hooks
 from .dispatch import BAD_DIM, AllToAllTransport, LocalTransport
 from .experts import GroupedExperts
 from .grads import sync_grads
@@ -119,10 +119,10 @@ def _expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_
         mesh, ep_dim, tp_dim = grid_mesh(ep, sp), 0, 1
     elif split_ep:
         assert ep is not None
-        mesh, ep_dim, tp_dim = axis_mesh(ep), 0, None
+        mesh, ep_dim, tp_dim = ep.device_mesh(), 0, None
     elif split_tp:
         assert sp is not None
-        mesh, ep_dim, tp_dim = axis_mesh(sp), None, 0
+        mesh, ep_dim, tp_dim = sp.device_mesh(), None, 0
     else:
         mesh, ep_dim, tp_dim = None, None, None
     return ExpertLayout(cfg.num_experts, experts, hidden, cfg.hidden_dim, mesh, ep_dim, tp_dim)

@@ -78,6 +78,18 @@ class MeshAxis:
     def __repr__(self) -> str:
         return f"MeshAxis(rank={self.rank}, size={self.size}, backend={dist.get_backend(self.group)})"
 
+    def device_mesh(self) -> DeviceMesh:
+        """This axis as a 1-D ``DeviceMesh`` (the one given, or one built on its group, cached)."""
+        src = self.source
+        if isinstance(src, tuple):
+            return src[0][src[1]]
+        if isinstance(src, DeviceMesh):
+            return src
+        mesh = _built_meshes.get(self.group)
+        if mesh is None:
+            mesh = _built_meshes[self.group] = DeviceMesh.from_group(self.group, self.device_type)
+        return mesh
+
     def metadata_device(self) -> torch.device:
         """The device for this axis' small metadata exchanges."""
         if self.device_type == "cuda":
@@ -110,6 +122,7 @@ class MeshAxis:
 MeshLike = Union[DeviceMesh, "tuple[DeviceMesh, str]", dist.ProcessGroup, MeshAxis]
 
 _cache: "weakref.WeakKeyDictionary[Any, MeshAxis]" = weakref.WeakKeyDictionary()
+_built_meshes: "weakref.WeakKeyDictionary[Any, DeviceMesh]" = weakref.WeakKeyDictionary()
 
 
 def _from_device_mesh(mesh: DeviceMesh, source: Any) -> MeshAxis:

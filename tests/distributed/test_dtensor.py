@@ -38,6 +38,9 @@ def test_round_trips(world, device, total):
     assert_close_everywhere(dt.full_tensor(), full, rtol=0, atol=0, name="to_dtensor full_tensor")
     y = from_dtensor(dt)
     assert y.placement == Shard(0) and y.global_tokens == total and torch.equal(y.local, x.local)
+    # an axis given as a ProcessGroup gets a DeviceMesh built on that group
+    via_group = to_dtensor(spmdmoe.shard(full, world.get_group()))
+    assert_close_everywhere(via_group.full_tensor(), full, rtol=0, atol=0, name="ProcessGroup axis")
     # a DTensor built by hand with the right shape passes the collective check
     hand = DTensor.from_local(x.local, world, [DShard(0)], shape=(total, 6), stride=(6, 1))
     assert from_dtensor(hand).global_tokens == total
