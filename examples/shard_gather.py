@@ -16,7 +16,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import spmdmoe
 
@@ -35,7 +34,7 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(args.device, (n,), mesh_dim_names=("sp",))
+    mesh = spmdmoe.init_mesh(args.device, (n,), mesh_dim_names=("sp",))
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
 
     # 1. Every rank builds the same batch and keeps its chunk: no communication.

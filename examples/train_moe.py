@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe, replicate_grads
@@ -135,7 +134,7 @@ def expert_load(model: nn.Module, extra_groups: list) -> torch.Tensor:
 def train_parallel(args, data, device, log) -> list[float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // args.sp
-    mesh = init_device_mesh(device.type, (dp, args.sp), mesh_dim_names=("dp", "sp"))
+    mesh = spmdmoe.init_mesh(device.type, (dp, args.sp), mesh_dim_names=("dp", "sp"))
     sp_mesh, dp_mesh = mesh["sp"], mesh["dp"]
     ep_mesh = None if args.ep == 1 else (sp_mesh if args.ep == args.sp and args.ep_dim == "sp" else dp_mesh)
     model = build(args, device)

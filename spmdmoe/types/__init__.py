@@ -12,7 +12,7 @@ from .errors import (
     SPMDTokenCountError,
 )
 from .layout import chunk_counts, chunk_offset, local_tokens, padded_global_tokens, padded_local_tokens
-from .mesh import MeshAxis, MeshLike, mesh_axis
+from .mesh import MeshAxis, MeshLike, init_mesh, mesh_axis
 from .placement import Partial, Placement, Replicate, Shard, Varying
 from .routed import RoutedTokens
 from .tensor import SPMDTensor
@@ -41,6 +41,7 @@ __all__ = [
     "chunk_counts",
     "chunk_offset",
     "from_local",
+    "init_mesh",
     "layout_checked",
     "local_tokens",
     "mesh_axis",

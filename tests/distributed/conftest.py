@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+
+from spmdmoe import init_mesh
 
 DEFAULT_TIMEOUT_S = 120
 
@@ -92,8 +93,8 @@ def device() -> torch.device:
 @pytest.fixture(scope="session")
 def world():
     """The 1-D mesh over every rank."""
-    return init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (dist.get_world_size(),),
-                            mesh_dim_names=("world",))
+    return init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (dist.get_world_size(),),
+                     mesh_dim_names=("world",))
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +102,7 @@ def mesh2x2():
     """A 2x2 mesh with dims ("dp", "sp"); only for world4 tests."""
     if dist.get_world_size() != 4:
         pytest.skip("needs 4 ranks")
-    return init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    return init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (2, 2), mesh_dim_names=("dp", "sp"))
 
 
 @pytest.fixture
