@@ -64,7 +64,7 @@ class _ReplicaGradAsSummand(torch.autograd.Function):
         return (grad if ctx.rank == 0 else torch.zeros_like(grad)), None
 
 
-def _axis_and_placement(dt: DTensor, token_dim: int) -> tuple[Any, Any]:
+def _axis_and_placement(dt: DTensor) -> tuple[Any, Any]:
     """The (mesh, DTensor placement) of the one mesh dim that is not Replicate (or a 1-D mesh)."""
     mesh: DeviceMesh = dt.device_mesh
     placements = list(dt.placements)
@@ -103,7 +103,7 @@ def from_dtensor(dt: DTensor, *, token_dim: int = 0, check: bool = True) -> SPMD
     if not isinstance(dt, DTensor):
         raise SPMDLayoutError(f"from_dtensor takes a DTensor, found {type(dt).__name__}")
     known = getattr(dt, _VERIFIED, False)
-    mesh, dplace = _axis_and_placement(dt, token_dim)
+    mesh, dplace = _axis_and_placement(dt)
     if type(dplace) is DShard:
         placement: Placement = Shard(dplace.dim)
         grad_placements = list(dt.placements)

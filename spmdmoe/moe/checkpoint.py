@@ -137,28 +137,27 @@ def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout]) -> Any:
             state_dict.pop(prefix + counter, None)
         if prefix + "expert_bias" not in state_dict:
             state_dict[prefix + "expert_bias"] = module.expert_bias.detach().clone()
-        D = module.config.dim
         for name in HIDDEN_DIM:
             key = prefix + name
             if key in state_dict:
-                state_dict[key] = _local_value(name, state_dict[key], layout, D, module.config)
+                state_dict[key] = _local_value(name, state_dict[key], layout, module.config)
 
     return hook
 
 
-def _local_value(name: str, value: Any, layout: Optional[ExpertLayout], dim: int, config: Any) -> torch.Tensor:
+def _local_value(name: str, value: Any, layout: Optional[ExpertLayout], config: Any) -> torch.Tensor:
     """This rank's slice of a saved expert weight (DTensor of any layout, or a full tensor)."""
     if isinstance(value, DTensor):
         if layout is not None and layout.mesh is not None and value.device_mesh == layout.mesh \
                 and list(value.placements) == layout.placements(name):
             return value.to_local()
         value = value.full_tensor()
-    full = _oriented(name, value, dim, config)
+    full = _oriented(name, value, config)
     return full if layout is None else layout.local_slice(name, full)
 
 
-def _oriented(name: str, full: torch.Tensor, dim: int, config: Any) -> torch.Tensor:
-    E, F = config.num_experts, config.hidden_dim
+def _oriented(name: str, full: torch.Tensor, config: Any) -> torch.Tensor:
+    E, F, dim = config.num_experts, config.hidden_dim, config.dim
     want = (E, dim, F) if name == "experts.w2" else (E, F, dim)
     if tuple(full.shape) == want:
         return full

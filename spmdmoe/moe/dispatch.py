@@ -40,7 +40,6 @@ Problem = Union[int, torch.Tensor]
 class _Sorted:
     order_N: torch.Tensor
     pos_N: torch.Tensor
-    K: int
 
 
 def _fan_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, _Sorted]:
@@ -48,11 +47,13 @@ def _fan_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tupl
     T, K = ids_TK.shape
     order_N, pos_N, counts_E = sort_by_expert(ids_TK, num_experts)
     x_ND = gather_rows(x_TD, torch.div(order_N, K, rounding_mode="floor"), pos_N.view(T, K))
-    return x_ND, counts_E, _Sorted(order_N, pos_N, K)
+    return x_ND, counts_E, _Sorted(order_N, pos_N)
 
 
 class LocalTransport:
     """Every expert lives on this rank: sort, group, and un-sort. No communication, no sync."""
+
+    carries_problems = False  # no exchange for a problem code to ride on
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
@@ -89,6 +90,8 @@ class AllToAllTransport:
     never scatter-adds). Zero rows anywhere are fine.
     """
 
+    carries_problems = True  # the count exchange carries each rank's problem code
+
     def __init__(self, axis: MeshAxis, num_experts: int):
         self.axis = axis
         self.num_experts = num_experts
@@ -103,11 +106,10 @@ class AllToAllTransport:
         send = [sum(send_flat[r * e : (r + 1) * e]) for r in range(n)]
         recv = [sum(recv_flat[r * e : (r + 1) * e]) for r in range(n)]
         x_recv = exchanged_op(x_ND, send, recv, self.axis, 0)
-        perm_R, sizes = _expert_major(recv_flat, n, e, x_ND.device)
+        perm_R, offsets, sizes = _expert_major(recv_flat, n, e, x_ND.device)
         inv_R = torch.empty_like(perm_R)
         inv_R.scatter_(0, perm_R, torch.arange(perm_R.numel(), device=perm_R.device))
         x_RD = gather_rows(x_recv, perm_R, inv_R.view(-1, 1))
-        offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=x_ND.device, dtype=torch.int32)
         return RoutedTokens(x_RD, offsets, x_RD.shape[0], sizes, _Exchange(srt, send, recv, perm_R, inv_R))
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
@@ -117,8 +119,9 @@ class AllToAllTransport:
         return weighted_combine(y_ND, ex.srt.pos_N, ex.srt.order_N, weights_TK)
 
 
-def _expert_major(recv_flat: list[int], n: int, e: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """The gather index from source-major (src, expert) blocks to expert-major (expert, src) blocks."""
+def _expert_major(recv_flat: list[int], n: int, e: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The gather index from source-major (src, expert) blocks to expert-major (expert, src) blocks,
+    the int32 group offsets and the host group sizes; one host-to-device copy."""
     starts, at = {}, 0
     for src in range(n):
         for j in range(e):
@@ -131,10 +134,14 @@ def _expert_major(recv_flat: list[int], n: int, e: int, device: torch.device) ->
             deltas.append(starts[src, j] - dst)
             lengths.append(rows)
             dst += rows
-    table = torch.tensor([deltas, lengths], dtype=torch.int64).to(device)
-    perm = torch.arange(at, device=device) + torch.repeat_interleave(table[0], table[1], output_size=at)
     sizes = [sum(recv_flat[src * e + j] for src in range(n)) for j in range(e)]
-    return perm, sizes
+    ends = [sum(sizes[: j + 1]) for j in range(e)]
+    table = torch.tensor(deltas + lengths + ends, dtype=torch.int64).to(device)
+    segments = n * e
+    perm = torch.arange(at, device=device) + torch.repeat_interleave(
+        table[:segments], table[segments : 2 * segments], output_size=at
+    )
+    return perm, table[2 * segments :].to(torch.int32), sizes
 
 
 def _raise_for(codes: list[int], axis: MeshAxis) -> None:

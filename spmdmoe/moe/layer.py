@@ -34,6 +34,8 @@ SHARED_WEIGHTS = ("shared_experts.w1.weight", "shared_experts.w2.weight", "share
 
 
 class Transport(Protocol):
+    carries_problems: bool  # whether dispatch's ``problem`` code reaches every rank
+
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: object = 0) -> RoutedTokens: ...
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor: ...
@@ -92,14 +94,17 @@ class _Layer(nn.Module):
             total_E = balance.reduce_counts(counts_E, self.load_axes)
             own_scores = r.scores_TE if own is None else r.scores_TE[own]
             self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff)
-        routed = transport.dispatch(h_TD, r.ids_TK, problem=nan_code(r.logits_TE) | problem)
+        if transport.carries_problems:  # the isnan pass is only worth it where a flag can travel
+            problem = nan_code(r.logits_TE) | problem
+        routed = transport.dispatch(h_TD, r.ids_TK, problem=problem)
         y_RD = self.experts(routed, *(w[n] for n in EXPERT_WEIGHTS))
         return transport.combine(y_RD, routed, r.weights_TK)
 
-    def _shared(self, x_TD: torch.Tensor, w: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    def _plus_shared(self, out_TD: torch.Tensor, x_TD: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``out_TD`` plus the shared experts of ``x_TD`` (when the layer has them)."""
         if self.shared_experts is None:
-            return None
-        return self.shared_experts(x_TD, *(w[n] for n in SHARED_WEIGHTS))
+            return out_TD
+        return out_TD + self.shared_experts(x_TD, *(w[n] for n in SHARED_WEIGHTS))
 
 
 class MoE(_Layer):
@@ -150,10 +155,7 @@ class MoE(_Layer):
             raise SPMDShapeError(f"MoE expects (..., dim={D}) input, found shape {tuple(x.shape)}")
         x_TD = x.reshape(-1, D)
         w = self.weights()
-        out_TD = self._rows(x_TD, w, self.transport)
-        shared = self._shared(x_TD, w)
-        if shared is not None:
-            out_TD = out_TD + shared
+        out_TD = self._plus_shared(self._rows(x_TD, w, self.transport), x_TD, w)
         return out_TD.view(x.shape)
 
 

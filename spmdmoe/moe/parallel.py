@@ -177,8 +177,7 @@ class ParallelMoE(_Layer):
             out_TD = self._rows(x_TD, w, self.transport)
         else:
             out_TD = self._gathered(x, w)
-        shared = self._shared(x_TD, w)
-        return x.with_local(out_TD if shared is None else out_TD + shared)
+        return x.with_local(self._plus_shared(out_TD, x_TD, w))
 
     def _gathered(self, x: SPMDTensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """Gather mode: route all SP rows, TP experts, combine into the padded buffer, reduce-scatter."""
@@ -227,7 +226,5 @@ class ParallelMoE(_Layer):
             # take part in the count exchange with the problem flagged: every EP rank raises together
             x_TD, problem = x_TD.new_zeros((0, self.config.dim)), BAD_DIM
         w = self.weights()
-        out_TD = self._rows(x_TD, w, self.transport, problem=problem)
-        shared = self._shared(x_TD, w)
-        out_TD = out_TD if shared is None else out_TD + shared
+        out_TD = self._plus_shared(self._rows(x_TD, w, self.transport, problem=problem), x_TD, w)
         return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..collectives._common import differentiable
+
 __all__ = ["gather_rows", "sort_by_expert", "weighted_combine"]
 
 
@@ -36,14 +38,11 @@ class _GatherRows(torch.autograd.Function):
         return picked.sum(dim=1, dtype=torch.float32).to(grad_M.dtype), None, None
 
 
-def gather_rows(src: torch.Tensor, index_M: torch.Tensor, inverse_SJ: torch.Tensor) -> torch.Tensor:
-    """``src[index_M]``; ``inverse_SJ[s]`` lists the ``J`` output rows that read source row ``s``.
+gather_rows = differentiable(_GatherRows, lambda src, index_M, inverse_SJ: src.index_select(0, index_M))
+gather_rows.__doc__ = """``src[index_M]``; ``inverse_SJ[s]`` lists the ``J`` output rows that read source row ``s``.
 
-    Every source row must be read exactly ``J`` times (a permutation has ``J = 1``).
-    """
-    if src.requires_grad and torch.is_grad_enabled():
-        return _GatherRows.apply(src, index_M, inverse_SJ)
-    return src.index_select(0, index_M)
+Every source row must be read exactly ``J`` times (a permutation has ``J = 1``).
+"""
 
 
 def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
