@@ -8,12 +8,18 @@
 ``replicate_grads``        the same for a whole module's replicated parameters
 ``LocalTransport``         dispatch/combine with every expert local
 ``AllToAllTransport``      dispatch/combine over an EP axis (sync mode)
+``grad_reductions``        per parameter: the group and divide factor its
+                           gradient still needs across batches (DP)
+``reduce_grads``           apply them by hand after ``backward``
+``ddp``                    ``DistributedDataParallel`` applying them (comm hook)
+``fully_shard_moe``        FSDP2 units on the right groups, torchtitan-style
 =========================  =====================================================
 """
 
 from .config import MoEConfig
 from .dispatch import AllToAllTransport, LocalTransport
-from .grads import replicate_grads, sync_grads
+from .data_parallel import ddp, fully_shard_moe, grad_reductions, reduce_grads
+from .grads import GradReduction, replicate_grads, sync_grads
 from .layer import MoE
 from .parallel import ParallelMoE, parallelize_moe
 from .router import Routing, route
@@ -25,6 +31,11 @@ __all__ = [
     "parallelize_moe",
     "sync_grads",
     "replicate_grads",
+    "GradReduction",
+    "grad_reductions",
+    "reduce_grads",
+    "ddp",
+    "fully_shard_moe",
     "LocalTransport",
     "AllToAllTransport",
     "Routing",

@@ -9,7 +9,10 @@ DTensor over the axes it is split on, with its global shape (``w1``/``w3``
 (``w1``/``w3``) or ``Shard(2)`` (``w2``) over SP for tensor-parallel experts,
 both on a 2-D mesh for both. ``torch.distributed.checkpoint`` then writes every
 expert once (plain local tensors under global names would be deduplicated to
-one rank's copy). Dense weights are replicated and stay plain tensors.
+one rank's copy). Dense weights are replicated and stay plain tensors. Under
+FSDP2 (``data_parallel.fully_shard_moe``) the experts' DP shards are gathered
+first (one all-gather over the DP group per weight: the checkpoint is the same
+as without FSDP); dense weights stay FSDP's DTensors, which DCP reads natively.
 
 Loading. ``load_state_dict`` on ``MoE`` or a parallel layer accepts our names
 and torchtitan's (``experts.w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` or the older
@@ -18,7 +21,8 @@ and torchtitan's (``experts.w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` or the older
 DTensors of any layout (this layer's own layout is taken locally, any other is
 gathered once and sliced), with or without ``expert_bias`` (kept as is when
 absent) and ``tokens_per_expert`` (a per-step counter here, dropped). So a
-checkpoint saved at one EP size loads at another.
+checkpoint saved at one EP size loads at another. Under FSDP2 each rank keeps
+its DP shard of its slice (no communication).
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import Shard as DShard
 
 from ..types.errors import SPMDLayoutError
 from ..types.layout import contiguous_strides
 from ..types.mesh import MeshAxis
+from ..types.product import world_rows
 
 __all__ = ["to_torchtitan", "install_hooks", "ExpertLayout", "grid_mesh"]
 
@@ -72,12 +77,8 @@ class ExpertLayout:
 
 def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:
     """The 2-D ``(ep, sp)`` mesh of this rank's block (one all-gather over the world; all ranks call it)."""
-    me = dist.get_rank()
-    row = [me, ep.rank, sp.rank, min(dist.get_process_group_ranks(sp.group))]
-    device = ep.metadata_device()
-    table = torch.empty(dist.get_world_size() * 4, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(table, torch.tensor(row, dtype=torch.int64, device=device))
-    rows = table.view(-1, 4).tolist()
+    row = [dist.get_rank(), ep.rank, sp.rank, min(dist.get_process_group_ranks(sp.group))]
+    rows = world_rows(row, ep.metadata_device())
     my_ep = set(dist.get_process_group_ranks(ep.group))
     sp_ids = {r[3] for r in rows if r[0] in my_ep}
     grid = torch.empty(ep.size, sp.size, dtype=torch.int64)
@@ -119,6 +120,8 @@ def _save_hook(layout: ExpertLayout) -> Any:
             key = prefix + name
             if key in state_dict:
                 local = state_dict[key]
+                if isinstance(local, DTensor):  # FSDP2 shards this rank's experts over its DP group
+                    local = local.full_tensor()
                 shape = layout.global_shape(name, local)
                 state_dict[key] = DTensor.from_local(
                     local, layout.mesh, layout.placements(name), run_check=False, shape=shape,
@@ -140,7 +143,11 @@ def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout]) -> Any:
         for name in HIDDEN_DIM:
             key = prefix + name
             if key in state_dict:
-                state_dict[key] = _local_value(name, state_dict[key], layout, module.config)
+                local = _local_value(name, state_dict[key], layout, module.config)
+                param = module.get_parameter(name)
+                if isinstance(param, DTensor):  # FSDP2: hand it this rank's shard of the slice
+                    local = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+                state_dict[key] = local
 
     return hook
 

@@ -4,9 +4,12 @@ Legend: ``R`` routed rows received by this rank's experts, ``T`` local tokens,
 ``D`` model dim, ``F`` expert hidden dim (this rank's slice of it under
 tensor-parallel experts), ``E`` experts, ``e`` local experts, ``S`` shared experts.
 
-Expert math (torchtitan's): ``y = w2 @ (silu(w1 @ x) * (w3 @ x))``. The weights
-are passed in explicitly so a parallel wrapper can hand in views whose
-backward reduces the gradient (``spmdmoe.moe.grads``).
+Expert math (torchtitan's): ``y = w2 @ (silu(w1 @ x) * (w3 @ x))``. The routed
+experts read their own parameters inside ``forward`` (so FSDP2 can shard them
+as a unit of their own, torchtitan-style) and, when replicated along an SP
+axis, sum their gradients over it there (``grad_axis``, see ``grads.py``). The
+shared experts take their weights from the caller, which syncs them with the
+layer's other dense weights.
 """
 
 from __future__ import annotations
@@ -15,14 +18,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from typing import Optional
+
+from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
 from .gemm import grouped_mm
+from .grads import sync_grads
 
 __all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu"]
 
 
 class GroupedExperts(nn.Module):
-    """Parameters ``w1`` (E, F, D), ``w2`` (E, D, F), ``w3`` (E, F, D)."""
+    """Parameters ``w1`` (E, F, D), ``w2`` (E, D, F), ``w3`` (E, F, D).
+
+    ``grad_axis``: an SP axis the parameters are replicated along (set by
+    ``parallelize_moe``); their fresh gradients are summed over it.
+    """
+
+    grad_axis: Optional[MeshAxis] = None
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int):
         super().__init__()
@@ -34,9 +47,12 @@ class GroupedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.w1.shape[0]
 
-    def forward(self, routed: RoutedTokens, *weights: torch.Tensor) -> torch.Tensor:
-        """``y_RD`` for ``routed.x_RD``; ``weights`` (w1, w2, w3) override the parameters."""
-        return grouped_swiglu(routed, *(weights or (self.w1, self.w2, self.w3)))
+    def forward(self, routed: RoutedTokens) -> torch.Tensor:
+        """``y_RD`` for ``routed.x_RD``."""
+        weights = [self.w1, self.w2, self.w3]
+        if self.grad_axis is not None:
+            weights = sync_grads(weights, self.grad_axis)
+        return grouped_swiglu(routed, *weights)
 
 
 class SharedExperts(nn.Module):

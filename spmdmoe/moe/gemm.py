@@ -28,11 +28,14 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous: torch's grouped GEMM
-    backward rejects expanded (stride-0) gradients such as ``y.sum()``'s."""
+    backward rejects expanded (stride-0) gradients such as ``y.sum()``'s. It returns
+    ``y`` itself (marked dirty: the GEMM's fresh output, saved by nobody) rather than a
+    view, so an FSDP2 unit ending in it (the routed experts) returns a plain tensor."""
 
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return y.view_as(y)
+        ctx.mark_dirty(y)
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

@@ -13,23 +13,24 @@ tokens still takes part (a parameter with no use on a rank contributes zeros),
 and ``.grad`` is a tensor, never ``None``. The collective runs once per
 forward call, in the same place on every rank.
 
-Reduction across data-parallel replicas holding different batches is the DP
-wrapper's job, not this one.
+Reduction across replicas holding different batches comes after ``backward``:
+:class:`GradReduction` describes it, ``data_parallel.py`` carries it out.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .._dist import all_reduce
 from ..types.errors import SPMDLayoutError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 
-__all__ = ["sync_grads", "replicate_grads"]
+__all__ = ["sync_grads", "replicate_grads", "GradReduction"]
 
 
 class _SyncGrads(torch.autograd.Function):
@@ -124,3 +125,21 @@ def replicate_grads(
     module.forward = forward  # type: ignore[method-assign]
     object.__setattr__(module, "_spmdmoe_replicated", axis)
     return module
+
+
+class GradReduction(NamedTuple):
+    """What a parameter's gradient still needs after ``backward``: a sum over ``axis``, then ``/ divide_factor``.
+
+    ``axis`` is ``None`` when no other rank holds a replica seeing other
+    batches; the division still applies. ``divide_factor`` is the number of
+    batches one optimizer step sees, so the result is the gradient of the mean
+    of the per-batch losses (each batch's loss as the single-device model
+    computes it). ``mesh`` is the axis as a 1-D ``DeviceMesh`` (for ``fully_shard``).
+    """
+
+    axis: Optional[MeshAxis]
+    divide_factor: int
+
+    @property
+    def mesh(self) -> Optional[DeviceMesh]:
+        return None if self.axis is None else self.axis.device_mesh()

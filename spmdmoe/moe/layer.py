@@ -29,7 +29,6 @@ from .router import Router
 
 __all__ = ["MoE", "Transport"]
 
-EXPERT_WEIGHTS = ("experts.w1", "experts.w2", "experts.w3")
 SHARED_WEIGHTS = ("shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight")
 
 
@@ -61,8 +60,11 @@ class _Layer(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The parameters the pipeline uses, by name."""
-        return dict(self.named_parameters())
+        """The dense parameters the pipeline reads (router, shared experts), by name.
+
+        The routed experts read their own parameters (``GroupedExperts.forward``).
+        """
+        return {n: p for n, p in self.named_parameters() if not n.startswith("experts.")}
 
     def update_expert_bias(self) -> torch.Tensor:
         """Apply the aux-loss-free bias update and reset the counts; returns the summed load.
@@ -97,7 +99,7 @@ class _Layer(nn.Module):
         if transport.carries_problems:  # the isnan pass is only worth it where a flag can travel
             problem = nan_code(r.logits_TE) | problem
         routed = transport.dispatch(h_TD, r.ids_TK, problem=problem)
-        y_RD = self.experts(routed, *(w[n] for n in EXPERT_WEIGHTS))
+        y_RD = self.experts(routed)
         return transport.combine(y_RD, routed, r.weights_TK)
 
     def _plus_shared(self, out_TD: torch.Tensor, x_TD: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:

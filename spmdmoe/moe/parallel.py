@@ -19,9 +19,10 @@ tokens, every parameter's ``.grad`` is the single-device gradient of that loss
 (experts: this rank's slice, including the tokens other EP ranks routed to
 it). A parameter replicated along the SP axis (router, shared experts;
 experts unless split along SP) has its fresh gradient summed over SP by
-:func:`spmdmoe.moe.sync_grads` at its use. Gradients across data-parallel
-replicas (different batches: the EP axis in EP-only or 2-D plans) are the DP
-wrapper's job.
+:func:`spmdmoe.moe.sync_grads` at its use. What is left is the reduction
+across *batches* (``dp_mesh``, and the EP axis when it is not the SP axis):
+:meth:`ParallelMoE.grad_reductions` says, per parameter, over which group and
+divided by what; ``spmdmoe.moe.data_parallel`` sets DDP / FSDP2 up with it.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ from ..types.construct import padded_empty
 from ..types.errors import MoEConfigError, SPMDLayoutError, SPMDMeshError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Partial, Shard, Varying
+from ..types.product import product_axis
 from ..types.tensor import SPMDTensor
 from .checkpoint import ExpertLayout, grid_mesh, install_hooks
 from .dispatch import BAD_DIM, AllToAllTransport, LocalTransport
 from .experts import GroupedExperts
 from .grads import sync_grads
-from .layer import EXPERT_WEIGHTS, MoE, _Layer, check_dim
+from .grads import GradReduction
+from .layer import MoE, _Layer, check_dim
 
 __all__ = ["parallelize_moe", "ParallelMoE"]
 
@@ -55,6 +58,7 @@ def parallelize_moe(
     *,
     sp_mesh: Optional[MeshLike] = None,
     ep_mesh: Optional[MeshLike] = None,
+    dp_mesh: Optional[MeshLike] = None,
     sp_mode: Literal["local", "gather"] = "local",
 ) -> "ParallelMoE":
     """This rank's part of ``moe`` over the given axes (same parameter names, sliced experts).
@@ -67,18 +71,24 @@ def parallelize_moe(
     ``moe`` identically on every rank (same seed) and do not use it afterwards
     for training the same weights.
 
+    ``dp_mesh``: the data-parallel axis (replicas of the layer that see other
+    batches; orthogonal to the SP and EP axes). The forward does not use it;
+    it joins the load-count reductions (``update_expert_bias`` and the aux
+    loss see the whole step's tokens, as one device would) and
+    :meth:`ParallelMoE.grad_reductions`.
+
     Raises ``MoEConfigError``: ``E % ep != 0``, an unknown ``sp_mode``, gather mode
     without ``sp_mesh``, with ``ep_mesh`` equal to ``sp_mesh``, or with fewer
     hidden units than SP ranks. ``SPMDMeshError``: SP and EP axes that are
-    neither the same group nor orthogonal.
+    neither the same group nor orthogonal, a DP axis not orthogonal to both.
     """
-    sp = None if sp_mesh is None else mesh_axis(sp_mesh)
-    ep = None if ep_mesh is None else mesh_axis(ep_mesh)
-    _check_plan(moe, sp, ep, sp_mode)
-    return ParallelMoE(moe, sp, ep, sp_mode)
+    sp, ep, dp = (None if m is None else mesh_axis(m) for m in (sp_mesh, ep_mesh, dp_mesh))
+    _check_plan(moe, sp, ep, dp, sp_mode)
+    return ParallelMoE(moe, sp, ep, sp_mode, dp)
 
 
-def _check_plan(moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str) -> None:
+def _check_plan(moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis],
+                sp_mode: str) -> None:
     cfg = moe.config
     if sp_mode not in ("local", "gather"):
         raise MoEConfigError(f"sp_mode must be 'local' or 'gather', found {sp_mode!r}")
@@ -100,12 +110,17 @@ def _check_plan(moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mod
                 f"rank {sp.rank}: gather mode splits hidden_dim={cfg.hidden_dim} over {sp.size} SP ranks; "
                 "each rank needs at least one hidden unit"
             )
-    if sp is not None and ep is not None and sp != ep:
-        shared = set(dist.get_process_group_ranks(sp.group)) & set(dist.get_process_group_ranks(ep.group))
+    pairs = [("sp_mesh", sp, "ep_mesh", ep)] if sp != ep else []
+    pairs += [("dp_mesh", dp, name, a) for name, a in (("sp_mesh", sp), ("ep_mesh", ep))]
+    for name_a, a, name_b, b in pairs:
+        if a is None or b is None:
+            continue
+        shared = set(dist.get_process_group_ranks(a.group)) & set(dist.get_process_group_ranks(b.group))
         if shared != {dist.get_rank()}:
+            same = "the same group or " if name_a == "sp_mesh" else ""
             raise SPMDMeshError(
-                f"rank {dist.get_rank()}: sp_mesh and ep_mesh must be the same group or orthogonal axes "
-                f"(e.g. two dims of one 2-D mesh); they share ranks {sorted(shared)}"
+                f"rank {dist.get_rank()}: {name_a} and {name_b} must be {same}orthogonal axes "
+                f"(e.g. two dims of one mesh); they share ranks {sorted(shared)}"
             )
 
 
@@ -131,10 +146,11 @@ def _expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_
 class ParallelMoE(_Layer):
     """A :class:`MoE` over SP and/or EP axes; see :func:`parallelize_moe` and the module docstring."""
 
-    def __init__(self, moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str):
+    def __init__(self, moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
+                 dp: Optional[MeshAxis] = None):
         super().__init__()
         cfg = moe.config
-        self.sp, self.ep, self.sp_mode = sp, ep, sp_mode
+        self.sp, self.ep, self.dp, self.sp_mode = sp, ep, dp, sp_mode
         n_ep, r_ep = (1, 0) if ep is None else (ep.size, ep.rank)
         e = cfg.num_experts // n_ep
         experts_slice = slice(r_ep * e, (r_ep + 1) * e)
@@ -152,16 +168,48 @@ class ParallelMoE(_Layer):
             experts.w3.copy_(src.w3[experts_slice, hidden])
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
         self.transport = AllToAllTransport(ep, cfg.num_experts) if ep is not None and ep.size > 1 else LocalTransport(e)
-        self.load_axes = tuple(a for i, a in enumerate((sp, ep)) if a is not None and a not in (sp, ep)[:i])
+        self.load_axes = tuple(a for i, a in enumerate((sp, ep, dp)) if a is not None and a not in (sp, ep)[:i])
         install_hooks(self, _expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden))
-        experts_replicated = sp is not None and sp_mode == "local" and sp != ep
-        self.sp_synced = tuple(
-            name for name, p in self.named_parameters()
-            if sp is not None and sp.size > 1 and (not name.startswith("experts.") or experts_replicated)
-        )
+        if sp is not None and sp.size > 1:
+            self.sp_synced = tuple(_Layer.weights(self))  # dense weights; the experts sync their own
+            if sp_mode == "local" and sp != ep:
+                self.experts.grad_axis = sp
+        else:
+            self.sp_synced = ()
+        self._reductions: Optional[dict[str, GradReduction]] = None
+
+    @property
+    def batch_axes(self) -> tuple[MeshAxis, ...]:
+        """Axes whose ranks hold different batches: ``dp_mesh``, and EP when it is not the SP axis."""
+        axes = (self.dp, None if self.ep == self.sp else self.ep)
+        return tuple(a for a in axes if a is not None and a.size > 1)
+
+    def grad_reductions(self) -> dict[str, GradReduction]:
+        """Per parameter name: the group its gradient must still be summed over, and the divide factor.
+
+        Dense parameters are replicated over every batch axis; the experts
+        already hold every EP batch's contribution, so they need only the
+        batch axes other than EP. Both divide by the number of batches one step
+        sees (the product of the batch axes' sizes), which turns the summed
+        gradient into that of the mean of the per-batch losses. A collective
+        over the world on the first call (it may create the product group,
+        see :func:`spmdmoe.product_axis`); cached.
+        """
+        if self._reductions is None:
+            batches = self.batch_axes
+            factor = 1
+            for a in batches:
+                factor *= a.size
+            dense = GradReduction(product_axis(*batches), factor)
+            experts = GradReduction(product_axis(*(a for a in batches if a != self.ep)), factor)
+            self._reductions = {
+                name: experts if name.startswith("experts.") else dense
+                for name, p in self.named_parameters() if p.requires_grad
+            }
+        return self._reductions
 
     def weights(self) -> dict[str, torch.Tensor]:
-        w = dict(self.named_parameters())
+        w = super().weights()
         if self.sp is not None and self.sp_synced:
             views = sync_grads([w[n] for n in self.sp_synced], self.sp)
             w.update(zip(self.sp_synced, views))

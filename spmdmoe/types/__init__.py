@@ -13,6 +13,7 @@ from .errors import (
 )
 from .layout import chunk_counts, chunk_offset, local_tokens, padded_global_tokens, padded_local_tokens
 from .mesh import MeshAxis, MeshLike, init_mesh, mesh_axis
+from .product import product_axis
 from .placement import Partial, Placement, Replicate, Shard, Varying
 from .routed import RoutedTokens
 from .tensor import SPMDTensor
@@ -48,6 +49,7 @@ __all__ = [
     "padded_empty",
     "padded_global_tokens",
     "padded_local_tokens",
+    "product_axis",
     "set_checks",
     "shard",
 ]

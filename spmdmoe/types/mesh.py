@@ -121,7 +121,10 @@ class MeshAxis:
 
 MeshLike = Union[DeviceMesh, "tuple[DeviceMesh, str]", dist.ProcessGroup, MeshAxis]
 
-_cache: "weakref.WeakKeyDictionary[Any, MeshAxis]" = weakref.WeakKeyDictionary()
+# Keyed by identity: two DeviceMeshes with the same ranks and names compare equal even when they
+# hold different process groups (e.g. two init_mesh calls), so an equality-keyed cache would hand
+# out the other mesh's group. The entry keeps its mesh alive, so its id stays unique.
+_cache: dict[Any, tuple[Any, MeshAxis]] = {}
 _built_meshes: "weakref.WeakKeyDictionary[Any, DeviceMesh]" = weakref.WeakKeyDictionary()
 
 
@@ -140,12 +143,10 @@ def mesh_axis(mesh: MeshLike) -> MeshAxis:
     """Normalise ``mesh`` to a :class:`MeshAxis` (cached per mesh object)."""
     if isinstance(mesh, MeshAxis):
         return mesh
-    try:
-        cached = _cache.get(mesh)
-    except TypeError:  # unhashable or not weak-referenceable
-        cached = None
-    if cached is not None:
-        return cached
+    key = id(mesh)  # safe: a cached object stays alive, so no other object can have its id
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit[1]
     if isinstance(mesh, DeviceMesh):
         axis = _from_device_mesh(mesh, mesh)
     elif isinstance(mesh, tuple) and len(mesh) == 2 and isinstance(mesh[0], DeviceMesh):
@@ -157,10 +158,7 @@ def mesh_axis(mesh: MeshLike) -> MeshAxis:
             f"expected a 1-D DeviceMesh, a (DeviceMesh, dim_name) pair, a ProcessGroup or a "
             f"MeshAxis as mesh, found {type(mesh).__name__}"
         )
-    try:
-        _cache[mesh] = axis
-    except TypeError:
-        pass
+    _cache[key] = (mesh, axis)
     return axis
 
 

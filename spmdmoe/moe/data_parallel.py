@@ -1,0 +1,226 @@
+"""Data parallelism around parallel MoE layers: DDP, FSDP2, or a plain reduction.
+
+After ``backward`` a model's gradients are complete along its SP axis
+(``grads.py``) and, for the experts, along EP (the all-to-all brought them every
+EP batch's tokens). What is left is the sum across *batches*: ranks that hold
+replicas of a parameter but saw other data. A layer's batch axes are its
+``dp_mesh`` and its EP axis when that is not the SP axis (EP-only and 2-D plans:
+each EP rank routes its own batch).
+
+==========================  ============================  ===================
+parameter                   sum over                      divide by
+==========================  ============================  ===================
+dense (router, shared,      every batch axis (dp x ep)    number of batches
+attention, embeddings...)
+routed experts              batch axes but EP (dp)        number of batches
+==========================  ============================  ===================
+
+The number of batches is the product of the batch axes' sizes, so the result is
+the gradient of the mean of the per-batch losses; each batch's loss is what the
+single-device model computes for it (with SP, summed over the SP ranks'
+shares). :func:`grad_reductions` gives this per parameter name;
+:func:`reduce_grads` applies it by hand, :func:`ddp` and :func:`fully_shard_moe`
+set the torch wrappers up with it. Parameters outside the MoE layers that are
+replicated along SP must get their SP sum from
+:func:`spmdmoe.moe.replicate_grads` first, as without data parallelism.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .._dist import all_reduce
+from ..types.errors import SPMDLayoutError, SPMDMeshError
+from ..types.mesh import MeshAxis
+from ..types.product import product_axis
+from .grads import GradReduction
+from .parallel import ParallelMoE
+
+__all__ = ["grad_reductions", "reduce_grads", "ddp", "fully_shard_moe"]
+
+Reductions = dict[str, GradReduction]
+
+
+def grad_reductions(model: nn.Module) -> Reductions:
+    """Per parameter name of ``model`` (that needs a gradient): its :class:`GradReduction`.
+
+    Parameters of :class:`ParallelMoE` submodules follow
+    :meth:`ParallelMoE.grad_reductions`; every other parameter is treated as
+    dense (replicated over all batch axes). Every MoE layer must have the same
+    batch axes. Collective over the world on the first call; call it on every
+    rank, before wrapping (names are the unwrapped model's).
+
+    >>> import spmdmoe
+    >>> from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
+    >>> pg = spmdmoe.testing.single_process_group()
+    >>> layer = parallelize_moe(MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2)), ep_mesh=pg)
+    >>> grad_reductions(layer)["experts.w1"]
+    GradReduction(axis=None, divide_factor=1)
+    """
+    layers = [(prefix, m) for prefix, m in model.named_modules() if isinstance(m, ParallelMoE)]
+    if not layers:
+        raise SPMDLayoutError(
+            f"rank {dist.get_rank()}: {type(model).__name__} holds no ParallelMoE layer; without one, "
+            "use DistributedDataParallel or fully_shard directly"
+        )
+    batch_axes = layers[0][1].batch_axes
+    for prefix, layer in layers[1:]:
+        if set(layer.batch_axes) != set(batch_axes):
+            raise SPMDMeshError(
+                f"rank {dist.get_rank()}: MoE layer {prefix!r} has batch axes {layer.batch_axes}, "
+                f"layer {layers[0][0]!r} has {batch_axes}; parallelize every layer with the same "
+                "dp_mesh / ep_mesh / sp_mesh"
+            )
+    out: Reductions = {}
+    for prefix, layer in layers:
+        for name, red in layer.grad_reductions().items():
+            out[f"{prefix}.{name}" if prefix else name] = red
+    factor = next(iter(out.values())).divide_factor if out else 1
+    dense = GradReduction(product_axis(*batch_axes), factor)
+    return {name: out.get(name, dense) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> None:
+    """Apply ``reductions`` (default :func:`grad_reductions`) to ``model``'s ``.grad`` in place.
+
+    Call on every rank after the last ``backward`` of a step, before the
+    optimizer: one all-reduce per (group, dtype), gradients flattened into it.
+    A parameter without a gradient takes part with zeros (its ``.grad`` is set).
+    """
+    reductions = grad_reductions(model) if reductions is None else reductions
+    items = []
+    for name, p in model.named_parameters():
+        if name in reductions:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            items.append((reductions[name], p.grad))
+    for red, grads in _by_reduction(items):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        _reduce(flat, red, async_op=False)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: Any) -> DistributedDataParallel:
+    """``DistributedDataParallel(module)`` whose comm hook applies ``reductions`` per parameter.
+
+    DDP reduces every parameter over one group; here its group is the widest
+    reduction group (dense parameters: dp x ep) and a comm hook reduces each
+    bucket's parameters over their own group with their own divide factor.
+    Set for you: ``init_sync=False`` (experts differ across EP ranks of that
+    group: build the model identically on every rank instead, same seed) and
+    no buffer broadcast in forward (``tokens_per_expert`` counts are per rank).
+    ``kwargs`` go to DDP (e.g. ``device_ids``, ``bucket_cap_mb``); ``no_sync()``
+    works as usual.
+    """
+    reductions = grad_reductions(module) if reductions is None else reductions
+    axes = [r.axis for r in reductions.values() if r.axis is not None]
+    if not axes:
+        raise SPMDMeshError(
+            f"rank {dist.get_rank()}: no parameter needs a gradient reduction (no dp_mesh, and EP is the "
+            "SP axis or absent): there is nothing for DDP to do; pass dp_mesh to parallelize_moe"
+        )
+    group = max(axes, key=lambda a: a.size).group
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+        else {"broadcast_buffers": False}
+    )
+    wrapped = DistributedDataParallel(module, process_group=group, init_sync=False, **no_buffer_sync, **kwargs)
+    by_param = {id(p): reductions[name] for name, p in module.named_parameters() if name in reductions}
+    wrapped.register_comm_hook(by_param, _ddp_hook)
+    return wrapped
+
+
+def fully_shard_moe(
+    model: nn.Module, *, blocks: Iterable[nn.Module] = (), reductions: Optional[Reductions] = None, **kwargs: Any
+) -> nn.Module:
+    """FSDP2 ``fully_shard`` over ``model`` with each parameter sharded on its reduction group.
+
+    torchtitan's layout: each MoE layer's routed experts become their own FSDP
+    unit on the experts' group (dp) when it differs from the dense group
+    (dp x ep); each of ``blocks`` (e.g. transformer blocks, bottom-up order)
+    and then ``model`` are units on the dense group. Every unit's gradient
+    divide factor is set to the number of batches; on gloo, which lacks
+    PREMUL_SUM, the reductions are forced to plain sums plus scaling.
+    ``kwargs`` go to every ``fully_shard`` call. Returns ``model``.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    reductions = grad_reductions(model) if reductions is None else reductions
+    if any(r.axis is None for r in reductions.values()):
+        raise SPMDMeshError(
+            f"rank {dist.get_rank()}: FSDP shards a parameter over its reduction group, but some "
+            "parameters have none (no dp_mesh); pass dp_mesh to parallelize_moe, or use ddp / reduce_grads"
+        )
+    layers = [m for m in model.modules() if isinstance(m, ParallelMoE)]
+    expert_ids = {id(p) for layer in layers for p in layer.experts.parameters()}
+    by_id = {id(p): reductions[n] for n, p in model.named_parameters() if n in reductions}
+    dense = next(r for i, r in by_id.items() if i not in expert_ids)
+    for layer in layers:
+        experts = by_id[id(layer.experts.w1)]
+        if experts.axis != dense.axis:
+            fully_shard(layer.experts, mesh=experts.mesh, **kwargs)
+    for block in blocks:
+        if block is not model:
+            fully_shard(block, mesh=dense.mesh, **kwargs)
+    fully_shard(model, mesh=dense.mesh, **kwargs)
+    gloo = "gloo" in str(dist.get_backend(dense.axis.group))  # type: ignore[union-attr]
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(float(dense.divide_factor))
+            if gloo:
+                unit.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _by_reduction(items: Iterable[tuple[GradReduction, torch.Tensor]]) -> list[tuple[GradReduction, list[torch.Tensor]]]:
+    """Gradients grouped by (reduction, dtype), groups in order of first appearance (the same on every rank)."""
+    groups: dict[tuple[Optional[MeshAxis], int, torch.dtype], tuple[GradReduction, list[torch.Tensor]]] = {}
+    for red, g in items:
+        groups.setdefault((red.axis, red.divide_factor, g.dtype), (red, []))[1].append(g)
+    return list(groups.values())
+
+
+def _reduce(flat: torch.Tensor, red: GradReduction, async_op: bool) -> Optional[torch.futures.Future]:
+    """``flat /= factor`` then sum over the group; a future when ``async_op`` and there is a collective."""
+    if red.divide_factor != 1:
+        flat.div_(red.divide_factor)
+    if red.axis is None:
+        return None
+    work = all_reduce(flat, group=red.axis.group, async_op=async_op)
+    return work.get_future() if async_op else None
+
+
+def _ddp_hook(by_param: dict[int, GradReduction], bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: reduce each of the bucket's parameters over its own group, in place in the bucket.
+
+    ``bucket`` is a ``dist.GradBucket``; returns a future of its buffer. (Not annotated: DDP
+    checks the annotations by identity, and postponed annotations are strings.)
+    """
+    buf, grads = bucket.buffer(), bucket.gradients()
+    groups = _by_reduction((by_param[id(p)], g) for p, g in zip(bucket.parameters(), grads))
+    pending = []
+    for red, views in groups:
+        flat = buf if len(groups) == 1 else torch.cat([v.reshape(-1) for v in views])
+        pending.append((flat, views, _reduce(flat, red, async_op=True)))
+
+    def finish(_: Any = None) -> torch.Tensor:
+        for flat, views, _fut in pending:
+            if flat is not buf:
+                for v, part in zip(views, flat.split([v.numel() for v in views])):
+                    v.copy_(part.view_as(v))
+        return buf
+
+    futures = [fut for _flat, _views, fut in pending if fut is not None]
+    if not futures:
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(finish())
+        return done
+    return torch.futures.collect_all(futures).then(finish)

@@ -1,0 +1,254 @@
+"""Data parallelism around parallel MoE layers: per-parameter reductions under DDP, FSDP2 and by hand.
+
+A 2x2 mesh (2x1 on 2 GPUs: then EP / SP are trivial, the wrappers still run on NCCL) trains a small model (a dense input projection, then an MoE layer
+with a shared expert, plus a residual) for three SGD steps with the
+aux-loss-free bias update on, and every step's loss and the final parameters
+and expert biases must match a single-device run of the same model on the same
+batches, computed on every rank. Objective: the mean over batches of each
+batch's loss (sum of squared errors over its tokens / its token count).
+
+* ``dp_ep``: "dp" x "ep"; each of the 4 ranks has its own batch (uneven sizes,
+  one empty); experts split over "ep".
+* ``dp_sp``: "dp" x "sp"; 2 batches of 37 tokens, each sharded over "sp".
+
+Tolerance: fp32, ``rtol = 1e-5``, ``atol = 1e-5 * max|reference|``.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import spmdmoe
+from moe_plans import reference_moe
+from spmdmoe import SPMDTensor, init_mesh
+from spmdmoe.moe import MoEConfig, ddp, fully_shard_moe, grad_reductions, parallelize_moe, reduce_grads, replicate_grads
+from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
+from spmdmoe.types import layout
+
+D, F, E = 16, 16, 8
+CFG = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1, load_balance_coeff=1e-2)
+STEPS, LR = 3, 0.05
+DP_EP_ROWS = [0, 5, 17, 9]  # batch b = rank (dp index * 2 + ep index)
+DP_SP_ROWS = 37
+
+
+class Net(nn.Module):
+    """``moe(inp(x)) + inp(x)``; takes plain rows or an ``SPMDTensor`` (then returns its local rows)."""
+
+    def __init__(self, moe: nn.Module, seed: int):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        with torch.no_grad():
+            self.inp.weight.copy_(reference_tensor((D, D), seed) / D**0.5)
+            self.inp.bias.copy_(reference_tensor((D,), seed + 1))
+        self.moe = moe
+
+    def forward(self, x):
+        if isinstance(x, SPMDTensor):
+            h = x.with_local(self.inp(x.local))
+            return self.moe(h).local + h.local
+        h = self.inp(x)
+        return self.moe(h) + h
+
+
+def _mesh(names):
+    world = dist.get_world_size()
+    return init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (2, world // 2), mesh_dim_names=names)
+
+
+def _data(step, rows, device):
+    return reference_tensor((rows, D), 100 * step + rows, device=device), reference_tensor((rows, D), 7 + 100 * step + rows, device=device)
+
+
+def _reference(device, batches):
+    """Single-device training on ``batches`` ((rows, shift) each); returns (losses, parameters, expert_bias)."""
+    net = Net(reference_moe(CFG, 3, device), 50).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for rows, shift in batches:
+            X, Y = _data(step, rows, device)
+            loss = ((net(X + shift) - Y) ** 2).sum() / max(rows, 1) / len(batches)
+            loss.backward()
+            total += float(loss.detach())
+        net.moe.update_expert_bias()
+        opt.step()
+        losses.append(total)
+    return losses, {n: p.detach() for n, p in net.named_parameters()}, net.moe.expert_bias.clone()
+
+
+def _batches(plan):
+    if plan == "dp_ep":
+        return [(rows, 0) for rows in DP_EP_ROWS[: dist.get_world_size()]]
+    return [(DP_SP_ROWS, 0), (DP_SP_ROWS, 1)]
+
+
+def _plan(plan, device):
+    """(model, this rank's batch loss function, expert slice, number of batches)."""
+    if plan == "dp_ep":
+        mesh = _mesh(("dp", "ep"))
+        ep, e = mesh["ep"].get_local_rank(), E // mesh["ep"].size()
+        layer = parallelize_moe(reference_moe(CFG, 3, device), ep_mesh=mesh["ep"], dp_mesh=mesh["dp"])
+        rows = DP_EP_ROWS[dist.get_rank()]
+
+        def batch(step):
+            return (*_data(step, rows, device), max(rows, 1))
+
+        return Net(layer, 50).to(device), batch, slice(ep * e, (ep + 1) * e), dist.get_world_size()
+    mesh = _mesh(("dp", "sp"))
+    sp = mesh["sp"]
+    layer = parallelize_moe(reference_moe(CFG, 3, device), sp_mesh=sp, dp_mesh=mesh["dp"])
+    net = Net(layer, 50).to(device)
+    replicate_grads(net.inp, sp)
+    n, r = sp.size(), sp.get_local_rank()
+    start = layout.chunk_offset(DP_SP_ROWS, n, r)
+    mine = slice(start, start + layout.local_tokens(DP_SP_ROWS, n, r))
+
+    def batch(step):
+        X, Y = _data(step, DP_SP_ROWS, device)
+        X = X + mesh["dp"].get_local_rank()  # batch d is batch 0 shifted by d (see _batches)
+        return spmdmoe.from_local(X[mine].clone(), sp, global_tokens=DP_SP_ROWS), Y[mine], DP_SP_ROWS
+
+    return net, batch, slice(0, E), 2
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _close(actual, expected, name):
+    atol = 1e-5 * max(float(expected.abs().max()) if expected.numel() else 0.0, 1e-30)
+    assert_close_everywhere(actual.detach(), expected.detach(), rtol=1e-5, atol=atol, name=name)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "reduce_grads"])
+@pytest.mark.parametrize("plan", ["dp_ep", "dp_sp"])
+def test_training_matches_single_device(device, plan, wrapper):
+    ref_losses, ref_params, ref_bias = _reference(device, _batches(plan))
+    net, batch, experts, n_batches = _plan(plan, device)
+    model = {"ddp": ddp, "fsdp2": fully_shard_moe, "reduce_grads": lambda m: m}[wrapper](net)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad()
+        X, Y, count = batch(step)
+        loss = ((model(X) - Y) ** 2).sum() / count
+        loss.backward()
+        if wrapper == "reduce_grads":
+            reduce_grads(net)
+        net.moe.update_expert_bias()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        _close(total / n_batches, torch.tensor(ref_losses[step], device=device, dtype=total.dtype), f"step {step} loss")
+    for name, p in net.named_parameters():
+        want = ref_params[name][experts] if name.startswith("moe.experts.") else ref_params[name]
+        _close(_full(p), want, f"{name} after {STEPS} steps")
+    _close(net.moe.expert_bias, ref_bias, "expert_bias")
+
+
+def test_ddp_no_sync_accumulates_micro_batches(device):
+    """dp x ep under DDP, each rank's batch as two micro-batches, the first under no_sync(): the same run."""
+    ref_losses, ref_params, ref_bias = _reference(device, _batches("dp_ep"))
+    net, batch, experts, n_batches = _plan("dp_ep", device)
+    model = ddp(net)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad()
+        X, Y, count = batch(step)
+        half = X.shape[0] // 2
+        with model.no_sync():
+            ((model(X[:half]) - Y[:half]) ** 2).sum().div(count).backward()
+        ((model(X[half:]) - Y[half:]) ** 2).sum().div(count).backward()
+        net.moe.update_expert_bias()
+        opt.step()
+    for name, p in net.named_parameters():
+        want = ref_params[name][experts] if name.startswith("moe.experts.") else ref_params[name]
+        _close(p, want, f"{name} after {STEPS} accumulated steps")
+
+
+@pytest.mark.world4
+def test_reduction_table(device):
+    """dp x ep: dense over all 4 ranks, experts over dp only, both / 4. dp x sp: everything over dp, / 2."""
+    mesh = _mesh(("dp", "ep"))
+    net = Net(parallelize_moe(reference_moe(CFG, 3, device), ep_mesh=mesh["ep"], dp_mesh=mesh["dp"]), 50)
+    red = grad_reductions(net)
+    assert set(red) == {n for n, _ in net.named_parameters()}
+    dp_ranks = sorted(dist.get_process_group_ranks(mesh["dp"].get_group()))
+    for name, r in red.items():
+        want = dp_ranks if name.startswith("moe.experts.") else [0, 1, 2, 3]
+        assert sorted(dist.get_process_group_ranks(r.axis.group)) == want, name
+        assert r.divide_factor == 4 and r.mesh.size() == len(want)
+    mesh = _mesh(("dp", "sp"))
+    net = Net(parallelize_moe(reference_moe(CFG, 3, device), sp_mesh=mesh["sp"], dp_mesh=mesh["dp"]), 50)
+    for name, r in grad_reductions(net).items():
+        assert r.axis.group is mesh["dp"].get_group() and r.divide_factor == 2, name
+
+
+@pytest.mark.world4
+def test_layers_with_different_batch_axes_are_rejected(device):
+    mesh = _mesh(("dp", "ep"))
+    net = nn.Sequential(
+        parallelize_moe(reference_moe(CFG, 3, device), ep_mesh=mesh["ep"], dp_mesh=mesh["dp"]),
+        parallelize_moe(reference_moe(CFG, 3, device), ep_mesh=mesh["ep"]),
+    )
+    assert_raises_everywhere(spmdmoe.SPMDMeshError, lambda: grad_reductions(net), match="batch axes")
+
+
+def test_ddp_without_batch_axes_is_rejected(world, device):
+    net = Net(parallelize_moe(reference_moe(CFG, 3, device), sp_mesh=world, ep_mesh=world), 50)
+    assert_raises_everywhere(spmdmoe.SPMDMeshError, lambda: ddp(net), match="nothing for DDP")
+    assert_raises_everywhere(spmdmoe.SPMDMeshError, lambda: fully_shard_moe(net), match="dp_mesh")
+
+
+@pytest.mark.world4
+def test_dp_axis_must_be_orthogonal(world, device):
+    mesh = _mesh(("dp", "sp"))
+    moe = reference_moe(CFG, 3, device)
+    assert_raises_everywhere(
+        spmdmoe.SPMDMeshError, lambda: parallelize_moe(moe, sp_mesh=mesh["sp"], dp_mesh=world), match="orthogonal"
+    )
+
+
+@pytest.mark.world4
+def test_product_axis(world, device):
+    mesh = _mesh(("dp", "sp"))
+    both = spmdmoe.product_axis(mesh["dp"], mesh["sp"])
+    assert both.size == 4 and spmdmoe.product_axis(mesh["dp"], mesh["sp"]) is both
+    assert spmdmoe.product_axis(mesh["dp"], None) == spmdmoe.mesh_axis(mesh["dp"])
+    assert_raises_everywhere(
+        spmdmoe.SPMDMeshError, lambda: spmdmoe.product_axis(world, mesh["sp"]), match="not orthogonal"
+    )
+
+
+def test_fsdp2_checkpoint_round_trip(device, shared_tmp):
+    """An FSDP2-wrapped dp x ep model saves global experts: they load into an unwrapped EP model, a
+    fresh FSDP2 model and the single-device model, exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    net, batch, experts, _ = _plan("dp_ep", device)
+    fully_shard_moe(net)
+    X, Y, count = batch(0)
+    ((net(X) - Y) ** 2).sum().div(count).backward()
+    torch.optim.SGD(net.parameters(), lr=LR).step()
+    trained = {n: _full(p).detach().clone() for n, p in net.named_parameters()}
+    dcp.save(net.state_dict(), checkpoint_id=shared_tmp)
+
+    for wrap in (lambda m: m, fully_shard_moe):
+        other = Net(parallelize_moe(reference_moe(CFG, 9, device), ep_mesh=net.moe.ep, dp_mesh=net.moe.dp), 51)
+        other = wrap(other)
+        sd = other.state_dict()
+        dcp.load(sd, checkpoint_id=shared_tmp)
+        other.load_state_dict(sd)
+        for n, p in other.named_parameters():
+            assert_close_everywhere(_full(p).detach(), trained[n], rtol=0, atol=0, name=n)
+
+    single = Net(reference_moe(CFG, 9, device), 51)
+    sd = single.state_dict()
+    dcp.load(sd, checkpoint_id=shared_tmp)
+    single.load_state_dict(sd)
+    for n, p in single.named_parameters():
+        mine = p.detach()[experts] if n.startswith("moe.experts.") else p.detach()
+        assert_close_everywhere(mine, trained[n], rtol=0, atol=0, name=f"single device: {n}")
