@@ -17,5 +17,6 @@ echo "== benchmarks"
 timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/collectives.py --out "$OUT/bench_collectives.md" 2>&1 | grep -v "^W1" > "$OUT/bench_collectives.log"
 timeout 200 torchrun --nproc-per-node 1 benchmarks/moe_layer.py --out "$OUT/bench_moe.md" --profile "$OUT/profile_moe_1gpu.txt" 2>&1 | grep -v "^W1" | tail -3
 [ "$NGPU" -gt 1 ] && timeout 200 torchrun --nproc-per-node "$NGPU" benchmarks/moe_layer.py --out "$OUT/bench_moe.md" --profile "$OUT/profile_moe_ep.txt" 2>&1 | grep -v "^W1" | tail -3
+[ "$NGPU" -gt 1 ] && timeout 200 torchrun --nproc-per-node "$NGPU" benchmarks/data_parallel.py --out "$OUT/bench_dp.md" 2>&1 | grep -v "^W1" | tail -3
 echo "== summary"
-cat "$OUT/bench_collectives.md" "$OUT/bench_moe.md" 2>/dev/null
+cat "$OUT/bench_collectives.md" "$OUT/bench_moe.md" "$OUT/bench_dp.md" 2>/dev/null

@@ -189,12 +189,27 @@ def _by_reduction(items: Iterable[tuple[GradReduction, torch.Tensor]]) -> list[t
 
 
 def _reduce(flat: torch.Tensor, red: GradReduction, async_op: bool) -> Optional[torch.futures.Future]:
-    """``flat /= factor`` then sum over the group; a future when ``async_op`` and there is a collective."""
-    if red.divide_factor != 1:
-        flat.div_(red.divide_factor)
+    """``flat = sum over the group / factor``; a future when ``async_op`` and there is a collective.
+
+    NCCL divides inside the collective (``AVG`` when the factor is the group size, else a
+    pre-multiplied sum), saving a pass over the gradients; other backends divide first, then sum.
+    """
     if red.axis is None:
+        if red.divide_factor != 1:
+            flat.div_(red.divide_factor)
         return None
-    work = all_reduce(flat, group=red.axis.group, async_op=async_op)
+    op: Any = dist.ReduceOp.SUM
+    if "nccl" in str(dist.get_backend(red.axis.group)) and flat.is_cuda:
+        premul = getattr(dist, "_make_nccl_premul_sum", None)
+        if red.divide_factor == red.axis.size:
+            op = dist.ReduceOp.AVG
+        elif premul is not None:
+            op = premul(1.0 / red.divide_factor)
+        else:
+            flat.div_(red.divide_factor)
+    elif red.divide_factor != 1:
+        flat.div_(red.divide_factor)
+    work = all_reduce(flat, op=op, group=red.axis.group, async_op=async_op)
     return work.get_future() if async_op else None
 
 
@@ -223,4 +238,9 @@ def _ddp_hook(by_param: dict[int, GradReduction], bucket):  # type: ignore[no-un
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(finish())
         return done
-    return torch.futures.collect_all(futures).then(finish)
+    # Chain with then(), not collect_all: then() keeps NCCL futures' CUDA events, so DDP's copy
+    # of the bucket waits for the collectives on the GPU (collect_all's future has no events).
+    chained = futures[0]
+    for fut in futures[1:]:
+        chained = chained.then(lambda _done, fut=fut: fut.wait())
+    return chained.then(finish)

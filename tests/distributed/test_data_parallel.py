@@ -22,7 +22,7 @@ import torch.nn as nn
 import spmdmoe
 from moe_plans import reference_moe
 from spmdmoe import SPMDTensor, init_mesh
-from spmdmoe.moe import MoEConfig, ddp, fully_shard_moe, grad_reductions, parallelize_moe, reduce_grads, replicate_grads
+from spmdmoe.moe import GradReduction, MoEConfig, ddp, fully_shard_moe, grad_reductions, parallelize_moe, reduce_grads, replicate_grads
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
 
@@ -167,6 +167,44 @@ def test_ddp_no_sync_accumulates_micro_batches(device):
     for name, p in net.named_parameters():
         want = ref_params[name][experts] if name.startswith("moe.experts.") else ref_params[name]
         _close(p, want, f"{name} after {STEPS} accumulated steps")
+
+
+def test_ddp_hook_with_several_groups_in_one_bucket(device):
+    """The experts reduced over a second group object with the same ranks: every bucket then holds
+    two groups (two collectives, chained futures), on 2 ranks too; the run is unchanged."""
+    ref_losses, ref_params, ref_bias = _reference(device, _batches("dp_ep"))
+    net, batch, experts, n_batches = _plan("dp_ep", device)
+    reductions = grad_reductions(net)
+    half = dist.get_world_size() // 2
+    twins = [dist.new_group([c, c + half]) for c in range(half)]  # the "dp" columns, created again
+    twin = spmdmoe.mesh_axis(twins[dist.get_rank() % half])
+    for name, red in reductions.items():
+        if name.startswith("moe.experts."):
+            assert sorted(dist.get_process_group_ranks(red.axis.group)) == sorted(dist.get_process_group_ranks(twin.group))
+            reductions[name] = GradReduction(twin, red.divide_factor)
+    model = ddp(net, reductions)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad()
+        X, Y, count = batch(step)
+        ((model(X) - Y) ** 2).sum().div(count).backward()
+        net.moe.update_expert_bias()
+        opt.step()
+    for name, p in net.named_parameters():
+        want = ref_params[name][experts] if name.startswith("moe.experts.") else ref_params[name]
+        _close(p, want, f"{name} after {STEPS} steps")
+
+
+@pytest.mark.parametrize("factor", [1, "size", 3])
+def test_reduce_grads_sums_and_divides(world, device, factor):
+    """Sum over the group, then / factor (NCCL: AVG when factor = size, a pre-multiplied sum otherwise)."""
+    n = dist.get_world_size()
+    factor = n if factor == "size" else factor
+    lin = nn.Linear(4, 3, bias=False).to(device)
+    lin.weight.grad = torch.full_like(lin.weight, float(dist.get_rank() + 1))
+    reduce_grads(lin, {"weight": GradReduction(spmdmoe.mesh_axis(world), factor)})
+    expected = torch.full_like(lin.weight, n * (n + 1) / 2 / factor)
+    assert_close_everywhere(lin.weight.grad, expected, rtol=1e-6, atol=0, name="reduced gradient")
 
 
 @pytest.mark.world4
