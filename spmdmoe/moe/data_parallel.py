@@ -38,7 +38,6 @@ from torch.nn.parallel import DistributedDataParallel
 from .._dist import all_reduce
 from ..types.errors import SPMDLayoutError, SPMDMeshError
 from ..types.mesh import MeshAxis
-from ..types.product import product_axis
 from .grads import GradReduction
 from .parallel import ParallelMoE
 
@@ -81,8 +80,7 @@ def grad_reductions(model: nn.Module) -> Reductions:
     for prefix, layer in layers:
         for name, red in layer.grad_reductions().items():
             out[f"{prefix}.{name}" if prefix else name] = red
-    factor = next(iter(out.values())).divide_factor if out else 1
-    dense = GradReduction(product_axis(*batch_axes), factor)
+    dense = layers[0][1].batch_reductions()[0]
     return {name: out.get(name, dense) for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -138,9 +136,7 @@ def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: An
     return wrapped
 
 
-def fully_shard_moe(
-    model: nn.Module, *, blocks: Iterable[nn.Module] = (), reductions: Optional[Reductions] = None, **kwargs: Any
-) -> nn.Module:
+def fully_shard_moe(model: nn.Module, *, blocks: Iterable[nn.Module] = (), **kwargs: Any) -> nn.Module:
     """FSDP2 ``fully_shard`` over ``model`` with each parameter sharded on its reduction group.
 
     torchtitan's layout: each MoE layer's routed experts become their own FSDP
@@ -153,18 +149,15 @@ def fully_shard_moe(
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    reductions = grad_reductions(model) if reductions is None else reductions
-    if any(r.axis is None for r in reductions.values()):
+    if any(r.axis is None for r in grad_reductions(model).values()):  # also checks the layers agree
         raise SPMDMeshError(
             f"rank {dist.get_rank()}: FSDP shards a parameter over its reduction group, but some "
             "parameters have none (no dp_mesh); pass dp_mesh to parallelize_moe, or use ddp / reduce_grads"
         )
     layers = [m for m in model.modules() if isinstance(m, ParallelMoE)]
-    expert_ids = {id(p) for layer in layers for p in layer.experts.parameters()}
-    by_id = {id(p): reductions[n] for n, p in model.named_parameters() if n in reductions}
-    dense = next(r for i, r in by_id.items() if i not in expert_ids)
+    dense = layers[0].batch_reductions()[0]
     for layer in layers:
-        experts = by_id[id(layer.experts.w1)]
+        experts = layer.batch_reductions()[1]
         if experts.axis != dense.axis:
             fully_shard(layer.experts, mesh=experts.mesh, **kwargs)
     for block in blocks:

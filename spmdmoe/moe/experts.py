@@ -14,11 +14,11 @@ layer's other dense weights.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from typing import Optional
 
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens

@@ -176,7 +176,7 @@ class ParallelMoE(_Layer):
                 self.experts.grad_axis = sp
         else:
             self.sp_synced = ()
-        self._reductions: Optional[dict[str, GradReduction]] = None
+        self._reductions: Optional[tuple[GradReduction, GradReduction]] = None
 
     @property
     def batch_axes(self) -> tuple[MeshAxis, ...]:
@@ -186,6 +186,15 @@ class ParallelMoE(_Layer):
 
     def grad_reductions(self) -> dict[str, GradReduction]:
         """Per parameter name: the group its gradient must still be summed over, and the divide factor.
+
+        See :meth:`batch_reductions`; a collective over the world on the first call.
+        """
+        dense, experts = self.batch_reductions()
+        return {name: experts if name.startswith("experts.") else dense
+                for name, p in self.named_parameters() if p.requires_grad}
+
+    def batch_reductions(self) -> tuple[GradReduction, GradReduction]:
+        """``(dense, experts)``: what a dense parameter's and an expert's gradient still need.
 
         Dense parameters are replicated over every batch axis; the experts
         already hold every EP batch's contribution, so they need only the
@@ -202,10 +211,7 @@ class ParallelMoE(_Layer):
                 factor *= a.size
             dense = GradReduction(product_axis(*batches), factor)
             experts = GradReduction(product_axis(*(a for a in batches if a != self.ep)), factor)
-            self._reductions = {
-                name: experts if name.startswith("experts.") else dense
-                for name, p in self.named_parameters() if p.requires_grad
-            }
+            self._reductions = (dense, experts)
         return self._reductions
 
     def weights(self) -> dict[str, torch.Tensor]:
