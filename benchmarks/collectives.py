@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ import spmdmoe
 from spmdmoe import Partial, Shard, SPMDTensor
 from spmdmoe._dist import all_gather_single, reduce_scatter_single
 from spmdmoe.types import layout
-from timing import timed
+from timing import host_us, timed
 
 
 def try_add(fns: dict, name: str, fn) -> None:
@@ -47,22 +46,6 @@ def try_add(fns: dict, name: str, fn) -> None:
 def chunk_views(t: torch.Tensor, total: int, n: int) -> list:
     """Row views of ``t`` at the chunk rule's offsets (no copy)."""
     return [t[layout.chunk_offset(total, n, r) : layout.chunk_offset(total, n, r) + c] for r, c in enumerate(layout.chunk_counts(total, n))]
-
-
-def host_us(fn, calls: int = 200) -> float:
-    """Host time to issue one call (us): eager Python + launch, no device wait."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t = torch.tensor([(t1 - t0) / calls * 1e6], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def main() -> None:

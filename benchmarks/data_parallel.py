@@ -35,26 +35,12 @@ from torch.nn.parallel import DistributedDataParallel
 import spmdmoe
 from spmdmoe.dtensor import from_dtensor, to_dtensor
 from spmdmoe.moe import MoE, MoEConfig, ddp, fully_shard_moe, parallelize_moe, reduce_grads
-from timing import timed
+from timing import host_us, timed
 
 
 def _layer(cfg: MoEConfig, world) -> torch.nn.Module:
     torch.manual_seed(0)
     return parallelize_moe(MoE(cfg).to("cuda", torch.bfloat16), dp_mesh=world)
-
-
-def _host_us(fn, n: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - start) / n * 1e6
-    t = torch.tensor([us], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def main() -> None:
@@ -106,13 +92,13 @@ def main() -> None:
     made = to_dtensor(sx)
     plain = DTensor.from_local(act, world, [DShard(0)], run_check=False, shape=made.shape, stride=made.stride())
     host = {
-        "from_dtensor (checked)": _host_us(lambda: from_dtensor(plain)),
-        "from_dtensor (made by to_dtensor)": _host_us(lambda: from_dtensor(made)),
-        "to_dtensor": _host_us(lambda: to_dtensor(sx)),
-        "DTensor.from_local(run_check=True, shape=)": _host_us(
+        "from_dtensor (checked)": host_us(lambda: from_dtensor(plain)),
+        "from_dtensor (made by to_dtensor)": host_us(lambda: from_dtensor(made)),
+        "to_dtensor": host_us(lambda: to_dtensor(sx)),
+        "DTensor.from_local(run_check=True, shape=)": host_us(
             lambda: DTensor.from_local(act, world, [DShard(0)], run_check=True, shape=made.shape, stride=made.stride())
         ),
-        "DTensor.to_local": _host_us(lambda: plain.to_local()),
+        "DTensor.to_local": host_us(lambda: plain.to_local()),
     }
     lines += ["", f"| interop call, ({T}, 256) fp32 on {n} ranks | host us per call |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in host.items()]

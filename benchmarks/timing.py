@@ -1,8 +1,10 @@
-"""CUDA-event timing shared by the benchmarks: interleaved candidates, median, max over ranks."""
+"""Timing shared by the benchmarks: CUDA events with interleaved candidates (median, max over ranks),
+and host time per call."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -35,3 +37,19 @@ def timed(fns: dict[str, Callable[[], object]], iters: int, reps: int) -> dict[s
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(fns, t.tolist()))
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host time to issue one call (us): eager Python + launch, no device wait."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t = torch.tensor([(t1 - t0) / calls * 1e6], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
