@@ -13,12 +13,14 @@
 ``reduce_grads``           apply them by hand after ``backward``
 ``ddp``                    ``DistributedDataParallel`` applying them (comm hook)
 ``fully_shard_moe``        FSDP2 units on the right groups, torchtitan-style
+``register_spmd_hooks``    let FSDP2 see a unit's ``SPMDTensor`` inputs/outputs
 =========================  =====================================================
 """
 
 from .config import MoEConfig
 from .dispatch import AllToAllTransport, LocalTransport
-from .data_parallel import ddp, fully_shard_moe, grad_reductions, reduce_grads
+from .data_parallel import ddp, grad_reductions, reduce_grads
+from .fsdp import fully_shard_moe, register_spmd_hooks
 from .grads import GradReduction, replicate_grads, sync_grads
 from .layer import MoE
 from .parallel import ParallelMoE, parallelize_moe
@@ -36,6 +38,7 @@ __all__ = [
     "reduce_grads",
     "ddp",
     "fully_shard_moe",
+    "register_spmd_hooks",
     "LocalTransport",
     "AllToAllTransport",
     "Routing",

@@ -18,9 +18,11 @@ routed experts              batch axes but EP (dp)        number of batches
 The number of batches is the product of the batch axes' sizes, so the result is
 the gradient of the mean of the per-batch losses; each batch's loss is what the
 single-device model computes for it (with SP, summed over the SP ranks'
-shares). :func:`grad_reductions` gives this per parameter name;
-:func:`reduce_grads` applies it by hand, :func:`ddp` and :func:`fully_shard_moe`
-set the torch wrappers up with it. Parameters outside the MoE layers that are
+shares). For a mean over all of the step's tokens instead (uneven batches
+weighted by their sizes), make each batch's loss ``token_sum * n_batches /
+step_tokens``. :func:`grad_reductions` gives this per parameter name;
+:func:`reduce_grads` applies it by hand, :func:`ddp` sets DDP up with it and
+:func:`spmdmoe.moe.fsdp.fully_shard_moe` FSDP2. Parameters outside the MoE layers that are
 replicated along SP must get their SP sum from
 :func:`spmdmoe.moe.replicate_grads` first, as without data parallelism.
 """
@@ -41,7 +43,7 @@ from ..types.mesh import MeshAxis
 from .grads import GradReduction
 from .parallel import ParallelMoE
 
-__all__ = ["grad_reductions", "reduce_grads", "ddp", "fully_shard_moe"]
+__all__ = ["grad_reductions", "reduce_grads", "ddp"]
 
 Reductions = dict[str, GradReduction]
 
@@ -60,7 +62,7 @@ def grad_reductions(model: nn.Module) -> Reductions:
     >>> pg = spmdmoe.testing.single_process_group()
     >>> layer = parallelize_moe(MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2)), ep_mesh=pg)
     >>> grad_reductions(layer)["experts.w1"]
-    GradReduction(axis=None, divide_factor=1)
+    GradReduction(axis=None, divide_factor=1, axes=())
     """
     layers = [(prefix, m) for prefix, m in model.named_modules() if isinstance(m, ParallelMoE)]
     if not layers:
@@ -134,43 +136,6 @@ def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: An
     by_param = {id(p): reductions[name] for name, p in module.named_parameters() if name in reductions}
     wrapped.register_comm_hook(by_param, _ddp_hook)
     return wrapped
-
-
-def fully_shard_moe(model: nn.Module, *, blocks: Iterable[nn.Module] = (), **kwargs: Any) -> nn.Module:
-    """FSDP2 ``fully_shard`` over ``model`` with each parameter sharded on its reduction group.
-
-    torchtitan's layout: each MoE layer's routed experts become their own FSDP
-    unit on the experts' group (dp) when it differs from the dense group
-    (dp x ep); each of ``blocks`` (e.g. transformer blocks, bottom-up order)
-    and then ``model`` are units on the dense group. Every unit's gradient
-    divide factor is set to the number of batches; on gloo, which lacks
-    PREMUL_SUM, the reductions are forced to plain sums plus scaling.
-    ``kwargs`` go to every ``fully_shard`` call. Returns ``model``.
-    """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    if any(r.axis is None for r in grad_reductions(model).values()):  # also checks the layers agree
-        raise SPMDMeshError(
-            f"rank {dist.get_rank()}: FSDP shards a parameter over its reduction group, but some "
-            "parameters have none (no dp_mesh); pass dp_mesh to parallelize_moe, or use ddp / reduce_grads"
-        )
-    layers = [m for m in model.modules() if isinstance(m, ParallelMoE)]
-    dense = layers[0].batch_reductions()[0]
-    for layer in layers:
-        experts = layer.batch_reductions()[1]
-        if experts.axis != dense.axis:
-            fully_shard(layer.experts, mesh=experts.mesh, **kwargs)
-    for block in blocks:
-        if block is not model:
-            fully_shard(block, mesh=dense.mesh, **kwargs)
-    fully_shard(model, mesh=dense.mesh, **kwargs)
-    gloo = "gloo" in str(dist.get_backend(dense.axis.group))  # type: ignore[union-attr]
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_gradient_divide_factor(float(dense.divide_factor))
-            if gloo:
-                unit.set_force_sum_reduction_for_comms(True)
-    return model
 
 
 def _by_reduction(items: Iterable[tuple[GradReduction, torch.Tensor]]) -> list[tuple[GradReduction, list[torch.Tensor]]]:

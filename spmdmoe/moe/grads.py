@@ -131,14 +131,17 @@ class GradReduction(NamedTuple):
     """What a parameter's gradient still needs after ``backward``: a sum over ``axis``, then ``/ divide_factor``.
 
     ``axis`` is ``None`` when no other rank holds a replica seeing other
-    batches; the division still applies. ``divide_factor`` is the number of
-    batches one optimizer step sees, so the result is the gradient of the mean
-    of the per-batch losses (each batch's loss as the single-device model
-    computes it). ``mesh`` is the axis as a 1-D ``DeviceMesh`` (for ``fully_shard``).
+    batches; the division still applies. ``axes`` are the mesh axes ``axis``
+    spans (e.g. ``(dp, ep)``: ``axis`` is their product group), for a sum in
+    stages. ``divide_factor`` is the number of batches one optimizer step
+    sees, so the result is the gradient of the mean of the per-batch losses
+    (each batch's loss as the single-device model computes it). ``mesh`` is
+    the axis as a 1-D ``DeviceMesh`` (for ``fully_shard``).
     """
 
     axis: Optional[MeshAxis]
     divide_factor: int
+    axes: tuple[MeshAxis, ...] = ()
 
     @property
     def mesh(self) -> Optional[DeviceMesh]:

@@ -209,8 +209,9 @@ class ParallelMoE(_Layer):
             factor = 1
             for a in batches:
                 factor *= a.size
-            dense = GradReduction(product_axis(*batches), factor)
-            experts = GradReduction(product_axis(*(a for a in batches if a != self.ep)), factor)
+            expert_batches = tuple(a for a in batches if a != self.ep)
+            dense = GradReduction(product_axis(*batches), factor, batches)
+            experts = GradReduction(product_axis(*expert_batches), factor, expert_batches)
             self._reductions = (dense, experts)
         return self._reductions
 

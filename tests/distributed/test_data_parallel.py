@@ -52,9 +52,10 @@ class Net(nn.Module):
         return self.moe(h) + h
 
 
-def _mesh(names):
+def _mesh(names, shape=None):
     world = dist.get_world_size()
-    return init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (2, world // 2), mesh_dim_names=names)
+    shape = shape or (2, world // 2)
+    return init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", shape, mesh_dim_names=names)
 
 
 def _data(step, rows, device):
@@ -81,15 +82,15 @@ def _reference(device, batches):
 
 
 def _batches(plan):
-    if plan == "dp_ep":
+    if plan in ("dp_ep", "ep"):
         return [(rows, 0) for rows in DP_EP_ROWS[: dist.get_world_size()]]
     return [(DP_SP_ROWS, 0), (DP_SP_ROWS, 1)]
 
 
 def _plan(plan, device):
     """(model, this rank's batch loss function, expert slice, number of batches)."""
-    if plan == "dp_ep":
-        mesh = _mesh(("dp", "ep"))
+    if plan in ("dp_ep", "ep"):  # "ep": a 1 x world mesh, so EP alone spans the batches
+        mesh = _mesh(("dp", "ep"), None if plan == "dp_ep" else (1, dist.get_world_size()))
         ep, e = mesh["ep"].get_local_rank(), E // mesh["ep"].size()
         layer = parallelize_moe(reference_moe(CFG, 3, device), ep_mesh=mesh["ep"], dp_mesh=mesh["dp"])
         rows = DP_EP_ROWS[dist.get_rank()]
@@ -124,12 +125,24 @@ def _close(actual, expected, name):
     assert_close_everywhere(actual.detach(), expected.detach(), rtol=1e-5, atol=atol, name=name)
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "reduce_grads"])
-@pytest.mark.parametrize("plan", ["dp_ep", "dp_sp"])
+WRAPPERS = {
+    "ddp": ddp,
+    "fsdp2": fully_shard_moe,
+    "fsdp2_blocks": lambda net: fully_shard_moe(net, blocks=[net.inp, net.moe]),
+    "reduce_grads": lambda net: net,
+}
+
+
+@pytest.mark.parametrize(
+    "plan, wrapper",
+    [(p, w) for p in ("dp_ep", "dp_sp") for w in WRAPPERS] + [("ep", "ddp"), ("ep", "reduce_grads")],
+)
 def test_training_matches_single_device(device, plan, wrapper):
+    """dp x ep, dp x sp (every wrapper; FSDP2 also with the layers as their own units), and EP
+    alone (no dp: dense over EP, experts only divided; FSDP needs dp, see the rejection test)."""
     ref_losses, ref_params, ref_bias = _reference(device, _batches(plan))
     net, batch, experts, n_batches = _plan(plan, device)
-    model = {"ddp": ddp, "fsdp2": fully_shard_moe, "reduce_grads": lambda m: m}[wrapper](net)
+    model = WRAPPERS[wrapper](net)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         opt.zero_grad()

@@ -1,0 +1,112 @@
+"""FSDP2 around parallel MoE layers: units on the right groups, and ``SPMDTensor`` through their hooks.
+
+:func:`fully_shard_moe` lays the units out as torchtitan does: each MoE
+layer's routed experts are their own unit on the experts' reduction group
+(``dp``) when it differs from the dense one (``dp x ep``); the given blocks and
+the model are units on the dense group (see ``data_parallel.py`` for the
+groups and the divide factor).
+
+FSDP2 finds a unit's activations by walking its inputs and outputs (tensors
+inside tuples, lists, dicts and dataclasses): it hooks the outputs to gather
+the parameters again before the unit's backward, and the inputs to reduce the
+gradients right after it. An ``SPMDTensor`` is none of those containers, so a
+unit that returns one would run its backward on freed parameters (torch 2.13;
+earlier versions walked pytrees, which SPMDTensor is). :func:`register_spmd_hooks`
+puts two pairs of hooks around FSDP's own: before FSDP looks, every
+``SPMDTensor`` becomes ``(local, MARK, tensor)``; after, it is rebuilt around
+whatever tensor FSDP put in ``local``'s place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..types.errors import SPMDMeshError
+from ..types.tensor import SPMDTensor
+from .data_parallel import grad_reductions
+from .parallel import ParallelMoE
+
+__all__ = ["fully_shard_moe", "register_spmd_hooks"]
+
+_MARK = object()  # tags a packed SPMDTensor: (local, _MARK, the SPMDTensor)
+
+
+def fully_shard_moe(model: nn.Module, *, blocks: Iterable[nn.Module] = (), **kwargs: Any) -> nn.Module:
+    """FSDP2 ``fully_shard`` over ``model`` with each parameter sharded on its reduction group.
+
+    torchtitan's layout: each MoE layer's routed experts become their own FSDP
+    unit on the experts' group (dp) when it differs from the dense group
+    (dp x ep); each of ``blocks`` (e.g. transformer blocks, bottom-up order)
+    and then ``model`` are units on the dense group. Units may take and return
+    ``SPMDTensor``s (module docstring). Every unit's gradient divide factor is
+    set to the number of batches; on gloo, which lacks PREMUL_SUM, the
+    reductions are forced to plain sums plus scaling. ``kwargs`` go to every
+    ``fully_shard`` call. Returns ``model``. Raises ``SPMDMeshError`` when a
+    parameter has no reduction group (no ``dp_mesh``: use ``ddp`` or
+    ``reduce_grads``).
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if any(r.axis is None for r in grad_reductions(model).values()):  # also checks the layers agree
+        raise SPMDMeshError(
+            f"rank {dist.get_rank()}: FSDP shards a parameter over its reduction group, but some "
+            "parameters have none (no dp_mesh); pass dp_mesh to parallelize_moe, or use ddp / reduce_grads"
+        )
+    layers = [m for m in model.modules() if isinstance(m, ParallelMoE)]
+    dense = layers[0].batch_reductions()[0]
+    units = []
+    for layer in layers:
+        experts = layer.batch_reductions()[1]
+        if experts.axis != dense.axis:
+            units.append((layer.experts, experts.mesh))
+    units += [(block, dense.mesh) for block in blocks if block is not model]
+    units.append((model, dense.mesh))
+    for unit, mesh in units:
+        fully_shard(unit, mesh=mesh, **kwargs)
+        register_spmd_hooks(unit)
+    gloo = "gloo" in str(dist.get_backend(dense.axis.group))  # type: ignore[union-attr]
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(float(dense.divide_factor))
+            if gloo:
+                unit.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def register_spmd_hooks(unit: nn.Module) -> nn.Module:
+    """Let FSDP2 see the ``SPMDTensor`` inputs and outputs of ``unit``; returns ``unit``.
+
+    Call it right after your own ``fully_shard(unit, ...)`` (``fully_shard_moe``
+    does it for the units it makes): its hooks go around the ones FSDP2 just
+    registered (module docstring).
+    """
+    unit.register_forward_pre_hook(lambda m, a, k: (_pack(a), _pack(k)), prepend=True, with_kwargs=True)
+    unit.register_forward_pre_hook(lambda m, a, k: (_unpack(a), _unpack(k)), with_kwargs=True)
+    unit.register_forward_hook(lambda m, a, out: _pack(out), prepend=True)
+    unit.register_forward_hook(lambda m, a, out: _unpack(out))
+    return unit
+
+
+def _pack(obj: Any) -> Any:
+    if isinstance(obj, SPMDTensor):
+        return (obj.local, _MARK, obj)
+    return _map(obj, _pack)
+
+
+def _unpack(obj: Any) -> Any:
+    if isinstance(obj, tuple) and len(obj) == 3 and obj[1] is _MARK:
+        local, _, x = obj
+        return x if local is x.local else x.with_local(local)
+    return _map(obj, _unpack)
+
+
+def _map(obj: Any, fn: Any) -> Any:
+    """``fn`` over the items of a tuple, list or dict (one level; ``fn`` recurses)."""
+    if isinstance(obj, dict):
+        return {k: fn(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields"):  # not NamedTuples
+        return type(obj)(fn(v) for v in obj)
+    return obj
