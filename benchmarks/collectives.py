@@ -29,7 +29,7 @@ import spmdmoe
 from spmdmoe import Partial, Shard, SPMDTensor
 from spmdmoe._dist import all_gather_single, reduce_scatter_single
 from spmdmoe.types import layout
-from timing import host_us, timed
+from timing import host_us, report, timed
 
 
 def try_add(fns: dict, name: str, fn) -> None:
@@ -149,10 +149,7 @@ def main() -> None:
         head = (f"device: {n}x {torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL "
                 f"{'.'.join(map(str, torch.cuda.nccl.version()))}, bf16, H={H}, iters={args.iters}, reps={args.reps}")
         text = "\n".join([head, "", *lines])
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(text + "\n\n")
+        report(text, args.out)
     dist.destroy_process_group()
 
 

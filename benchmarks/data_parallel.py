@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 import spmdmoe
 from spmdmoe.dtensor import from_dtensor, to_dtensor
 from spmdmoe.moe import MoE, MoEConfig, ddp, fully_shard_moe, parallelize_moe, reduce_grads
-from timing import host_us, timed
+from timing import host_us, report, timed
 
 
 def _layer(cfg: MoEConfig, world) -> torch.nn.Module:
@@ -104,10 +104,7 @@ def main() -> None:
     lines += [f"| {k} | {v:.1f} |" for k, v in host.items()]
     text = "\n".join(lines)
     if dist.get_rank() == 0:
-        print(text)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(text + "\n\n")
+        report(text, args.out)
     dist.destroy_process_group()
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.experts import grouped_swiglu
-from timing import timed
+from timing import report, timed
 
 
 def main() -> None:
@@ -105,10 +105,7 @@ def main() -> None:
             f"{flops / t_layer / 1e9:.0f} | {flops / t_gemm / 1e9:.0f} |",
         ]
         text = "\n".join(lines)
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(text + "\n\n")
+        report(text, args.out)
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(3):

@@ -53,3 +53,11 @@ def host_us(fn, calls: int = 200) -> float:
     t = torch.tensor([(t1 - t0) / calls * 1e6], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def report(text: str, out: "str | None") -> None:
+    """Print a result table and append it to ``out`` (when given), with a blank line after."""
+    print(text, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(text + "\n\n")
