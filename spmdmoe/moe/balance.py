@@ -16,11 +16,14 @@ second time.
   sign update ``bias += coeff * sign(mean(load) - load)`` (centred). The
   summed counts are the same integers on every rank, so ``expert_bias`` stays
   bitwise identical everywhere.
-* aux loss ``coeff * E * sum_e f_e * P_e``: ``f_e`` the fraction of routed
-  copies that chose expert ``e`` across the load axes (no gradient), ``P_e``
-  the mean score of ``e`` over all tokens across the load axes. Each rank's
-  value uses its own tokens' scores in ``P_e``, so the per-rank values sum to
-  the single-device aux loss of all those tokens, and so do their gradients.
+* aux loss ``coeff * E * sum_e f_e * P_e``, per batch (the layer's "aux
+  axes": the SP axis, which one batch spans; not EP when it carries separate
+  batches, not DP, as in torchtitan and Megatron's default): ``f_e`` the
+  fraction of the batch's routed copies that chose expert ``e`` (no
+  gradient), ``P_e`` the mean score of ``e`` over the batch's tokens. Each
+  rank's value uses its own tokens' scores in ``P_e``, so the values of a
+  batch's ranks sum to the single-device aux loss of that batch, and so do
+  their gradients.
 """
 
 from __future__ import annotations

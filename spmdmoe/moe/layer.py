@@ -44,7 +44,8 @@ class _Layer(nn.Module):
     """Parameters, buffers and the bias/load API shared by ``MoE`` and the parallel layer."""
 
     config: MoEConfig
-    load_axes: tuple[MeshAxis, ...] = ()
+    load_axes: tuple[MeshAxis, ...] = ()  # every token holder of a step: load counts, bias update
+    aux_axes: tuple[MeshAxis, ...] = ()  # the ranks one batch spans: the aux loss is per batch
 
     def _build(
         self, config: MoEConfig, router: Router, experts: GroupedExperts, shared: Optional[SharedExperts],
@@ -93,7 +94,7 @@ class _Layer(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts_E)
         if cfg.aux_loss_coeff is not None:
-            total_E = balance.reduce_counts(counts_E, self.load_axes)
+            total_E = balance.reduce_counts(counts_E, self.aux_axes)
             own_scores = r.scores_TE if own is None else r.scores_TE[own]
             self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff)
         if transport.carries_problems:  # the isnan pass is only worth it where a flag can travel

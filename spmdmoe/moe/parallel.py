@@ -73,9 +73,11 @@ def parallelize_moe(
 
     ``dp_mesh``: the data-parallel axis (replicas of the layer that see other
     batches; orthogonal to the SP and EP axes). The forward does not use it;
-    it joins the load-count reductions (``update_expert_bias`` and the aux
-    loss see the whole step's tokens, as one device would) and
-    :meth:`ParallelMoE.grad_reductions`.
+    it joins the load-count reductions (``update_expert_bias`` and
+    ``expert_load`` see the whole step's tokens, as one device would) and
+    :meth:`ParallelMoE.grad_reductions`. The aux loss is per batch: its counts
+    are summed over the SP axis only (the ranks one batch spans), and each
+    rank's ``aux_loss`` is its share of its batch's aux loss.
 
     Raises ``MoEConfigError``: ``E % ep != 0``, an unknown ``sp_mode``, gather mode
     without ``sp_mesh``, with ``ep_mesh`` equal to ``sp_mesh``, or with fewer
@@ -169,6 +171,7 @@ class ParallelMoE(_Layer):
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
         self.transport = AllToAllTransport(ep, cfg.num_experts) if ep is not None and ep.size > 1 else LocalTransport(e)
         self.load_axes = tuple(a for i, a in enumerate((sp, ep, dp)) if a is not None and a not in (sp, ep)[:i])
+        self.aux_axes = () if sp is None else (sp,)
         install_hooks(self, _expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden))
         if sp is not None and sp.size > 1:
             self.sp_synced = tuple(_Layer.weights(self))  # dense weights; the experts sync their own

@@ -46,6 +46,7 @@ class Plan:
     hidden: slice  # this rank's hidden units
     sp_group: Optional[Any]
     routers_per_token: int  # how many ranks route each token (gather mode: the SP size)
+    batches: list  # the rows of each batch (the aux loss is per batch)
 
 
 def reference_moe(cfg: MoEConfig, seed: int, device, dtype=torch.float32) -> MoE:
@@ -82,25 +83,27 @@ def build_plan(name: str, moe: MoE, total: int, world, request) -> Plan:
         f0 = layout.chunk_offset(F, 2, s) if gather else 0
         hidden = slice(f0, f0 + (layout.local_tokens(F, 2, s) if gather else F))
         e = E // 2
-        return Plan(name, layer, rows, wrap, ep.get_group(), slice(b * e, (b + 1) * e), hidden, sp.get_group(), 2 if gather else 1)
+        halves = [slice(layout.chunk_offset(total, 2, i), layout.chunk_offset(total, 2, i) + layout.local_tokens(total, 2, i)) for i in range(2)]
+        return Plan(name, layer, rows, wrap, ep.get_group(), slice(b * e, (b + 1) * e), hidden, sp.get_group(), 2 if gather else 1, halves)
     if name == "ep":
         off, size = _batches(total, n)[rank]
         layer = parallelize_moe(moe, ep_mesh=world)
         e = E // n
-        return Plan(name, layer, slice(off, off + size), lambda t: t, world.get_group(), slice(rank * e, (rank + 1) * e), slice(0, F), None, 1)
+        batches = [slice(o, o + c) for o, c in _batches(total, n)]
+        return Plan(name, layer, slice(off, off + size), lambda t: t, world.get_group(), slice(rank * e, (rank + 1) * e), slice(0, F), None, 1, batches)
     start = layout.chunk_offset(total, n, rank)
     rows = slice(start, start + layout.local_tokens(total, n, rank))
     wrap = lambda t: spmdmoe.from_local(t, world, global_tokens=total)  # noqa: E731
     if name == "gather":
         layer = parallelize_moe(moe, sp_mesh=world, sp_mode="gather")
         f0 = layout.chunk_offset(F, n, rank)
-        return Plan(name, layer, rows, wrap, None, slice(0, E), slice(f0, f0 + layout.local_tokens(F, n, rank)), world.get_group(), n)
+        return Plan(name, layer, rows, wrap, None, slice(0, E), slice(f0, f0 + layout.local_tokens(F, n, rank)), world.get_group(), n, [slice(0, total)])
     if name == "sp":
-        return Plan(name, parallelize_moe(moe, sp_mesh=world), rows, wrap, None, slice(0, E), slice(0, F), world.get_group(), 1)
+        return Plan(name, parallelize_moe(moe, sp_mesh=world), rows, wrap, None, slice(0, E), slice(0, F), world.get_group(), 1, [slice(0, total)])
     assert name == "sp_ep"
     e = E // n
     layer = parallelize_moe(moe, sp_mesh=world, ep_mesh=world)
-    return Plan(name, layer, rows, wrap, None, slice(rank * e, (rank + 1) * e), slice(0, F), world.get_group(), 1)
+    return Plan(name, layer, rows, wrap, None, slice(rank * e, (rank + 1) * e), slice(0, F), world.get_group(), 1, [slice(0, total)])
 
 
 def expert_grad_slice(name: str, grad: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -5,7 +5,8 @@ with a shared expert, plus a residual) for three SGD steps with the
 aux-loss-free bias update on, and every step's loss and the final parameters
 and expert biases must match a single-device run of the same model on the same
 batches, computed on every rank. Objective: the mean over batches of each
-batch's loss (sum of squared errors over its tokens / its token count).
+batch's loss (sum of squared errors over its tokens / its token count, plus
+the batch's aux loss).
 
 * ``dp_ep``: "dp" x "ep"; each of the 4 ranks has its own batch (uneven sizes,
   one empty); experts split over "ep".
@@ -13,6 +14,8 @@ batch's loss (sum of squared errors over its tokens / its token count).
 
 Tolerance: fp32, ``rtol = 1e-5``, ``atol = 1e-5 * max|reference|``.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -27,7 +30,8 @@ from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, r
 from spmdmoe.types import layout
 
 D, F, E = 16, 16, 8
-CFG = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1, load_balance_coeff=1e-2)
+CFG = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1, load_balance_coeff=1e-2,
+                aux_loss_coeff=1.0)
 STEPS, LR = 3, 0.05
 DP_EP_ROWS = [0, 5, 17, 9]  # batch b = rank (dp index * 2 + ep index)
 DP_SP_ROWS = 37
@@ -62,9 +66,13 @@ def _data(step, rows, device):
     return reference_tensor((rows, D), 100 * step + rows, device=device), reference_tensor((rows, D), 7 + 100 * step + rows, device=device)
 
 
-def _reference(device, batches):
+def _aux(layer):
+    return 0 if layer.aux_loss is None else layer.aux_loss
+
+
+def _reference(device, batches, cfg=CFG):
     """Single-device training on ``batches`` ((rows, shift) each); returns (losses, parameters, expert_bias)."""
-    net = Net(reference_moe(CFG, 3, device), 50).to(device)
+    net = Net(reference_moe(cfg, 3, device), 50).to(device)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -72,7 +80,7 @@ def _reference(device, batches):
         total = 0.0
         for rows, shift in batches:
             X, Y = _data(step, rows, device)
-            loss = ((net(X + shift) - Y) ** 2).sum() / max(rows, 1) / len(batches)
+            loss = (((net(X + shift) - Y) ** 2).sum() / max(rows, 1) + _aux(net.moe)) / len(batches)
             loss.backward()
             total += float(loss.detach())
         net.moe.update_expert_bias()
@@ -87,12 +95,12 @@ def _batches(plan):
     return [(DP_SP_ROWS, 0), (DP_SP_ROWS, 1)]
 
 
-def _plan(plan, device):
+def _plan(plan, device, cfg=CFG):
     """(model, this rank's batch loss function, expert slice, number of batches)."""
     if plan in ("dp_ep", "ep"):  # "ep": a 1 x world mesh, so EP alone spans the batches
         mesh = _mesh(("dp", "ep"), None if plan == "dp_ep" else (1, dist.get_world_size()))
         ep, e = mesh["ep"].get_local_rank(), E // mesh["ep"].size()
-        layer = parallelize_moe(reference_moe(CFG, 3, device), ep_mesh=mesh["ep"], dp_mesh=mesh["dp"])
+        layer = parallelize_moe(reference_moe(cfg, 3, device), ep_mesh=mesh["ep"], dp_mesh=mesh["dp"])
         rows = DP_EP_ROWS[dist.get_rank()]
 
         def batch(step):
@@ -101,7 +109,7 @@ def _plan(plan, device):
         return Net(layer, 50).to(device), batch, slice(ep * e, (ep + 1) * e), dist.get_world_size()
     mesh = _mesh(("dp", "sp"))
     sp = mesh["sp"]
-    layer = parallelize_moe(reference_moe(CFG, 3, device), sp_mesh=sp, dp_mesh=mesh["dp"])
+    layer = parallelize_moe(reference_moe(cfg, 3, device), sp_mesh=sp, dp_mesh=mesh["dp"])
     net = Net(layer, 50).to(device)
     replicate_grads(net.inp, sp)
     n, r = sp.size(), sp.get_local_rank()
@@ -147,7 +155,7 @@ def test_training_matches_single_device(device, plan, wrapper):
     for step in range(STEPS):
         opt.zero_grad()
         X, Y, count = batch(step)
-        loss = ((model(X) - Y) ** 2).sum() / count
+        loss = ((model(X) - Y) ** 2).sum() / count + net.moe.aux_loss
         loss.backward()
         if wrapper == "reduce_grads":
             reduce_grads(net)
@@ -163,9 +171,11 @@ def test_training_matches_single_device(device, plan, wrapper):
 
 
 def test_ddp_no_sync_accumulates_micro_batches(device):
-    """dp x ep under DDP, each rank's batch as two micro-batches, the first under no_sync(): the same run."""
-    ref_losses, ref_params, ref_bias = _reference(device, _batches("dp_ep"))
-    net, batch, experts, n_batches = _plan("dp_ep", device)
+    """dp x ep under DDP, each rank's batch as two micro-batches, the first under no_sync(): the same run
+    (without the aux loss, which is per batch, so not additive over micro-batches)."""
+    cfg = dataclasses.replace(CFG, aux_loss_coeff=None)
+    ref_losses, ref_params, ref_bias = _reference(device, _batches("dp_ep"), cfg)
+    net, batch, experts, n_batches = _plan("dp_ep", device, cfg)
     model = ddp(net)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
@@ -200,7 +210,7 @@ def test_ddp_hook_with_several_groups_in_one_bucket(device):
     for step in range(STEPS):
         opt.zero_grad()
         X, Y, count = batch(step)
-        ((model(X) - Y) ** 2).sum().div(count).backward()
+        (((model(X) - Y) ** 2).sum().div(count) + net.moe.aux_loss).backward()
         net.moe.update_expert_bias()
         opt.step()
     for name, p in net.named_parameters():

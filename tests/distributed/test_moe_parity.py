@@ -2,7 +2,8 @@
 
 Every rank builds the reference from the same seeds and runs it on all
 tokens. Loss: ``sum(y * G)`` over each rank's own rows (+ its aux loss), so
-the per-rank losses sum to the single-device loss. Compared: outputs (each
+the per-rank losses sum to the single-device loss (run once per batch of the
+plan, since the aux loss is per batch). Compared: outputs (each
 rank's rows, and the all-gathered SP output), input gradients, every
 parameter's gradient (dense ones summed over the data-parallel axis where
 the plan has one; experts: this rank's slice), the aux loss (summed over
@@ -47,12 +48,18 @@ def run_parity(plan_name, total, cfg, world, device, request, *, dtype=torch.flo
     X = reference_tensor((total, D), 1000 + seed, dtype=dtype, device=device)
     G = reference_tensor((total, D), 2000 + seed, dtype=dtype, device=device)
 
+    # the plan is built first only to learn its batches; its layer copies the untouched weights
+    plan = build_plan(plan_name, moe, total, world, request)
     ref_x = X.clone().requires_grad_()
-    ref_y = moe(ref_x)
-    ref_loss = (ref_y.float() * G.float()).sum() + (moe.aux_loss if moe.aux_loss is not None else 0)
+    ref_loss, ref_aux, ys = 0.0, 0.0, []
+    for rows in plan.batches:  # one forward per batch: the aux loss is per batch
+        ys.append(moe(ref_x[rows]))
+        ref_loss = ref_loss + (ys[-1].float() * G[rows].float()).sum()
+        if moe.aux_loss is not None:
+            ref_loss, ref_aux = ref_loss + moe.aux_loss, ref_aux + moe.aux_loss
+    ref_y = torch.cat(ys)
     ref_loss.backward()
 
-    plan = build_plan(plan_name, moe, total, world, request)
     seen = {"router": 0, "experts": 0}
     plan.layer.router.register_forward_hook(lambda m, a, out: seen.__setitem__("router", seen["router"] + a[0].shape[0]))
     plan.layer.experts.register_forward_hook(
@@ -81,8 +88,8 @@ def run_parity(plan_name, total, cfg, world, device, request, *, dtype=torch.flo
         else:
             close(summed_over(p.grad, plan.dp_group), ref_params[name].grad, f"{name} gradient", rtol)
     if cfg.aux_loss_coeff is not None:
-        # every plan's load axes cover all ranks here, so the per-rank values sum over the world
-        close(summed_over(plan.layer.aux_loss.reshape(1), dist.group.WORLD), moe.aux_loss.reshape(1),
+        # each batch's ranks' shares sum to its aux loss, so the world sum is the sum over batches
+        close(summed_over(plan.layer.aux_loss.reshape(1), dist.group.WORLD), ref_aux.reshape(1),
               "aux loss summed over ranks", rtol)
     close(plan.layer.expert_load(), moe.tokens_per_expert, "load counts summed over the load axes", 0)
 
