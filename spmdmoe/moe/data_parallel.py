@@ -94,9 +94,10 @@ def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> N
     A parameter without a gradient takes part with zeros (its ``.grad`` is set).
     """
     reductions = grad_reductions(model) if reductions is None else reductions
+    _check_covered(model, reductions)
     items = []
     for name, p in model.named_parameters():
-        if name in reductions:
+        if p.requires_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             items.append((reductions[name], p.grad))
@@ -120,6 +121,7 @@ def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: An
     works as usual.
     """
     reductions = grad_reductions(module) if reductions is None else reductions
+    _check_covered(module, reductions)
     axes = [r.axis for r in reductions.values() if r.axis is not None]
     if not axes:
         raise SPMDMeshError(
@@ -127,7 +129,7 @@ def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: An
             "SP axis or absent): there is nothing for DDP to do; pass dp_mesh to parallelize_moe"
         )
     group = max(axes, key=lambda a: a.size).group
-    no_buffer_sync = (
+    no_buffer_sync: dict[str, Any] = (
         {"forward_sync_buffers": False}
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
         else {"broadcast_buffers": False}
@@ -138,6 +140,17 @@ def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: An
     return wrapped
 
 
+def _check_covered(model: nn.Module, reductions: Reductions) -> None:
+    """Every parameter that needs a gradient has a reduction (names are the unwrapped model's)."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in reductions]
+    if missing:
+        raise SPMDLayoutError(
+            f"rank {dist.get_rank()}: no gradient reduction for {len(missing)} parameter(s) of "
+            f"{type(model).__name__}, e.g. {missing[:3]}; compute them with grad_reductions(model) on the "
+            "model you pass here (names change under wrappers such as DDP's 'module.')"
+        )
+
+
 def _by_reduction(items: Iterable[tuple[GradReduction, torch.Tensor]]) -> list[tuple[GradReduction, list[torch.Tensor]]]:
     """Gradients grouped by (reduction, dtype), groups in order of first appearance (the same on every rank)."""
     groups: dict[tuple[Optional[MeshAxis], int, torch.dtype], tuple[GradReduction, list[torch.Tensor]]] = {}
@@ -146,7 +159,7 @@ def _by_reduction(items: Iterable[tuple[GradReduction, torch.Tensor]]) -> list[t
     return list(groups.values())
 
 
-def _reduce(flat: torch.Tensor, red: GradReduction, async_op: bool) -> Optional[torch.futures.Future]:
+def _reduce(flat: torch.Tensor, red: GradReduction, async_op: bool) -> "Optional[torch.futures.Future[Any]]":
     """``flat = sum over the group / factor``; a future when ``async_op`` and there is a collective.
 
     NCCL divides inside the collective (``AVG`` when the factor is the group size, else a
@@ -193,7 +206,7 @@ def _ddp_hook(by_param: dict[int, GradReduction], bucket):  # type: ignore[no-un
 
     futures = [fut for _flat, _views, fut in pending if fut is not None]
     if not futures:
-        done: torch.futures.Future = torch.futures.Future()
+        done: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
         done.set_result(finish())
         return done
     # Chain with then(), not collect_all: then() keeps NCCL futures' CUDA events, so DDP's copy

@@ -10,7 +10,7 @@ FSDP2 finds a unit's activations by walking its inputs and outputs (tensors
 inside tuples, lists, dicts and dataclasses): it hooks the outputs to gather
 the parameters again before the unit's backward, and the inputs to reduce the
 gradients right after it. An ``SPMDTensor`` is none of those containers, so a
-unit that returns one would run its backward on freed parameters (torch 2.13;
+unit that returns one (also inside such containers) would run its backward on freed parameters (torch 2.13;
 earlier versions walked pytrees, which SPMDTensor is). :func:`register_spmd_hooks`
 puts two pairs of hooks around FSDP's own: before FSDP looks, every
 ``SPMDTensor`` becomes ``(local, MARK, tensor)``; after, it is rebuilt around
@@ -19,10 +19,12 @@ whatever tensor FSDP put in ``local``'s place.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import dataclasses
+from typing import Any, Iterable, Optional, TypeVar
 
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..types.errors import SPMDMeshError
 from ..types.tensor import SPMDTensor
@@ -32,9 +34,10 @@ from .parallel import ParallelMoE
 __all__ = ["fully_shard_moe", "register_spmd_hooks"]
 
 _MARK = object()  # tags a packed SPMDTensor: (local, _MARK, the SPMDTensor)
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
-def fully_shard_moe(model: nn.Module, *, blocks: Iterable[nn.Module] = (), **kwargs: Any) -> nn.Module:
+def fully_shard_moe(model: ModuleT, *, blocks: Iterable[nn.Module] = (), **kwargs: Any) -> ModuleT:
     """FSDP2 ``fully_shard`` over ``model`` with each parameter sharded on its reduction group.
 
     torchtitan's layout: each MoE layer's routed experts become their own FSDP
@@ -57,7 +60,7 @@ def fully_shard_moe(model: nn.Module, *, blocks: Iterable[nn.Module] = (), **kwa
         )
     layers = [m for m in model.modules() if isinstance(m, ParallelMoE)]
     dense = layers[0].batch_reductions()[0]
-    units = []
+    units: list[tuple[nn.Module, Optional[DeviceMesh]]] = []
     for layer in layers:
         experts = layer.batch_reductions()[1]
         if experts.axis != dense.axis:
@@ -76,7 +79,7 @@ def fully_shard_moe(model: nn.Module, *, blocks: Iterable[nn.Module] = (), **kwa
     return model
 
 
-def register_spmd_hooks(unit: nn.Module) -> nn.Module:
+def register_spmd_hooks(unit: ModuleT) -> ModuleT:
     """Let FSDP2 see the ``SPMDTensor`` inputs and outputs of ``unit``; returns ``unit``.
 
     Call it right after your own ``fully_shard(unit, ...)`` (``fully_shard_moe``
@@ -104,9 +107,16 @@ def _unpack(obj: Any) -> Any:
 
 
 def _map(obj: Any, fn: Any) -> Any:
-    """``fn`` over the items of a tuple, list or dict (one level; ``fn`` recurses)."""
+    """``fn`` over the items of the containers FSDP2 walks: dicts, lists, tuples, NamedTuples and
+    dataclasses (one level; ``fn`` recurses). Unchanged containers are returned as they are."""
     if isinstance(obj, dict):
         return {k: fn(v) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields"):  # not NamedTuples
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(fn(v) for v in obj))
+    if isinstance(obj, (tuple, list)):
         return type(obj)(fn(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: fn(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        if any(v is not getattr(obj, k) for k, v in changes.items()):
+            return dataclasses.replace(obj, **changes)
     return obj

@@ -79,15 +79,17 @@ class MeshAxis:
         return f"MeshAxis(rank={self.rank}, size={self.size}, backend={dist.get_backend(self.group)})"
 
     def device_mesh(self) -> DeviceMesh:
-        """This axis as a 1-D ``DeviceMesh`` (the one given, or one built on its group, cached)."""
-        src = self.source
-        if isinstance(src, tuple):
-            return src[0][src[1]]
-        if isinstance(src, DeviceMesh):
-            return src
+        """This axis as a 1-D ``DeviceMesh`` (the one given, or one built on its group; cached)."""
         mesh = _built_meshes.get(self.group)
         if mesh is None:
-            mesh = _built_meshes[self.group] = DeviceMesh.from_group(self.group, self.device_type)
+            src = self.source
+            if isinstance(src, tuple):
+                mesh = src[0][src[1]]
+            elif isinstance(src, DeviceMesh):
+                mesh = src
+            else:
+                mesh = DeviceMesh.from_group(self.group, self.device_type)
+            _built_meshes[self.group] = mesh
         return mesh
 
     def metadata_device(self) -> torch.device:
@@ -121,14 +123,15 @@ class MeshAxis:
 
 MeshLike = Union[DeviceMesh, "tuple[DeviceMesh, str]", dist.ProcessGroup, MeshAxis]
 
-# Keyed by identity: two DeviceMeshes with the same ranks and names compare equal even when they
-# hold different process groups (e.g. two init_mesh calls), so an equality-keyed cache would hand
-# out the other mesh's group. The entry keeps its mesh alive, so its id stays unique.
-_cache: dict[Any, tuple[Any, MeshAxis]] = {}
+# Keyed by (process group, device type): a MeshAxis depends on nothing else. Not by the mesh
+# object: DeviceMeshes with the same ranks and names compare equal even when they hold different
+# groups (two init_mesh calls), and mesh2d["sp"] builds a new object on every indexing, so an
+# identity key would grow without bound. Bounded by the number of process groups.
+_cache: dict[tuple[Any, Any], MeshAxis] = {}
 _built_meshes: "weakref.WeakKeyDictionary[Any, DeviceMesh]" = weakref.WeakKeyDictionary()
 
 
-def _from_device_mesh(mesh: DeviceMesh, source: Any) -> MeshAxis:
+def _check_1d(mesh: DeviceMesh) -> None:
     if mesh.ndim != 1:
         names = getattr(mesh, "mesh_dim_names", None)
         hint = f"pick one axis, e.g. mesh[{names[0]!r}]" if names else "build a 1-D mesh or pass a named dim"
@@ -136,29 +139,27 @@ def _from_device_mesh(mesh: DeviceMesh, source: Any) -> MeshAxis:
             f"rank {dist.get_rank()}: expected a 1-D mesh (one axis), found a {mesh.ndim}-D mesh "
             f"of shape {tuple(mesh.shape)} (dims {names}); {hint}"
         )
-    return MeshAxis(mesh.get_group(), mesh.device_type, source)
 
 
 def mesh_axis(mesh: MeshLike) -> MeshAxis:
-    """Normalise ``mesh`` to a :class:`MeshAxis` (cached per mesh object)."""
+    """Normalise ``mesh`` to a :class:`MeshAxis` (cached per process group and device type)."""
     if isinstance(mesh, MeshAxis):
         return mesh
-    key = id(mesh)  # safe: a cached object stays alive, so no other object can have its id
-    hit = _cache.get(key)
-    if hit is not None:
-        return hit[1]
     if isinstance(mesh, DeviceMesh):
-        axis = _from_device_mesh(mesh, mesh)
+        _check_1d(mesh)
+        key: tuple[Any, Any] = (mesh.get_group(), mesh.device_type)
     elif isinstance(mesh, tuple) and len(mesh) == 2 and isinstance(mesh[0], DeviceMesh):
-        return _from_device_mesh(mesh[0][mesh[1]], mesh)
+        key = (mesh[0].get_group(mesh[1]), mesh[0].device_type)
     elif isinstance(mesh, dist.ProcessGroup):
-        axis = MeshAxis(mesh)
+        key = (mesh, None)
     else:
         raise SPMDMeshError(
             f"expected a 1-D DeviceMesh, a (DeviceMesh, dim_name) pair, a ProcessGroup or a "
             f"MeshAxis as mesh, found {type(mesh).__name__}"
         )
-    _cache[key] = (mesh, axis)
+    axis = _cache.get(key)
+    if axis is None:
+        axis = _cache[key] = MeshAxis(key[0], key[1], mesh)
     return axis
 
 

@@ -133,3 +133,19 @@ def test_checks_off_trusts_declared_tokens_without_communication(world, device, 
     with spmdmoe.checks(False):
         x = spmdmoe.from_local(chunk, world, global_tokens=9)
     assert x.global_tokens == 9 and calls == []
+
+
+def test_mesh_axis_cache_follows_groups_and_stays_bounded(mesh2x2, device):
+    """Two equal-looking meshes with different groups get different axes; re-indexing a mesh
+    (a new DeviceMesh object each time) neither grows the cache nor changes the axis."""
+    from spmdmoe.types import mesh as mesh_module
+
+    other = spmdmoe.init_mesh(mesh2x2.device_type, (2, 2), mesh_dim_names=("dp", "sp"))
+    assert other["sp"] == mesh2x2["sp"]  # DeviceMesh equality ignores the groups
+    a, b = spmdmoe.mesh_axis(mesh2x2["sp"]), spmdmoe.mesh_axis(other["sp"])
+    assert a.group is mesh2x2["sp"].get_group() and b.group is other["sp"].get_group() and a != b
+    size = len(mesh_module._cache)
+    for _ in range(20):
+        assert spmdmoe.mesh_axis(mesh2x2["sp"]) is a and spmdmoe.mesh_axis((mesh2x2, "sp")) is a
+        spmdmoe.shard(torch.zeros(5, 2, device=device), mesh2x2["sp"])
+    assert len(mesh_module._cache) == size
