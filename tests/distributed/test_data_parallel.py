@@ -372,3 +372,10 @@ def test_fsdp2_units_pass_spmd_tensors_in_containers(device, kind):
     for name, g in want.items():  # FSDP2 averages over dp: compare with the dp mean of the plain grads
         dist.all_reduce(g, group=mesh["dp"].get_group())
         _close(got[name], g / 2, f"{kind}: {name}.grad")
+
+
+def test_reductions_must_cover_every_parameter(device):
+    net, *_ = _plan("dp_ep", device)
+    partial = dict(list(grad_reductions(net).items())[1:])
+    assert_raises_everywhere(spmdmoe.SPMDLayoutError, lambda: reduce_grads(net, partial), match="no gradient reduction")
+    assert_raises_everywhere(spmdmoe.SPMDLayoutError, lambda: ddp(net, partial), match="no gradient reduction")
