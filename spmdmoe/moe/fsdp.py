@@ -10,8 +10,9 @@ FSDP2 finds a unit's activations by walking its inputs and outputs (tensors
 inside tuples, lists, dicts and dataclasses): it hooks the outputs to gather
 the parameters again before the unit's backward, and the inputs to reduce the
 gradients right after it. An ``SPMDTensor`` is none of those containers, so a
-unit that returns one (also inside such containers) would run its backward on freed parameters (torch 2.13;
-earlier versions walked pytrees, which SPMDTensor is). :func:`register_spmd_hooks`
+unit that returns one (also inside such containers) would run its backward on
+freed parameters (torch 2.13; torch 2.11's FSDP2 walks pytrees instead, which
+SPMDTensor is, and does not look inside dataclasses at all). :func:`register_spmd_hooks`
 puts two pairs of hooks around FSDP's own: before FSDP looks, every
 ``SPMDTensor`` becomes ``(local, MARK, tensor)``; after, it is rebuilt around
 whatever tensor FSDP put in ``local``'s place.

@@ -329,10 +329,13 @@ class _DC:
 def test_fsdp2_units_pass_spmd_tensors_in_containers(device, kind):
     """A resharding FSDP2 unit returning an SPMDTensor (bare or inside a container FSDP2 walks) runs
     its backward on gathered parameters: gradients equal those of the unwrapped model."""
+    import torch.distributed.fsdp._common_utils as fsdp_utils
     from torch.distributed.fsdp import fully_shard
 
     from spmdmoe.moe import register_spmd_hooks
 
+    if kind == "dataclass" and not hasattr(fsdp_utils, "collect_grad_tensors"):
+        pytest.skip("this torch's FSDP2 walks pytrees, not dataclasses (not even a plain tensor in one)")
     mesh = _mesh(("dp", "sp"))
     wrap = {"plain": lambda y: y, "tuple": lambda y: (y,), "namedtuple": _NT, "dataclass": _DC}[kind]
 
