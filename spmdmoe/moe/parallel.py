@@ -22,7 +22,7 @@ experts unless split along SP) has its fresh gradient summed over SP by
 :func:`spmdmoe.moe.sync_grads` at its use. What is left is the reduction
 across *batches* (``dp_mesh``, and the EP axis when it is not the SP axis):
 :meth:`ParallelMoE.grad_reductions` says, per parameter, over which group and
-divided by what; ``spmdmoe.moe.data_parallel`` sets DDP / FSDP2 up with it.
+divided by what; ``spmdmoe.moe.ddp`` and ``fully_shard_moe`` set DDP / FSDP2 up with it.
 """
 
 from __future__ import annotations
