@@ -104,8 +104,7 @@ def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> N
     for red, grads in _by_reduction(items):
         flat = torch.cat([g.reshape(-1) for g in grads])
         _reduce(flat, red, async_op=False)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+        _copy_back(flat, grads)
 
 
 def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: Any) -> DistributedDataParallel:
@@ -159,6 +158,12 @@ def _by_reduction(items: Iterable[tuple[GradReduction, torch.Tensor]]) -> list[t
     return list(groups.values())
 
 
+def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy the consecutive parts of ``flat`` back into ``tensors`` (the inverse of flattening them)."""
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
 def _reduce(flat: torch.Tensor, red: GradReduction, async_op: bool) -> "Optional[torch.futures.Future[Any]]":
     """``flat = sum over the group / factor``; a future when ``async_op`` and there is a collective.
 
@@ -200,8 +205,7 @@ def _ddp_hook(by_param: dict[int, GradReduction], bucket):  # type: ignore[no-un
     def finish(_: Any = None) -> torch.Tensor:
         for flat, views, _fut in pending:
             if flat is not buf:
-                for v, part in zip(views, flat.split([v.numel() for v in views])):
-                    v.copy_(part.view_as(v))
+                _copy_back(flat, views)
         return buf
 
     futures = [fut for _flat, _views, fut in pending if fut is not None]
