@@ -2,10 +2,13 @@
 
 Tensors carry their layout on one mesh axis (:class:`SPMDTensor`): placement
 and the global token count, so no code path infers a global shape from a local
-shard. See ``DESIGN.md`` for the chunk rule and the collectives.
+shard. See ``docs/design.md`` for the chunk rule, the collectives and the
+agreement mechanism.
 """
 
-from . import collectives, dtensor, moe, testing, types
+from . import types  # first: spmdmoe.agreement imports types' submodules, and types.construct imports it
+from . import agreement, collectives, dtensor, moe, testing
+from .agreement import check_errors
 from .collectives import all_gather, all_reduce, all_to_all, exchange_counts, redistribute, reduce_scatter
 from .types import *  # noqa: F401,F403
 from .types import __all__ as _types_all
@@ -13,6 +16,8 @@ from .types import __all__ as _types_all
 __version__ = "0.1.0"
 
 __all__ = [
+    "agreement",
+    "check_errors",
     "collectives",
     "dtensor",
     "moe",

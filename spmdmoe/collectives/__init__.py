@@ -14,12 +14,11 @@ Token counts come from the input's type, never from ``local.shape * world``;
 padding happens only inside these ops, only on ranks that need it, at the tail.
 """
 
-from ._common import host_sync_count
-from .allgather import all_gather
+from ..host import host_sync_count
 from .allreduce import all_reduce
 from .alltoall import all_to_all, exchange_counts
+from .gather_scatter import all_gather, reduce_scatter
 from .transitions import TRANSITIONS, redistribute
-from .reducescatter import reduce_scatter
 
 __all__ = [
     "all_gather",

@@ -1,4 +1,4 @@
-"""Shared pieces of the collectives: token-dim moves, padded send buffers, host syncs.
+"""Shared pieces of the collectives: token-dim moves, padded send buffers, input checks.
 
 Collectives work on "row tensors": the token dimension moved to dim 0 and
 contiguous, so a rank's rows are one contiguous block. For ``token_dim == 0``
@@ -7,7 +7,7 @@ and a contiguous input that move is free; otherwise it costs one copy.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -15,23 +15,6 @@ from ..types.errors import SPMDLayoutError, SPMDMeshError
 from ..types.mesh import MeshLike, mesh_axis
 from ..types.placement import Placement
 from ..types.tensor import SPMDTensor
-
-_host_syncs = [0]
-
-
-def host_sync_count() -> int:
-    """How many explicit device-to-host transfers spmdmoe's collectives made so far.
-
-    Only the documented ones count (``all_to_all``/``exchange_counts`` reading
-    split sizes, collective checks). Tests use it to assert "exactly one sync".
-    """
-    return _host_syncs[0]
-
-
-def to_host(t: torch.Tensor) -> list[int]:
-    """The one explicit device-to-host transfer of a small int tensor (counted)."""
-    _host_syncs[0] += 1
-    return t.tolist()
 
 
 def rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -55,22 +38,6 @@ def padded_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
     send = rows.new_empty((padded, *rows.shape[1:]))
     send[: rows.shape[0]].copy_(rows)
     return send
-
-
-def differentiable(function: type[torch.autograd.Function], plain: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``function.apply`` when autograd must record the op, else ``plain`` (same math).
-
-    ``autograd.Function.apply`` costs ~10-20 us of host time per call; skipping
-    it under ``no_grad`` or for inputs that need no gradient keeps the eager
-    overhead of inference-style calls near the raw collective's.
-    """
-
-    def op(local: torch.Tensor, *args: Any) -> torch.Tensor:
-        if local.requires_grad and torch.is_grad_enabled():
-            return function.apply(local, *args)
-        return plain(local, *args)
-
-    return op
 
 
 def expect(x: SPMDTensor, op: str, allowed: tuple[type, ...], mesh: Optional[MeshLike]) -> None:

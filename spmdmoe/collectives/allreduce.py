@@ -10,7 +10,8 @@ from .._dist import all_reduce as _dist_all_reduce
 from ..types.mesh import MeshAxis, MeshLike
 from ..types.placement import Partial, Replicate
 from ..types.tensor import SPMDTensor
-from ._common import differentiable, expect, result
+from ..autograd import collective_op
+from ._common import expect, result
 
 
 def summed(local: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
@@ -25,16 +26,16 @@ class _AllReduce(torch.autograd.Function):
     """Sum over ranks into a fresh tensor; the backward is the same sum."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, axis: MeshAxis) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, axis: MeshAxis, anchor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.axis = axis
         return summed(local, axis)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        return summed_op(grad, ctx.axis), None
+        return summed_op(grad, ctx.axis), None, None
 
 
-summed_op = differentiable(_AllReduce, summed)
+summed_op = collective_op(_AllReduce, summed)
 
 
 def all_reduce(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
@@ -46,7 +47,8 @@ def all_reduce(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
     Backward: all-reduce (sum) of the incoming gradients: a ``Replicate``
     tensor's gradient is ``Partial`` (DESIGN.md §4), so the gradient of each
     summand is the sum of every rank's gradient. A Megatron-style "identity
-    backward" all-reduce is a different op and is not this one.
+    backward" all-reduce is a different op and is not this one. The backward is
+    recorded on every rank whenever grad mode is on (``spmdmoe.autograd``).
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()

@@ -1,28 +1,33 @@
 """``all_to_all``: Varying rows with per-destination counts -> Varying (EP dispatch/combine).
 
 Sync mode: split sizes must be host ints for ``all_to_all_single``. When only
-device-side counts exist, :func:`exchange_counts` exchanges them on device
-(one small ``all_to_all_single``) and then makes ONE explicit host transfer of
-both send and receive splits (counted by ``host_sync_count``). A sync-free
-path with a static capacity comes later.
+device-side counts exist, they are exchanged on device (one small
+``all_to_all_single``) and then read back with ONE explicit host transfer of
+both send and receive splits (``spmdmoe.host.to_host``, counted). Problems
+with the counts travel in the same exchange (agreement mode (a), see
+``spmdmoe.agreement``), so a bad input on one rank raises on every rank with no
+extra collective. A sync-free path with a static capacity comes later.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .._dist import all_reduce as _dist_all_reduce
 from .._dist import all_to_all_single
+from ..agreement import BIT, Field, Found, agree, problems_error
+from ..autograd import collective_op
+from ..host import to_host
 from ..types.checks import checks_enabled
-from ..types.errors import SPMDLayoutError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Varying
 from ..types.tensor import SPMDTensor
-from ._common import differentiable, expect, restore_dim, result, rows_view, to_host
+from ._common import expect, restore_dim, result, rows_view
 
 Counts = Union[Sequence[int], torch.Tensor]
+_WIDTH = Field("count width (counts per destination)", fix="every rank must pass counts of the same shape")
 
 
 def exchanged(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int) -> torch.Tensor:
@@ -37,66 +42,28 @@ class _AllToAll(torch.autograd.Function):
     """The exchange; backward is the exchange with send and receive splits swapped."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int,  # type: ignore[override]
+                anchor: torch.Tensor) -> torch.Tensor:
         ctx.meta = (send, recv, axis, dim)
         return exchanged(local, send, recv, axis, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         send, recv, axis, dim = ctx.meta
-        return exchanged_op(grad, recv, send, axis, dim), None, None, None, None
+        return exchanged_op(grad, recv, send, axis, dim), None, None, None, None, None
 
 
-exchanged_op = differentiable(_AllToAll, exchanged)
-
-
-def exchange_counts(
-    send_counts: torch.Tensor, mesh: MeshLike, *, rows: Optional[int] = None
-) -> tuple[list[int], list[int]]:
-    """Device-side count exchange, then ONE host transfer: ``(send, recv)`` as flat host lists.
-
-    ``send_counts`` is an int tensor of shape ``(n,)``, or ``(n, k)`` for ``k``
-    counts per destination (e.g. per local expert); the returned ``recv`` has
-    the same layout with ``recv[src]`` what rank ``src`` sends here. Problems
-    are checked on device and travel with the counts, so a bad input on one
-    rank (wrong leading size, a negative count, counts that do not sum to
-    ``rows``) raises ``SPMDLayoutError`` on every rank, with no extra
-    collective and no extra sync.
-    """
-    axis = mesh_axis(mesh)
-    n = axis.size
-    counts = send_counts.to(device=axis.metadata_device(), dtype=torch.int64)
-    if counts.dim() >= 1 and counts.shape[0] == n:
-        flat = counts.reshape(n, -1)
-        bad = (flat < 0).any()
-        if rows is not None:
-            bad = bad | (flat.sum() != rows)
-        code: Union[int, torch.Tensor] = bad.to(torch.int64)
-    else:  # wrong shape: still take part, with the error flag set
-        width = counts[0].numel() if counts.dim() >= 1 and counts.shape[0] > 0 else 1
-        flat, code = torch.zeros((n, width), dtype=torch.int64, device=counts.device), 2
-    send, recv, codes = exchange_with_codes(flat, code, axis)
-    if any(codes):
-        bad_ranks = [r for r, c in enumerate(codes) if c]
-        own = ""
-        if codes[axis.rank] == 2:
-            own = f"; this rank's send_counts have shape {tuple(send_counts.shape)}, expected leading size {n}"
-        elif codes[axis.rank]:
-            own = f"; this rank's send_counts {send} (rows to send: {rows})"
-        raise SPMDLayoutError(
-            f"rank {axis.rank}: exchange_counts rejected the send counts of ranks {bad_ranks}: "
-            f"counts must be non-negative, one row per destination, summing to the rows sent{own}"
-        )
-    return send, recv
+exchanged_op = collective_op(_AllToAll, exchanged)
 
 
 def exchange_with_codes(
     counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
 ) -> tuple[list[int], list[int], list[int]]:
-    """One ``all_to_all_single`` of ``(n, W)`` counts plus a problem code, one host transfer.
+    """Agreement mode (a): one ``all_to_all_single`` of ``(n, W)`` counts plus a problem-bits column, one host read.
 
-    Returns this rank's flat send counts, the flat received counts (``W`` per
-    source, source-major) and every rank's code (the same list on every rank),
+    ``W`` must be the same on every rank (a fact the caller has agreed). Returns
+    this rank's flat send counts, the flat received counts (``W`` per source,
+    source-major) and every rank's problem bits (the same list on every rank),
     so callers raise together without another collective.
     """
     n, width = counts_nW.shape
@@ -108,6 +75,60 @@ def exchange_with_codes(
     mine, theirs = to_host(torch.stack([payload, received]))
     codes = [row[width] for row in theirs]
     return [c for r in mine for c in r[:width]], [c for r in theirs for c in r[:width]], codes
+
+
+def _exchange(send_counts: torch.Tensor, axis: MeshAxis, rows: Optional[int], width: int, op: str,
+              bad: Optional[str] = None) -> tuple[list[int], list[int]]:
+    """The count exchange at an agreed ``width``; a rank whose counts have another shape (or ``bad``,
+    a problem its caller found) takes part with zeros and its problem bit set."""
+    n = axis.size
+    counts = send_counts.to(device=axis.metadata_device(), dtype=torch.int64)
+    if bad is None and counts.numel() == n * width and counts.dim() >= 1 and counts.shape[0] == n:
+        flat = counts.reshape(n, width)
+        bad = (flat < 0).any()
+        if rows is not None:
+            bad = bad | (flat.sum() != rows)
+        code: Union[int, torch.Tensor] = bad.to(torch.int64) * BIT["counts"]
+        detail = f"rank {axis.rank}: send counts {{send}} must be non-negative and sum to the rows sent ({rows})"
+    else:
+        flat, code = torch.zeros((n, width), dtype=torch.int64, device=counts.device), BIT["counts"]
+        detail = bad or (f"rank {axis.rank}: send counts of shape {tuple(send_counts.shape)}, expected ({n},"
+                         f"{'' if width == 1 else f' {width}'}) (one row per destination rank)")
+    send, recv, codes = exchange_with_codes(flat, code, axis)
+    if any(codes):
+        raise problems_error(op, codes, [detail.format(send=send)] if codes[axis.rank] else [])  # type: ignore[misc]
+    return send, recv
+
+
+def exchange_counts(
+    send_counts: torch.Tensor, mesh: MeshLike, *, rows: Optional[int] = None
+) -> tuple[list[int], list[int]]:
+    """Device-side count exchange, then ONE host transfer: ``(send, recv)`` as flat host lists.
+
+    ``send_counts`` is an int tensor of shape ``(n,)``, or ``(n, k)`` for ``k``
+    counts per destination (e.g. per local expert); the returned ``recv`` has
+    the same layout with ``recv[src]`` what rank ``src`` sends here. Problems
+    travel with the counts, so a bad input on one rank (a negative count,
+    counts that do not sum to ``rows``, a wrong leading size) raises
+    ``SPMDLayoutError`` on every rank, with no extra collective and no extra
+    sync. The width ``k`` decides the size of the exchange, so it is agreed
+    first: with checks on, one more tiny all-gather and host read (mode (b)),
+    which makes counts of different shapes on different ranks an error on
+    every rank rather than a size mismatch inside the collective. With checks
+    off the width is trusted. A fixed-width caller (the MoE layer, whose width
+    ``e`` was agreed at ``parallelize_moe``) uses the exchange directly.
+    """
+    axis = mesh_axis(mesh)
+    n = axis.size
+    shaped = send_counts.dim() >= 1 and send_counts.shape[0] == n
+    width = send_counts[0].numel() if shaped else -1
+    if checks_enabled():
+        found = Found()
+        if not shaped:
+            found.add("counts", f"rank {axis.rank}: send counts of shape {tuple(send_counts.shape)}, "
+                                f"expected leading size {n} (one row per destination rank)")
+        agree("exchange_counts", axis, found, [(_WIDTH, width)])
+    return _exchange(send_counts, axis, rows, max(width, 1), "exchange_counts")
 
 
 def all_to_all(
@@ -122,19 +143,22 @@ def all_to_all(
     Per rank: one ``all_to_all_single`` of the rows, received source-major
     (``recv_counts[src]`` rows from each ``src``). No padding.
 
-    Counts: host lists are used as given. Without ``recv_counts`` (or with
-    ``send_counts`` as a device tensor) they are exchanged on device and read
-    back with one explicit host transfer (:func:`exchange_counts`).
+    Counts: host lists (Python or NumPy ints) are used as given. Without
+    ``recv_counts`` (or with ``send_counts`` as a device tensor of shape
+    ``(n,)``) they are exchanged on device and read back with one explicit host
+    transfer (:func:`exchange_counts`' exchange, without its width agreement:
+    the width is 1).
 
     Checks: count lists of the wrong length, negative counts, or a
     ``send_counts`` sum that is not this rank's row count raise
     ``SPMDLayoutError`` on every rank together. When counts are exchanged this
     rides along with the exchange (always on, free); with both host lists given
-    and checking on, it costs one tiny all-reduce and one sync. A
+    and checking on, it costs one tiny all-gather and one sync. A
     ``recv_counts`` that does not match what the peers send is the caller's
     contract (``exchange_counts`` produces matching ones).
 
-    Backward: the reverse all_to_all (send and receive splits swapped).
+    Backward: the reverse all_to_all (send and receive splits swapped),
+    recorded on every rank whenever grad mode is on.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -144,33 +168,45 @@ def all_to_all(
     """
     expect(x, "all_to_all", (Varying,), mesh)
     axis, dim = x.axis, x.token_dim
-    if isinstance(send_counts, torch.Tensor) or recv_counts is None:
-        counts = send_counts if isinstance(send_counts, torch.Tensor) else torch.tensor(list(send_counts))
-        send, recv = exchange_counts(counts, axis, rows=x.local_tokens)
+    if isinstance(send_counts, torch.Tensor):
+        send, recv = _exchange(send_counts, axis, x.local_tokens, 1, "all_to_all")
+    elif recv_counts is None:
+        host = _ints(send_counts)
+        bad = _count_problem(host, axis.size, "send_counts")
+        counts = torch.zeros(0, dtype=torch.int64) if bad else torch.tensor(host, dtype=torch.int64)
+        send, recv = _exchange(counts, axis, x.local_tokens, 1, "all_to_all", bad and f"rank {axis.rank}: {bad}")
     else:
-        send, recv = list(send_counts), list(recv_counts)
+        send, recv = _ints(send_counts), _ints(recv_counts)
         if checks_enabled():
             _check_host_counts(send, recv, x.local_tokens, axis)
     return result(x, exchanged_op(x.local, send, recv, axis, dim), Varying())
 
 
+def _ints(counts: Sequence[Any]) -> list[Any]:
+    """Counts as Python ints where they are ints of any kind (NumPy too); others are left for the check."""
+    out = []
+    for c in counts:
+        try:
+            out.append(c if isinstance(c, bool) else operator.index(c))
+        except TypeError:
+            out.append(c)
+    return out
+
+
 def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAxis) -> None:
-    """Collective verdict on caller-given host counts (one tiny all-reduce, one sync)."""
+    """Collective verdict on caller-given host counts (agreement mode (b): one tiny all-gather, one sync)."""
     problem = (
         _count_problem(send, axis.size, "send_counts")
         or _count_problem(recv, axis.size, "recv_counts")
         or (None if sum(send) == rows else f"send_counts sum to {sum(send)} but this rank has {rows} rows")
     )
-    flags = torch.zeros(axis.size, dtype=torch.int32, device=axis.metadata_device())
-    flags[axis.rank] = problem is not None
-    _dist_all_reduce(flags, group=axis.group)
-    bad = [r for r, f in enumerate(to_host(flags)) if f]
-    if bad:
-        mine = f"; this rank: {problem}" if problem else ""
-        raise SPMDLayoutError(f"rank {axis.rank}: all_to_all rejected the counts of ranks {bad}{mine}")
+    found = Found()
+    if problem:
+        found.add("counts", f"rank {axis.rank}: {problem}")
+    agree("all_to_all", axis, found)
 
 
-def _count_problem(counts: Sequence[int], n: int, what: str) -> Optional[str]:
+def _count_problem(counts: Sequence[Any], n: int, what: str) -> Optional[str]:
     if len(counts) != n:
         return f"{what} needs {n} entries (one per rank), found {len(counts)}"
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):

@@ -29,9 +29,8 @@ from ..types.mesh import MeshLike
 from ..types.placement import Partial, Placement, Replicate, Shard, Varying
 from ..types.tensor import SPMDTensor
 from ._common import expect, result
-from .allgather import all_gather
 from .allreduce import all_reduce
-from .reducescatter import reduce_scatter
+from .gather_scatter import all_gather, reduce_scatter
 
 
 def _chunk(x: SPMDTensor, dst: Placement) -> SPMDTensor:

@@ -5,17 +5,26 @@ Legend: ``T`` tokens this rank holds, ``E`` experts, ``K`` top-k.
 Counting rule: every rank counts only the valid tokens it *holds* (its own
 rows; in gather mode the rows that came from it), so the sum over the layer's
 "load axes" (the distinct token holders: the SP axis and the EP axis, once
-each when they are the same group) counts every token exactly once. Counts
-taken while autograd recomputes a checkpointed forward are not accumulated a
-second time.
+each when they are the same group, and the DP axis) counts every token exactly
+once. Counts are taken in training mode only, and they are added to the
+counter by the *backward* of the forward that routed them
+(:func:`count_on_backward`): a forward's backward runs once per training use,
+so evaluation (``eval()``, ``torch.no_grad()``) counts nothing, and activation
+checkpointing counts once whether it recomputes the forward (non-reentrant) or
+runs its first pass without grad (reentrant). No host sync: counts come from a
+fixed-size ``scatter_add_`` (``torch.bincount`` syncs twice on CUDA).
 
 * ``tokens_per_expert`` (int64 buffer, not saved): this rank's counts since
   the last :func:`update_expert_bias`.
 * :func:`update_expert_bias`: sums the counts over the load axes (one
   ``all_reduce`` each; every rank of them must call it), then the DeepSeek-V3
-  sign update ``bias += coeff * sign(mean(load) - load)`` (centred). The
-  summed counts are the same integers on every rank, so ``expert_bias`` stays
-  bitwise identical everywhere.
+  sign update ``bias += coeff * sign(mean(load) - load)`` (centred), in fp32
+  (``expert_bias`` stays fp32 whatever the module's dtype). The summed counts
+  are the same integers on every rank, so ``expert_bias`` stays bitwise
+  identical everywhere. The all-reduce also carries every rank's sticky
+  problem flag (``spmdmoe.agreement``, mode (c)); the update reads it back
+  (one host sync per call) and raises on every rank if any rank recorded a
+  problem during the step, before touching the bias.
 * aux loss ``coeff * E * sum_e f_e * P_e``, per batch (the layer's "aux
   axes": the SP axis, which one batch spans; not EP when it carries separate
   batches, not DP, as in torchtitan and Megatron's default): ``f_e`` the
@@ -23,29 +32,55 @@ second time.
   gradient), ``P_e`` the mean score of ``e`` over the batch's tokens. Each
   rank's value uses its own tokens' scores in ``P_e``, so the values of a
   batch's ranks sum to the single-device aux loss of that batch, and so do
-  their gradients.
+  their gradients. Training mode only.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from .._dist import all_reduce
+from ..agreement import ProblemFlag
+from ..autograd import ANCHOR
+from ..host import to_host
 from ..types.mesh import MeshAxis
 
-__all__ = ["count_tokens", "in_recompute", "reduce_counts", "aux_loss", "update_expert_bias"]
-
-
-def in_recompute() -> bool:
-    """True while autograd's engine runs this forward (activation-checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
+__all__ = ["count_tokens", "count_on_backward", "reduce_counts", "aux_loss", "update_expert_bias"]
 
 
 def count_tokens(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Routed copies per expert (int64, on the ids' device)."""
-    return torch.bincount(ids_TK.reshape(-1), minlength=num_experts)
+    """Routed copies per expert (int64, on the ids' device): a fixed-size scatter-add, no host sync."""
+    ids_N = ids_TK.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
+    return counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
+
+
+class _CountOnBackward(torch.autograd.Function):
+    """Identity on the routing weights; the backward adds this forward's counts to the layer's counter."""
+
+    @staticmethod
+    def forward(ctx: Any, weights_TK: torch.Tensor, counts_E: torch.Tensor, layer: Any,  # type: ignore[override]
+                anchor: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(counts_E)
+        ctx.layer = layer
+        return weights_TK.view_as(weights_TK)
+
+    @staticmethod
+    def backward(ctx: Any, grad_TK: torch.Tensor) -> Any:  # type: ignore[override]
+        (counts_E,) = ctx.saved_tensors
+        ctx.layer.tokens_per_expert.add_(counts_E)
+        return grad_TK, None, None, None
+
+
+def count_on_backward(weights_TK: torch.Tensor, counts_E: torch.Tensor, layer: Any) -> torch.Tensor:
+    """``weights_TK`` unchanged; once its backward runs, ``counts_E`` is added to ``layer.tokens_per_expert``.
+
+    Recorded whenever grad mode is on (``spmdmoe.autograd.ANCHOR``), also for a
+    frozen router; the caller decides on training mode.
+    """
+    return _CountOnBackward.apply(weights_TK, counts_E, layer, ANCHOR)
 
 
 def reduce_counts(counts_E: torch.Tensor, axes: Sequence[MeshAxis]) -> torch.Tensor:
@@ -66,10 +101,25 @@ def aux_loss(scores_TE: torch.Tensor, total_counts_E: torch.Tensor, top_k: int, 
 
 @torch.no_grad()
 def update_expert_bias(
-    expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor, coeff: float, axes: Sequence[MeshAxis]
+    expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor, coeff: float, axes: Sequence[MeshAxis],
+    problems: ProblemFlag,
 ) -> torch.Tensor:
-    """Apply the sign update from the counts summed over ``axes``; reset the counts; return the sums."""
-    load = reduce_counts(tokens_per_expert, axes).to(torch.float32)
+    """Apply the sign update from the counts summed over ``axes``; reset the counts; return the sums.
+
+    One all-reduce per axis of ``E + world_size`` int64 (the counts and every
+    rank's sticky ``problems`` flag of this layer) and one host read of the
+    flags: if any rank of the axes recorded a problem, the counts are dropped
+    and every rank raises.
+    """
+    E = tokens_per_expert.numel()
+    payload = torch.cat([tokens_per_expert.to(torch.int64), problems.slots(tokens_per_expert.device)])
+    for axis in axes:
+        all_reduce(payload, group=axis.group)
+    slots = to_host(payload[E:])
+    if any(slots):
+        tokens_per_expert.zero_()
+        problems.raise_slots("update_expert_bias (problems recorded during the step)", slots)
+    load = payload[:E].to(torch.float32)
     delta = coeff * torch.sign(load.mean() - load)
     expert_bias.add_((delta - delta.mean()).to(expert_bias.dtype))
     tokens_per_expert.zero_()

@@ -38,7 +38,7 @@ from torch.distributed.tensor import Shard as DShard
 from ..types.errors import SPMDLayoutError
 from ..types.layout import contiguous_strides
 from ..types.mesh import MeshAxis
-from ..types.product import world_rows
+from ..agreement import exchange_rows
 
 __all__ = ["to_torchtitan", "install_hooks", "ExpertLayout", "grid_mesh"]
 
@@ -78,7 +78,7 @@ class ExpertLayout:
 def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:
     """The 2-D ``(ep, sp)`` mesh of this rank's block (one all-gather over the world; all ranks call it)."""
     row = [dist.get_rank(), ep.rank, sp.rank, min(dist.get_process_group_ranks(sp.group))]
-    rows = world_rows(row, ep.metadata_device())
+    rows = exchange_rows(None, row)
     my_ep = set(dist.get_process_group_ranks(ep.group))
     sp_ids = {r[3] for r in rows if r[0] in my_ep}
     grid = torch.empty(ep.size, sp.size, dtype=torch.int64)

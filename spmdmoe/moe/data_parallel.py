@@ -52,7 +52,8 @@ def grad_reductions(model: nn.Module) -> Reductions:
     """Per parameter name of ``model`` (that needs a gradient): its :class:`GradReduction`.
 
     Parameters of :class:`ParallelMoE` submodules follow
-    :meth:`ParallelMoE.grad_reductions`; every other parameter is treated as
+    :meth:`ParallelMoE.batch_reductions` (routed experts: the experts'
+    reduction, the rest: the dense one); every other parameter is treated as
     dense (replicated over all batch axes). Every MoE layer must have the same
     batch axes. Collective over the world on the first call; call it on every
     rank, before wrapping (names are the unwrapped model's).
@@ -80,8 +81,9 @@ def grad_reductions(model: nn.Module) -> Reductions:
             )
     out: Reductions = {}
     for prefix, layer in layers:
-        for name, red in layer.grad_reductions().items():
-            out[f"{prefix}.{name}" if prefix else name] = red
+        dense_red, experts_red = layer.batch_reductions()
+        for name, _ in layer.named_parameters():
+            out[f"{prefix}.{name}" if prefix else name] = experts_red if name.startswith("experts.") else dense_red
     dense = layers[0][1].batch_reductions()[0]
     return {name: out.get(name, dense) for name, p in model.named_parameters() if p.requires_grad}
 

@@ -11,29 +11,49 @@ Interface (DESIGN.md §5.1)::
 
 ``LocalTransport`` (no EP: every expert is local) and ``AllToAllTransport``
 (EP, sync mode) share the sort and the gathers of ``permute.py``; which one a
-layer uses follows from the meshes it was given. ``problem`` is a device int
-(0 = fine) that travels with the all-to-all count exchange, so a bad input on
-one rank raises on every rank of the EP group (code 1: NaN router logits,
-code 2: wrong model dim), with no extra collective or sync.
+layer uses follows from the meshes it was given.
+
+``problem``: this rank's problem bits for the forward (``spmdmoe.agreement``:
+a bad input, non-finite router logits). ``AllToAllTransport`` carries them in
+its count exchange (mode (a)): when its EP axis spans every rank the layer
+talks to, every rank raises right there; otherwise each rank records its own
+bits in the sticky flag (mode (c)) and the step goes on, so that no rank
+leaves a peer waiting, and the step boundary raises everywhere.
+``LocalTransport`` has no exchange: it records (mode (c)).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import torch
 
+from ..agreement import ProblemFlag, problems_error
 from ..collectives.alltoall import exchanged_op, exchange_with_codes
-from ..types.errors import SPMDRoutingError, SPMDShapeError
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
 from .permute import gather_rows, sort_by_expert, weighted_combine
 
-__all__ = ["LocalTransport", "AllToAllTransport", "NAN_LOGITS", "BAD_DIM"]
+__all__ = ["LocalTransport", "AllToAllTransport", "Problem"]
 
-NAN_LOGITS, BAD_DIM = 1, 2
-Problem = Union[int, torch.Tensor]
+
+@dataclass
+class Problem:
+    """This rank's problem bits for one forward and the details only it can write.
+
+    ``bits`` is a host int, or a device int64 scalar once a device-side check
+    (non-finite logits) joined: reading it would sync, so only the transports
+    move it (into an exchange or the sticky flag).
+    """
+
+    bits: Union[int, torch.Tensor] = 0
+    details: list[str] = field(default_factory=list)
+    flag: Optional[ProblemFlag] = None  # where the bits are recorded when they are not raised at once
+
+    def record(self, bits: Union[int, torch.Tensor], device: torch.device) -> None:
+        if self.flag is not None:
+            self.flag.record(bits, device, self.details)
 
 
 @dataclass(frozen=True)
@@ -51,14 +71,17 @@ def _fan_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tupl
 
 
 class LocalTransport:
-    """Every expert lives on this rank: sort, group, and un-sort. No communication, no sync."""
+    """Every expert lives on this rank: sort, group, and un-sort. No communication, no sync.
 
-    carries_problems = False  # no exchange for a problem code to ride on
+    ``problem`` bits are recorded in the layer's sticky flag (``spmdmoe.agreement.ProblemFlag``).
+    """
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Problem = 0) -> RoutedTokens:
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None) -> RoutedTokens:
+        if problem is not None:
+            problem.record(problem.bits, x_TD.device)
         x_ND, counts_E, srt = _fan_out(x_TD, ids_TK, self.num_experts)
         offsets = counts_E.cumsum(0).to(torch.int32)
         return RoutedTokens(x_ND, offsets, x_ND.shape[0], None, srt)
@@ -81,28 +104,35 @@ class AllToAllTransport:
     """Expert parallel over ``axis``: experts are contiguous blocks of ``e = E / n`` per rank.
 
     Dispatch: stable sort by expert (so rows are grouped by destination too),
-    exchange the ``(n, e)`` counts with one ``all_to_all_single`` plus ONE
-    explicit host transfer (the documented sync of sync mode, counted by
-    ``spmdmoe.collectives.host_sync_count``), ``all_to_all_single`` of the
-    rows, then a device gather from source-major to expert-major order.
+    exchange the ``(n, e)`` counts and every rank's problem bits with one
+    ``all_to_all_single`` plus ONE explicit host transfer (the documented sync
+    of sync mode, counted by ``spmdmoe.host.host_sync_count``),
+    ``all_to_all_single`` of the rows, then a device gather from source-major
+    to expert-major order. ``raises``: whether a problem reported by any rank
+    raises at the exchange (the axis spans every rank the layer talks to) or is
+    recorded for the step boundary (see the module docstring).
     Combine: the inverse gather, the reverse all-to-all, and the weighted
     gather-sum over the K copies. Backward: the same moves reversed (gathers,
     never scatter-adds). Zero rows anywhere are fine.
     """
 
-    carries_problems = True  # the count exchange carries each rank's problem code
-
-    def __init__(self, axis: MeshAxis, num_experts: int):
+    def __init__(self, axis: MeshAxis, num_experts: int, raises: bool = True):
         self.axis = axis
         self.num_experts = num_experts
         self.local_experts = num_experts // axis.size
+        self.raises = raises
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Problem = 0) -> RoutedTokens:
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None) -> RoutedTokens:
+        problem = problem or Problem()
         n, e = self.axis.size, self.local_experts
         x_ND, counts_E, srt = _fan_out(x_TD, ids_TK, self.num_experts)
         counts = counts_E.view(n, e).to(self.axis.metadata_device())
-        send_flat, recv_flat, codes = exchange_with_codes(counts, problem, self.axis)
-        _raise_for(codes, self.axis)
+        send_flat, recv_flat, codes = exchange_with_codes(counts, problem.bits, self.axis)
+        if any(codes):
+            mine = codes[self.axis.rank]
+            if self.raises:
+                raise problems_error("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)  # type: ignore[misc]
+            problem.record(mine, x_TD.device)
         send = [sum(send_flat[r * e : (r + 1) * e]) for r in range(n)]
         recv = [sum(recv_flat[r * e : (r + 1) * e]) for r in range(n)]
         x_recv = exchanged_op(x_ND, send, recv, self.axis, 0)
@@ -142,26 +172,3 @@ def _expert_major(recv_flat: list[int], n: int, e: int, device: torch.device) ->
         table[:segments], table[segments : 2 * segments], output_size=at
     )
     return perm, table[2 * segments :].to(torch.int32), sizes
-
-
-def _raise_for(codes: list[int], axis: MeshAxis) -> None:
-    """Raise on every rank when any rank reported a problem with its input."""
-    if not any(codes):
-        return
-    shape_bad = [r for r, c in enumerate(codes) if c & BAD_DIM]
-    nan_bad = [r for r, c in enumerate(codes) if c & NAN_LOGITS]
-    if shape_bad:
-        raise SPMDShapeError(
-            f"rank {axis.rank}: MoE input on EP ranks {shape_bad} does not have the layer's model dim "
-            "(see that rank's input shape); every rank must pass (tokens, dim) rows"
-        )
-    raise SPMDRoutingError(
-        f"rank {axis.rank}: router logits contain NaN on EP ranks {nan_bad}; the tokens cannot be "
-        "routed. Check the inputs and the gate weights of those ranks (e.g. torch.autograd.detect_anomaly, "
-        "a lower learning rate, or gradient clipping)"
-    )
-
-
-def nan_code(logits_TE: torch.Tensor) -> torch.Tensor:
-    """A device int that is ``NAN_LOGITS`` when any logit is NaN (no host sync)."""
-    return torch.isnan(logits_TE).any().to(torch.int64) * NAN_LOGITS

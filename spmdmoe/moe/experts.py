@@ -72,8 +72,18 @@ class SharedExperts(nn.Module):
 def grouped_swiglu(
     routed: RoutedTokens, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor
 ) -> torch.Tensor:
-    """``y_RD`` for the routed rows: three grouped GEMMs with the device offsets."""
+    """``y_RD`` for the routed rows: three grouped GEMMs with the device offsets.
+
+    A rank whose slice of the hidden dim is empty (tensor-parallel experts with
+    ``F < n`` or ``F % n`` leaving the last ranks none, by the chunk rule)
+    contributes zeros, through GEMMs with an empty inner dim, so its weights
+    and rows still get (zero) gradients and every backward collective runs.
+    """
     x_RD, offs, sizes = routed.x_RD, routed.group_offsets, routed.group_sizes
+    if w1_eFD.shape[1] == 0:
+        D = x_RD.shape[1]
+        h_R0 = F.silu(x_RD @ w1_eFD.reshape(0, D).T) * (x_RD @ w3_eFD.reshape(0, D).T)
+        return h_R0 @ w2_eDF.transpose(1, 2).reshape(0, D)
     h_RF = F.silu(grouped_mm(x_RD, w1_eFD, offs, sizes)) * grouped_mm(x_RD, w3_eFD, offs, sizes)
     return grouped_mm(h_RF, w2_eDF, offs, sizes)
 

@@ -1,6 +1,7 @@
 """The grouped GEMM seam: ``y[rows of group g] = x[rows] @ w[g].T``.
 
-Legend: ``M`` rows, ``K`` reduction dim, ``N`` output dim, ``e`` groups.
+Legend: ``M`` rows, ``I`` input (reduction) dim, ``O`` output dim, ``e`` groups
+(not ``K``/``N``: in MoE code those are top-k and routed copies).
 
 On aligned shapes this is ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``
 on torch 2.11) with the device-resident group offsets: no host sync, no
@@ -18,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..collectives._common import to_host
+from ..host import to_host
 
 __all__ = ["grouped_mm", "native_grouped_mm_ok"]
 
@@ -42,20 +43,20 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def native_grouped_mm_ok(x_MK: torch.Tensor, w_eNK: torch.Tensor) -> bool:
+def native_grouped_mm_ok(x_MI: torch.Tensor, w_eOI: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes these operands (dtype and 16-byte strides)."""
-    size = x_MK.element_size()
+    size = x_MI.element_size()
     return (
         _native is not None
-        and x_MK.dtype in _DTYPES
-        and w_eNK.dtype == x_MK.dtype
-        and (w_eNK.shape[-1] * size) % 16 == 0
-        and (w_eNK.shape[-2] * size) % 16 == 0
+        and x_MI.dtype in _DTYPES
+        and w_eOI.dtype == x_MI.dtype
+        and (w_eOI.shape[-1] * size) % 16 == 0
+        and (w_eOI.shape[-2] * size) % 16 == 0
     )
 
 
 def grouped_mm(
-    x_MK: torch.Tensor, w_eNK: torch.Tensor, offsets_e: torch.Tensor, sizes: Optional[list[int]] = None
+    x_MI: torch.Tensor, w_eOI: torch.Tensor, offsets_e: torch.Tensor, sizes: Optional[list[int]] = None
 ) -> torch.Tensor:
     """Rows ``[offsets[g-1], offsets[g])`` of ``x`` times ``w[g].T``; differentiable.
 
@@ -63,16 +64,16 @@ def grouped_mm(
     ``M`` (rows past it would be left uninitialised by torch's kernel).
     ``sizes``: the group sizes on the host, if known (used by the fallback).
     """
-    if native_grouped_mm_ok(x_MK, w_eNK):
-        y_MN = _native(x_MK.contiguous(), w_eNK.transpose(-2, -1), offs=offsets_e)
-        return _ContiguousGrad.apply(y_MN) if y_MN.requires_grad else y_MN
+    if native_grouped_mm_ok(x_MI, w_eOI):
+        y_MO = _native(x_MI.contiguous(), w_eOI.transpose(-2, -1), offs=offsets_e)
+        return _ContiguousGrad.apply(y_MO) if y_MO.requires_grad else y_MO
     if sizes is None:
         ends = to_host(offsets_e)
         sizes = [b - a for a, b in zip([0, *ends[:-1]], ends)]
     parts, start = [], 0
     for g, rows in enumerate(sizes):  # empty groups too: their weight gradient is a zero, not None
-        parts.append(x_MK[start : start + rows] @ w_eNK[g].transpose(0, 1))
+        parts.append(x_MI[start : start + rows] @ w_eOI[g].transpose(0, 1))
         start += rows
     if not parts:
-        return x_MK.new_empty((0, w_eNK.shape[-2]))
+        return x_MI.new_empty((0, w_eOI.shape[-2]))
     return torch.cat(parts)

@@ -4,10 +4,16 @@ Legend: ``T`` tokens (valid rows only), ``D`` model dim, ``F`` expert hidden
 dim, ``E`` experts, ``e`` local experts, ``K`` top-k, ``R`` rows received by
 the local experts, ``S`` shared experts.
 
-Pipeline (DESIGN.md §5): route the valid rows -> count load -> dispatch
-(``RoutedTokens``) -> grouped SwiGLU experts -> combine (weighted gather-sum
-over the K copies). ``parallelize_moe`` runs the same pipeline with other
-weights (its slices, gradient-synced views) and another transport.
+Pipeline (``docs/design.md``, MoE data flow): route the valid rows -> count
+load (training only) -> dispatch (``RoutedTokens``) -> grouped SwiGLU experts
+-> combine (weighted gather-sum over the K copies). ``parallelize_moe`` runs
+the same pipeline with other weights (its slices, gradient-synced views) and
+another transport.
+
+Problems whose verdict could differ between ranks (input layout, width, dtype
+on one rank; non-finite router logits) are never raised here: they go to the
+transport as problem bits (``spmdmoe.agreement``), which either carries them
+in its count exchange or records them in the sticky flag.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from typing import Optional, Protocol
 import torch
 import torch.nn as nn
 
-from ..types.errors import SPMDShapeError
+from ..agreement import BIT, ProblemFlag
+from ..types.checks import checks_enabled
+from ..types.errors import SPMDDtypeError, SPMDShapeError
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
 from . import balance
 from .checkpoint import install_hooks
 from .config import MoEConfig
-from .dispatch import LocalTransport, nan_code
+from .dispatch import LocalTransport, Problem
 from .experts import GroupedExperts, SharedExperts
 from .router import Router
 
@@ -33,9 +41,7 @@ SHARED_WEIGHTS = ("shared_experts.w1.weight", "shared_experts.w2.weight", "share
 
 
 class Transport(Protocol):
-    carries_problems: bool  # whether dispatch's ``problem`` code reaches every rank
-
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: object = 0) -> RoutedTokens: ...
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None) -> RoutedTokens: ...
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor: ...
 
@@ -59,49 +65,82 @@ class _Layer(nn.Module):
         counts = torch.zeros(config.num_experts, dtype=torch.int64, device=expert_bias.device)
         self.register_buffer("tokens_per_expert", counts, persistent=False)
         self.aux_loss: Optional[torch.Tensor] = None
+        self.problems = ProblemFlag()  # problems recorded for the step boundary (spmdmoe.agreement)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """``expert_bias`` stays fp32 whatever ``.to()`` / ``.half()`` does (its ±coeff steps would round away)."""
+        bias = self._buffers.get("expert_bias")
+        out = super()._apply(fn, recurse)
+        moved = self._buffers.get("expert_bias")
+        if bias is not None and moved is not None and moved.dtype != torch.float32:
+            source = moved if bias.is_meta else bias
+            self._buffers["expert_bias"] = source.to(device=moved.device, dtype=torch.float32)
+        return out
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The dense parameters the pipeline reads (router, shared experts), by name.
 
-        The routed experts read their own parameters (``GroupedExperts.forward``).
+        The router gate comes cast to the router's dtype (``MoEConfig.router_dtype``,
+        fp32 by default), so its gradient is made in fp32 and rounded once. The
+        routed experts read their own parameters (``GroupedExperts.forward``).
         """
-        return {n: p for n, p in self.named_parameters() if not n.startswith("experts.")}
+        w = {n: p for n, p in self.named_parameters() if not n.startswith("experts.")}
+        if self.config.router_dtype == "float32":
+            w["router.gate.weight"] = w["router.gate.weight"].float()
+        return w
+
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layer computes in, and so expects its input in: its router gate's."""
+        return self.router.gate.weight.dtype
 
     def update_expert_bias(self) -> torch.Tensor:
         """Apply the aux-loss-free bias update and reset the counts; returns the summed load.
 
         Call it once per optimizer step (e.g. from an optimizer pre-step
-        hook), on every rank of the layer's load axes. Without
-        ``load_balance_coeff`` it only sums and resets the counts.
+        hook), on every rank of the layer's load axes, before the optimizer
+        step. Without ``load_balance_coeff`` it only sums and resets the
+        counts. It also raises, on every rank, any problem a rank recorded
+        during the step (``spmdmoe.agreement``: one host sync per call).
         """
         coeff = self.config.load_balance_coeff
-        return balance.update_expert_bias(self.expert_bias, self.tokens_per_expert, coeff or 0.0, self.load_axes)
+        return balance.update_expert_bias(self.expert_bias, self.tokens_per_expert, coeff or 0.0, self.load_axes,
+                                          self.problems)
 
     def expert_load(self) -> torch.Tensor:
         """Tokens per expert since the last update, summed over the load axes (a collective)."""
         return balance.reduce_counts(self.tokens_per_expert, self.load_axes)
 
-    def _rows(
+    def _pipeline(
         self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Transport, own: Optional[slice] = None,
-        problem: object = 0,
+        problem: Optional[Problem] = None,
     ) -> torch.Tensor:
-        """Route, count, dispatch, experts, combine. ``own``: the rows this rank holds (load counting)."""
+        """Route, count, dispatch, experts, combine. ``own``: the rows this rank holds (load counting).
+
+        ``problem``: this rank's problem bits so far; the router adds non-finite
+        logits of its own rows (checks on) and the transport carries or records them.
+        """
         cfg = self.config
         r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
-        own_ids = r.ids_TK if own is None else r.ids_TK[own]
-        counts_E = balance.count_tokens(own_ids, cfg.num_experts)
-        if not balance.in_recompute():
-            with torch.no_grad():
-                self.tokens_per_expert.add_(counts_E)
-        if cfg.aux_loss_coeff is not None:
-            total_E = balance.reduce_counts(counts_E, self.aux_axes)
-            own_scores = r.scores_TE if own is None else r.scores_TE[own]
-            self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff)
-        if transport.carries_problems:  # the isnan pass is only worth it where a flag can travel
-            problem = nan_code(r.logits_TE) | problem
+        weights_TK = r.weights_TK
+        if self.training:
+            own_ids = r.ids_TK if own is None else r.ids_TK[own]
+            counts_E = balance.count_tokens(own_ids, cfg.num_experts)
+            if torch.is_grad_enabled():
+                weights_TK = balance.count_on_backward(weights_TK, counts_E, self)
+            if cfg.aux_loss_coeff is not None:
+                total_E = balance.reduce_counts(counts_E, self.aux_axes)
+                own_scores = r.scores_TE if own is None else r.scores_TE[own]
+                self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff)
+        else:
+            self.aux_loss = None
+        problem = problem or Problem()
+        problem.flag = self.problems
+        if checks_enabled():
+            own_logits = r.logits_TE if own is None else r.logits_TE[own]
+            problem.bits = problem.bits | (~torch.isfinite(own_logits).all()).to(torch.int64) * BIT["nonfinite"]
         routed = transport.dispatch(h_TD, r.ids_TK, problem=problem)
         y_RD = self.experts(routed)
-        return transport.combine(y_RD, routed, r.weights_TK)
+        return transport.combine(y_RD, routed, weights_TK)
 
     def _plus_shared(self, out_TD: torch.Tensor, x_TD: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """``out_TD`` plus the shared experts of ``x_TD`` (when the layer has them)."""
@@ -119,9 +158,12 @@ class MoE(_Layer):
     ``shared_experts.w{1,2,3}.weight`` ((S·F, D), (D, S·F), (S·F, D)). Buffers:
     ``expert_bias`` (E,) (saved), ``tokens_per_expert`` (E,) (not saved).
     ``load_state_dict`` also takes torchtitan names and DTensors (see
-    ``spmdmoe.moe.checkpoint``).
+    ``spmdmoe.moe.checkpoint``). ``expert_bias`` stays fp32 under ``.to()``.
     Leading dims of ``x`` are flattened into tokens. With ``aux_loss_coeff``,
-    ``self.aux_loss`` holds the aux loss of the last forward (add it to the loss).
+    ``self.aux_loss`` holds the aux loss of the last training-mode forward
+    (add it to the loss); in eval mode it is ``None``. A non-finite router
+    logit is recorded and raised by :func:`spmdmoe.check_errors` or
+    :meth:`update_expert_bias` (``spmdmoe.agreement``).
 
     >>> import torch
     >>> from spmdmoe.moe import MoE, MoEConfig
@@ -156,16 +198,14 @@ class MoE(_Layer):
         D = self.config.dim
         if x.dim() == 0 or x.shape[-1] != D:
             raise SPMDShapeError(f"MoE expects (..., dim={D}) input, found shape {tuple(x.shape)}")
+        if x.dtype != self.compute_dtype():
+            raise SPMDDtypeError(
+                f"MoE computes in {self.compute_dtype()} (its parameters' dtype), found input of dtype {x.dtype}; "
+                f"cast the input (x.to({self.compute_dtype()})) or the layer (.to({x.dtype}))"
+            )
         x_TD = x.reshape(-1, D)
         w = self.weights()
-        out_TD = self._plus_shared(self._rows(x_TD, w, self.transport), x_TD, w)
+        out_TD = self._plus_shared(self._pipeline(x_TD, w, self.transport), x_TD, w)
         return out_TD.view(x.shape)
 
 
-def check_dim(x_TD: torch.Tensor, dim: int, rank: int) -> None:
-    """Raise ``SPMDShapeError`` unless ``x_TD`` is ``(tokens, dim)``."""
-    if x_TD.dim() != 2 or x_TD.shape[1] != dim:
-        raise SPMDShapeError(
-            f"rank {rank}: the MoE layer expects local rows of shape (tokens, dim={dim}), found "
-            f"{tuple(x_TD.shape)}; flatten the batch to (tokens, {dim}) before the layer"
-        )

@@ -8,9 +8,9 @@ by the local experts.
 plan                   forward                                    parameters
 =====================  =========================================  ============================
 ``sp`` local           each SP rank routes its own rows           experts whole (or EP block)
-``sp`` gather          all_gather over SP, TP experts, combine    experts: F split over SP
-                       into ``padded_global_tokens`` rows,
-                       reduce_scatter, + shared on local rows
+``sp`` gather          all_gather over SP, TP experts, combine,   experts: F split over SP
+                       reduce_scatter, + shared on local rows     (chunk rule; a rank may hold
+                                                                  no hidden unit)
 ``ep``                 all-to-all dispatch / combine over EP      experts: block of ``e``
 =====================  =========================================  ============================
 
@@ -21,8 +21,23 @@ it). A parameter replicated along the SP axis (router, shared experts;
 experts unless split along SP) has its fresh gradient summed over SP by
 :func:`spmdmoe.moe.sync_grads` at its use. What is left is the reduction
 across *batches* (``dp_mesh``, and the EP axis when it is not the SP axis):
-:meth:`ParallelMoE.grad_reductions` says, per parameter, over which group and
-divided by what; ``spmdmoe.moe.ddp`` and ``fully_shard_moe`` set DDP / FSDP2 up with it.
+:meth:`ParallelMoE.batch_reductions` says over which group and divided by
+what; ``spmdmoe.moe.ddp`` and ``fully_shard_moe`` set DDP / FSDP2 up with it.
+
+Every rank agrees (``spmdmoe.agreement``). ``parallelize_moe`` compares the
+config, plan and weights of every rank once (``plan.py``). Each forward then
+checks its input against that agreed layer, locally and for free: ``Shard(0)``
+on ``sp_mesh`` (or, without SP, a plain or ``Varying`` tensor), width ``D``,
+the layer's compute dtype, a device the axes can use. A rank whose input fails
+does NOT raise on its own: it stands in zero rows (in gather mode its chunk of
+zeros, at the ``T`` the SP axis agrees on) so that it issues exactly the
+collectives its peers issue, and returns zeros shaped like its input, linked
+to the layer's graph so its backward collectives run too. Its problem bits
+ride the EP count exchange: when the EP axis spans every rank the layer talks
+to (no other SP axis, no ``dp_mesh``), every rank raises there; otherwise the
+bits are recorded, and ``update_expert_bias`` / :func:`spmdmoe.check_errors`
+raise on every rank at the step boundary (before the optimizer step, so no
+weight ever sees the bad step). Without any axis a problem raises at once.
 """
 
 from __future__ import annotations
@@ -31,22 +46,23 @@ import copy
 from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 
+from .._dist import all_gather_single
+from ..agreement import Found, problems_error
 from ..collectives import all_gather, reduce_scatter
+from ..host import to_host
 from ..types import layout
-from ..types.construct import padded_empty
-from ..types.errors import MoEConfigError, SPMDLayoutError, SPMDMeshError
-from ..types.mesh import MeshAxis, MeshLike, mesh_axis
+from ..types.checks import checks_enabled
+from ..types.mesh import MeshAxis, MeshLike
 from ..types.placement import Partial, Shard, Varying
 from ..types.product import product_axis
 from ..types.tensor import SPMDTensor
 from .checkpoint import ExpertLayout, grid_mesh, install_hooks
-from .dispatch import BAD_DIM, AllToAllTransport, LocalTransport
+from .dispatch import AllToAllTransport, LocalTransport, Problem
 from .experts import GroupedExperts
-from .grads import sync_grads
-from .grads import GradReduction
-from .layer import MoE, _Layer, check_dim
+from .grads import GradReduction, sync_grads
+from .layer import MoE, _Layer
+from .plan import agree_plan
 
 __all__ = ["parallelize_moe", "ParallelMoE"]
 
@@ -75,55 +91,22 @@ def parallelize_moe(
     batches; orthogonal to the SP and EP axes). The forward does not use it;
     it joins the load-count reductions (``update_expert_bias`` and
     ``expert_load`` see the whole step's tokens, as one device would) and
-    :meth:`ParallelMoE.grad_reductions`. The aux loss is per batch: its counts
+    :meth:`ParallelMoE.batch_reductions`. The aux loss is per batch: its counts
     are summed over the SP axis only (the ranks one batch spans), and each
     rank's ``aux_loss`` is its share of its batch's aux loss.
 
-    Raises ``MoEConfigError``: ``E % ep != 0``, an unknown ``sp_mode``, gather mode
-    without ``sp_mesh``, with ``ep_mesh`` equal to ``sp_mesh``, or with fewer
-    hidden units than SP ranks. ``SPMDMeshError``: SP and EP axes that are
-    neither the same group nor orthogonal, a DP axis not orthogonal to both.
+    A collective over the default group (every rank calls it, for the same
+    layers in the same order): the config, plan and weights are compared
+    across ranks (``spmdmoe.moe.plan``) and every rank raises the same error if
+    any rank's differ. Raises ``MoEConfigError``: configs, plans or weights that
+    differ between ranks, ``E % ep != 0``, an unknown ``sp_mode``, gather mode
+    without ``sp_mesh`` or with ``ep_mesh`` equal to ``sp_mesh``, a layer that is
+    already parallel. ``SPMDMeshError``: a mesh that is not one axis, SP and EP
+    axes that are neither the same group nor orthogonal, a DP axis not
+    orthogonal to both.
     """
-    sp, ep, dp = (None if m is None else mesh_axis(m) for m in (sp_mesh, ep_mesh, dp_mesh))
-    _check_plan(moe, sp, ep, dp, sp_mode)
+    sp, ep, dp = agree_plan(moe, sp_mesh, ep_mesh, dp_mesh, sp_mode, MoE)
     return ParallelMoE(moe, sp, ep, sp_mode, dp)
-
-
-def _check_plan(moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis],
-                sp_mode: str) -> None:
-    cfg = moe.config
-    if sp_mode not in ("local", "gather"):
-        raise MoEConfigError(f"sp_mode must be 'local' or 'gather', found {sp_mode!r}")
-    if ep is not None and cfg.num_experts % ep.size:
-        raise MoEConfigError(
-            f"rank {ep.rank}: num_experts={cfg.num_experts} does not divide by the EP size {ep.size} "
-            f"({cfg.num_experts} % {ep.size} = {cfg.num_experts % ep.size}); use an EP size that divides E"
-        )
-    if sp_mode == "gather":
-        if sp is None:
-            raise MoEConfigError("sp_mode='gather' needs sp_mesh (the axis tokens are gathered over)")
-        if ep is not None and ep == sp:
-            raise MoEConfigError(
-                f"rank {sp.rank}: sp_mode='gather' splits the experts' hidden dim over sp_mesh, so EP "
-                "must be another axis (or None); for EP on the SP group use sp_mode='local'"
-            )
-        if cfg.hidden_dim < sp.size:
-            raise MoEConfigError(
-                f"rank {sp.rank}: gather mode splits hidden_dim={cfg.hidden_dim} over {sp.size} SP ranks; "
-                "each rank needs at least one hidden unit"
-            )
-    pairs = [("sp_mesh", sp, "ep_mesh", ep)] if sp != ep else []
-    pairs += [("dp_mesh", dp, name, a) for name, a in (("sp_mesh", sp), ("ep_mesh", ep))]
-    for name_a, a, name_b, b in pairs:
-        if a is None or b is None:
-            continue
-        shared = set(dist.get_process_group_ranks(a.group)) & set(dist.get_process_group_ranks(b.group))
-        if shared != {dist.get_rank()}:
-            same = "the same group or " if name_a == "sp_mesh" else ""
-            raise SPMDMeshError(
-                f"rank {dist.get_rank()}: {name_a} and {name_b} must be {same}orthogonal axes "
-                f"(e.g. two dims of one mesh); they share ranks {sorted(shared)}"
-            )
 
 
 def _expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
@@ -169,8 +152,13 @@ class ParallelMoE(_Layer):
             experts.w2.copy_(src.w2[experts_slice, :, hidden])
             experts.w3.copy_(src.w3[experts_slice, hidden])
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
-        self.transport = AllToAllTransport(ep, cfg.num_experts) if ep is not None and ep.size > 1 else LocalTransport(e)
         self.load_axes = tuple(a for i, a in enumerate((sp, ep, dp)) if a is not None and a not in (sp, ep)[:i])
+        if ep is not None and ep.size > 1:
+            # problems raise at the count exchange only when it reaches every rank the layer talks to
+            spans = all(a == ep or a.size == 1 for a in self.load_axes)
+            self.transport: Any = AllToAllTransport(ep, cfg.num_experts, raises=spans)
+        else:
+            self.transport = LocalTransport(e)
         self.aux_axes = () if sp is None else (sp,)
         install_hooks(self, _expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden))
         if sp is not None and sp.size > 1:
@@ -186,15 +174,6 @@ class ParallelMoE(_Layer):
         """Axes whose ranks hold different batches: ``dp_mesh``, and EP when it is not the SP axis."""
         axes = (self.dp, None if self.ep == self.sp else self.ep)
         return tuple(a for a in axes if a is not None and a.size > 1)
-
-    def grad_reductions(self) -> dict[str, GradReduction]:
-        """Per parameter name: the group its gradient must still be summed over, and the divide factor.
-
-        See :meth:`batch_reductions`; a collective over the world on the first call.
-        """
-        dense, experts = self.batch_reductions()
-        return {name: experts if name.startswith("experts.") else dense
-                for name, p in self.named_parameters() if p.requires_grad}
 
     def batch_reductions(self) -> tuple[GradReduction, GradReduction]:
         """``(dense, experts)``: what a dense parameter's and an expert's gradient still need.
@@ -226,63 +205,103 @@ class ParallelMoE(_Layer):
         return w
 
     def forward(self, x: Input) -> Input:
-        if self.sp is None:
-            return self._forward_batches(x)
-        x_TD = self._sp_rows(x)
-        assert isinstance(x, SPMDTensor)
+        found = Found()
+        x_TD = self._accept(x, found) if checks_enabled() else (x.local if isinstance(x, SPMDTensor) else x)
+        if found and all(a.size == 1 for a in self.load_axes):  # no peers to leave waiting
+            raise problems_error("MoE layer", [found.bits], found.details)  # type: ignore[misc]
+        problem = Problem(found.bits, found.details)
         w = self.weights()
-        if self.sp_mode == "local":
-            out_TD = self._rows(x_TD, w, self.transport)
+        if self.sp is not None and self.sp_mode == "gather":
+            out_TD = self._gathered(x, found, w, problem)
         else:
-            out_TD = self._gathered(x, w)
-        return x.with_local(self._plus_shared(out_TD, x_TD, w))
+            if found:  # stand in zero rows: the same collectives as the peers, nothing routed
+                x_TD = torch.zeros((0, self.config.dim), dtype=self.compute_dtype(), device=self.expert_bias.device)
+            out_TD = self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem), x_TD, w)
+        if found:
+            return _stand_in(x, out_TD)
+        return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD
 
-    def _gathered(self, x: SPMDTensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Gather mode: route all SP rows, TP experts, combine into the padded buffer, reduce-scatter."""
-        sp, T = x.axis, x.global_tokens
+    def _gathered(self, x: Input, found: Found, w: dict[str, torch.Tensor], problem: Problem) -> torch.Tensor:
+        """Gather mode: route all SP rows, TP experts, combine, reduce-scatter; + shared on the local rows."""
+        sp = self.sp
+        assert sp is not None
+        T = self._gather_tokens(x, found)
+        if found:  # this rank's chunk as zeros, at the T its peers gather
+            rows = layout.local_tokens(T, sp.size, sp.rank)
+            x = SPMDTensor._new(torch.zeros((rows, self.config.dim), dtype=self.compute_dtype(),
+                                            device=self.expert_bias.device), sp, Shard(0), T, 0)
+        assert isinstance(x, SPMDTensor)
         start = layout.chunk_offset(T, sp.size, sp.rank)
         h_TD = all_gather(x).local
-        partial_TD = self._rows(h_TD, w, self.transport, own=slice(start, start + x.local_tokens))
-        buf = padded_empty(sp, Partial(), T, (self.config.dim,), dtype=partial_TD.dtype, device=partial_TD.device)
-        buf.local.copy_(partial_TD)
-        return reduce_scatter(buf).local
+        partial_TD = self._pipeline(h_TD, w, self.transport, own=slice(start, start + x.local_tokens), problem=problem)
+        out_TD = reduce_scatter(SPMDTensor._new(partial_TD, sp, Partial(), T, 0)).local
+        return self._plus_shared(out_TD, x.local, w)
 
-    def _sp_rows(self, x: Input) -> torch.Tensor:
-        assert self.sp is not None
-        if not isinstance(x, SPMDTensor) or not isinstance(x.placement, Shard):
-            found = x.placement if isinstance(x, SPMDTensor) else type(x).__name__
-            raise SPMDLayoutError(
-                f"rank {self.sp.rank}: this MoE layer takes an SPMDTensor sharded with Shard(0) on its "
-                f"sp_mesh, found {found}; wrap the local rows with spmdmoe.shard(...) or spmdmoe.from_local(...)"
-            )
-        if x.axis != self.sp:
-            raise SPMDMeshError(
-                f"rank {self.sp.rank}: the input is sharded on {x.axis}, but the layer's sp_mesh is {self.sp}"
-            )
-        if x.token_dim != 0:
-            raise SPMDLayoutError(
-                f"rank {self.sp.rank}: expected tokens on dim 0, found Shard({x.token_dim}); flatten to (tokens, dim)"
-            )
-        check_dim(x.local, self.config.dim, self.sp.rank)
-        return x.local
+    def _gather_tokens(self, x: Input, found: Found) -> int:
+        """The ``T`` every SP rank gathers. With checks on, one all-gather of one int64 per rank (no host
+        read on ranks whose input names ``T``): a rank whose input cannot name it reads the peers' value."""
+        sp = self.sp
+        assert sp is not None
+        own = x.global_tokens if isinstance(x, SPMDTensor) and x.axis == sp and isinstance(x.placement, Shard) else -1
+        if not checks_enabled():
+            return own
+        mine = torch.full((1,), own, dtype=torch.int64, device=sp.metadata_device())
+        table = torch.empty(sp.size, dtype=torch.int64, device=mine.device)
+        all_gather_single(table, mine, group=sp.group)
+        if own >= 0:
+            return own
+        named = [t for t in to_host(table) if t >= 0]
+        if not named:  # no rank can name T: every rank is here, so every rank raises
+            raise problems_error("MoE layer (gather mode: no rank's input names the token count)",  # type: ignore[misc]
+                                 [found.bits], found.details)
+        return named[0]
 
-    def _forward_batches(self, x: Input) -> Input:
-        """EP only (or nothing): each rank routes its own batch."""
-        rank = self.ep.rank if self.ep is not None else 0
-        if isinstance(x, SPMDTensor) and not isinstance(x.placement, Varying):
-            raise SPMDLayoutError(
-                f"rank {rank}: without sp_mesh this MoE layer takes a plain (tokens, dim) tensor or a "
-                f"Varying SPMDTensor, found {x.placement}; pass sp_mesh to parallelize_moe for SP inputs"
-            )
-        x_TD = x.local if isinstance(x, SPMDTensor) else x
-        problem = 0
-        try:
-            check_dim(x_TD, self.config.dim, rank)
-        except SPMDLayoutError:
-            if isinstance(self.transport, LocalTransport):
-                raise
-            # take part in the count exchange with the problem flagged: every EP rank raises together
-            x_TD, problem = x_TD.new_zeros((0, self.config.dim)), BAD_DIM
-        w = self.weights()
-        out_TD = self._plus_shared(self._rows(x_TD, w, self.transport, problem=problem), x_TD, w)
-        return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD
+    def _accept(self, x: Any, found: Found) -> Optional[torch.Tensor]:
+        """This rank's rows if ``x`` is what the agreed layer takes, else ``None`` with ``found`` set."""
+        axis, rank = (self.sp, self.sp.rank) if self.sp is not None else (self.ep, self.ep.rank if self.ep else 0)
+        if self.sp is not None:
+            expected = "an SPMDTensor sharded with Shard(0) on the layer's sp_mesh"
+            if not (isinstance(x, SPMDTensor) and isinstance(x.placement, Shard) and x.token_dim == 0):
+                found.add("input_layout", f"rank {rank}: this MoE layer takes {expected}, found {_describe(x)}; "
+                                          "wrap the local rows with spmdmoe.shard(...) or spmdmoe.from_local(...)")
+                return None
+            if x.axis != self.sp:
+                found.add("input_mesh", f"rank {rank}: the input is sharded on {x.axis}, but the layer's sp_mesh "
+                                        f"is {self.sp}")
+                return None
+            x_TD = x.local
+        else:
+            if isinstance(x, SPMDTensor) and not isinstance(x.placement, Varying):
+                found.add("input_layout", f"rank {rank}: without sp_mesh this MoE layer takes a plain (tokens, dim) "
+                                          f"tensor or a Varying SPMDTensor, found {x.placement}; pass sp_mesh to "
+                                          "parallelize_moe for SP inputs")
+                return None
+            if not isinstance(x, (SPMDTensor, torch.Tensor)):
+                found.add("input_layout", f"rank {rank}: this MoE layer takes a (tokens, dim) tensor, found {_describe(x)}")
+                return None
+            x_TD = x.local if isinstance(x, SPMDTensor) else x
+        D, dtype = self.config.dim, self.compute_dtype()
+        if x_TD.dim() != 2 or x_TD.shape[1] != D:
+            found.add("width", f"rank {rank}: the MoE layer expects local rows of shape (tokens, dim={D}), found "
+                               f"{tuple(x_TD.shape)}; flatten the batch to (tokens, {D}) before the layer")
+        if x_TD.dtype != dtype:
+            found.add("dtype", f"rank {rank}: the MoE layer computes in {dtype} (its parameters' dtype), found input "
+                               f"of dtype {x_TD.dtype}; cast the input (x.to({dtype})) or the layer")
+        if axis is not None and (problem := axis.device_problem(x_TD)) is not None:
+            found.add("device", f"rank {rank}: input {problem}")
+        return None if found else x_TD
+
+
+def _describe(x: Any) -> str:
+    return f"{x.placement} on {x.axis}" if isinstance(x, SPMDTensor) else type(x).__name__
+
+
+def _stand_in(x: Any, out_TD: torch.Tensor) -> Any:
+    """What a rank with a bad input returns: zeros shaped like its input (its own code downstream sees
+    what it passed), linked to the layer's output so its backward takes part in every collective."""
+    link = out_TD.sum() * 0
+    local = x.local if isinstance(x, SPMDTensor) else x
+    if not isinstance(local, torch.Tensor) or not local.is_floating_point() or local.device != out_TD.device:
+        return out_TD
+    zeros = torch.zeros_like(local) + link.to(local.dtype)
+    return x.with_local(zeros) if isinstance(x, SPMDTensor) else zeros

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..collectives._common import differentiable
+from ..autograd import differentiable
 
 __all__ = ["gather_rows", "sort_by_expert", "weighted_combine"]
 

@@ -4,7 +4,10 @@ Legend: ``T`` rows routed here (valid tokens only: padding never exists
 outside collectives), ``D`` model dim, ``E`` experts, ``K`` top-k,
 ``G`` expert groups.
 
-scores = softmax or sigmoid of the gate logits, in fp32; the K experts are
+The gate GEMM runs in fp32 by default (``MoEConfig.router_dtype``): the rows
+and the gate weight are cast to fp32 (autograd rounds the weight's fp32
+gradient once to the parameter dtype), so bf16 activations choose the experts
+an fp32 gate would. scores = softmax or sigmoid of the logits, in fp32; the K experts are
 chosen on ``scores + expert_bias`` (the bias steers selection only); the
 routing weights are the chosen unbiased scores, divided by their sum when
 ``route_norm``, times ``route_scale``. Group-limited routing (DeepSeek-V3):
@@ -56,7 +59,10 @@ class Router(nn.Module):
 
 def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, expert_bias_E: torch.Tensor, config: MoEConfig) -> Routing:
     """Route ``T`` valid rows (see the module docstring). No host syncs."""
-    logits_TE = F.linear(x_TD, gate_ED).float()
+    if config.router_dtype == "float32":
+        logits_TE = F.linear(x_TD.float(), gate_ED.float())
+    else:
+        logits_TE = F.linear(x_TD, gate_ED).float()
     if config.score_func == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
     else:

@@ -5,6 +5,7 @@ from .construct import from_local, padded_empty, shard
 from .errors import (
     MoEConfigError,
     SPMDDeviceError,
+    SPMDDtypeError,
     SPMDLayoutError,
     SPMDMeshError,
     SPMDRoutingError,
@@ -30,6 +31,7 @@ __all__ = [
     "Placement",
     "Replicate",
     "SPMDDeviceError",
+    "SPMDDtypeError",
     "SPMDLayoutError",
     "SPMDMeshError",
     "SPMDTensor",

@@ -1,9 +1,10 @@
 """Building ``SPMDTensor``s: ``shard``, ``from_local`` and ``padded_empty``.
 
-``from_local`` verifies a layout across ranks with ONE small all-gather: each
-rank sends eight int64 describing what it holds, every rank evaluates the same
-rules on the same table, so a bad input makes every rank raise the same error
-together (never one rank raising while the others wait in a collective).
+``from_local`` verifies a layout across ranks with ONE small all-gather (the
+agreement exchange of ``spmdmoe.agreement``): each rank sends a few int64
+describing what it holds, every rank evaluates the same rules on the same
+table, so a bad input makes every rank raise the same error together (never
+one rank raising while the others wait in a collective).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .._dist import all_gather_single
+from ..agreement import Field, Found, agree, dtype_code, dtype_name
 from . import layout
 from .checks import checks_enabled
-from .errors import SPMDDeviceError, SPMDLayoutError, SPMDTokenCountError
+from .errors import SPMDLayoutError
 from .mesh import MeshAxis, MeshLike, mesh_axis
 from .placement import Partial, Placement, Replicate, Shard, Varying
-from .tensor import SPMDTensor, _bad_rows_message, _buffer_rows, _check_token_dim, _check_total
+from .tensor import SPMDTensor, _bad_rows_message, _buffer_rows, _check_token_dim, _check_total, count_message, parse_count
 
 __all__ = ["shard", "from_local", "padded_empty"]
 
@@ -93,49 +94,43 @@ def padded_empty(
 
 
 # ---------------------------------------------------------------- from_local
-# Each rank contributes one row of this table to the verification all-gather.
-_FIELDS = ("problem", "declared", "rows", "kind", "token_dim", "signature", "strict", "bad_value")
 _NO_T = -1
 _KINDS = {Shard: 0, Replicate: 1, Partial: 2, Varying: 3}
-# Local problems, in the order they are reported; each maps to the error type raised everywhere.
-_LOCAL = {
-    1: ("not a torch.Tensor", SPMDLayoutError),
-    2: ("token dim out of range", SPMDLayoutError),
-    3: ("global_tokens is not an int", SPMDTokenCountError),
-    4: ("global_tokens is negative", SPMDTokenCountError),
-    5: ("tensor on a device the backend cannot use", SPMDDeviceError),
-    6: ("unknown placement", SPMDLayoutError),
-}
+_KIND_NAMES = {v: k.__name__ for k, v in _KINDS.items()}
+# The fields every rank must agree on, in the order they are compared.
+_PLACEMENT = Field("placement", show=lambda v: _KIND_NAMES.get(v, "unknown"), fix="every rank must pass the same placement to from_local")
+_TOKEN_DIM = Field("token dim")
+_STRICT = Field("strict", show=lambda v: str(bool(v)))
+_DECLARED = Field("declared global_tokens", show=lambda v: "None" if v == _NO_T else str(v),
+                  fix="every rank must declare the same global_tokens (or none)")
+_DTYPE = Field("dtype", show=dtype_name, fix="every rank's shard needs the same dtype")
+_FEATURES = Field("non-token dims", show=lambda v: f"shape#{v % 9973}",
+                  fix="every rank's shard needs the same feature shape (dtype and non-token dims)")
 
 
-def _signature(local: torch.Tensor, dim: int) -> int:
-    rest = tuple(s for i, s in enumerate(local.shape) if i != dim)
-    return zlib.crc32(f"{local.dtype}|{rest}".encode())
-
-
-def _local_row(local: Any, axis: MeshAxis, placement: Any, total: Any, token_dim: int, strict: bool) -> tuple[list[int], str]:
-    """This rank's table row and, if it has a local problem, its message."""
-    row = [0, _NO_T, -1, _KINDS.get(type(placement), -1), token_dim, 0, int(strict), 0]
+def _local_findings(local: Any, axis: MeshAxis, placement: Any, total: Any, token_dim: int) -> tuple[Found, list[int]]:
+    """This rank's findings and its row of field values ``[kind, dim, declared, dtype, features, rows]``."""
+    found = Found()
+    kind = _KINDS.get(type(placement), -1)
+    values = [kind, token_dim, _NO_T, 0, 0, -1]
     if not isinstance(local, torch.Tensor):
-        row[0] = 1
-        return row, f"rank {axis.rank}: expected a torch.Tensor as local, found {type(local).__name__}"
+        found.add("not_tensor", f"rank {axis.rank}: expected a torch.Tensor as local, found {type(local).__name__}")
+        return found, values
     try:
         dim = _check_token_dim(local, placement, token_dim, axis)
+        rest = tuple(s for i, s in enumerate(local.shape) if i != dim)
+        values[1:] = [dim, _NO_T, dtype_code(local.dtype), zlib.crc32(repr(rest).encode()), local.shape[dim]]
     except SPMDLayoutError as e:
-        row[0] = 6 if row[3] < 0 else 2
-        return row, str(e)
-    row[2], row[4], row[5] = local.shape[dim], dim, _signature(local, dim)
+        found.add("placement" if kind < 0 else "token_dim", str(e))
     if total is not None:
-        try:
-            row[1] = _check_total(total, axis)
-        except SPMDTokenCountError as e:
-            negative = not isinstance(total, bool) and hasattr(total, "__index__")
-            row[0], row[7] = (4, total.__index__()) if negative else (3, 0)
-            return row, str(e)
+        value, problem = parse_count(total)
+        if problem:
+            found.add(problem, count_message(total, problem, axis.rank))
+        else:
+            values[2] = value
     if (problem := axis.device_problem(local)) is not None:
-        row[0] = 5
-        return row, f"rank {axis.rank}: {problem}"
-    return row, ""
+        found.add("device", f"rank {axis.rank}: {problem}")
+    return found, values
 
 
 def from_local(
@@ -149,14 +144,14 @@ def from_local(
 ) -> SPMDTensor:
     """Wrap an already-local tensor, verifying the layout across ranks.
 
-    One all-gather of eight int64 per rank (declared T, rows, placement, token
-    dim, a dtype/feature-shape signature, strict, local problems), then one
-    host transfer of that table: every rank evaluates the same verdict, so a
-    bad input raises on every rank. Caught: rows that break the chunk rule for
-    the declared T (also a split that is plausible on each rank but jointly
-    wrong, like 1,2,3,4 rows for T=10), T, placement, token dim, dtype,
-    feature shape or ``strict`` differing between ranks, bad T values, tensors
-    on the wrong device, and ``strict`` with ``T % n != 0``.
+    One agreement exchange (``spmdmoe.agreement.agree``: an all-gather of a
+    few int64 per rank and one host transfer of them): every rank evaluates
+    the same verdict, so a bad input raises on every rank. Caught: rows that
+    break the chunk rule for the declared T (also a split that is plausible on
+    each rank but jointly wrong, like 1,2,3,4 rows for T=10), T, placement,
+    token dim, dtype, feature shape or ``strict`` differing between ranks, bad
+    T values (not an int, negative, past int64), tensors on the wrong device,
+    and ``strict`` with ``T % n != 0``.
 
     Without ``global_tokens``, ``T`` is the sum of the exchanged rows for
     ``Shard`` (the rows for ``Replicate``/``Partial``) — never local × world.
@@ -182,70 +177,35 @@ def from_local(
             raise SPMDLayoutError(problem)
         return out
 
-    row, message = _local_row(local, axis, placement, global_tokens, token_dim, strict)
-    mine = torch.tensor(row, dtype=torch.int64, device=axis.metadata_device())
-    table_t = torch.empty(axis.size * len(row), dtype=torch.int64, device=mine.device)
-    all_gather_single(table_t, mine, group=axis.group)
-    flat = table_t.tolist()  # the one host transfer
-    table = [flat[i * len(row) : (i + 1) * len(row)] for i in range(axis.size)]
-    error, text = _verdict(table, axis, placement, message)
-    if error is not None:
-        raise error(text)
-    dim, rows_all = row[4], [r[2] for r in table]
+    found, (kind, dim, declared, dtype, features, rows) = _local_findings(local, axis, placement, global_tokens, token_dim)
+    table = agree(
+        "from_local", axis, found,
+        [(_PLACEMENT, kind), (_TOKEN_DIM, dim), (_STRICT, int(bool(strict))), (_DECLARED, declared),
+         (_DTYPE, dtype), (_FEATURES, features)],
+        extra=[rows],
+    )
     if isinstance(placement, Varying):
         return SPMDTensor._new(local, axis, placement, None, dim)
-    total = row[1] if row[1] != _NO_T else (sum(rows_all) if isinstance(placement, Shard) else row[2])
-    return SPMDTensor._new(local, axis, placement if not isinstance(placement, Shard) else Shard(dim), total, dim)
-
-
-def _verdict(table: list[list[int]], axis: MeshAxis, placement: Placement, message: str) -> tuple[Any, str]:
-    """The same (error type, message) on every rank, or (None, "")."""
-    n = axis.size
-    local_bad = [(r, t[0]) for r, t in enumerate(table) if t[0]]
-    if local_bad:
-        # Most specific type first: a device problem outranks a count problem, etc.
-        kinds = {code for _, code in local_bad}
-        error = next(_LOCAL[c][1] for c in (5, 3, 4, 1, 2, 6) if c in kinds)
-        parts = [f"rank {r}: {_LOCAL[c][0]}" + (f" ({table[r][7]})" if c == 4 else "") for r, c in local_bad]
-        own = f"\n  this rank's detail: {message}" if message else ""
-        return error, f"from_local rejected the layout on {len(local_bad)} of {n} ranks: " + "; ".join(parts) + own
-    for field, what in ((3, "placement"), (4, "token dim"), (6, "strict"), (1, "declared global_tokens")):
-        values = [t[field] for t in table]
-        if len(set(values)) > 1:
-            shown = [("None" if v == _NO_T else v) if field == 1 else v for v in values]
-            if field == 3:
-                names = {v: k.__name__ for k, v in _KINDS.items()}
-                shown = [names[v] for v in values]
-            return SPMDLayoutError, (
-                f"rank {axis.rank}: ranks disagree on the {what}: per rank {shown}; every rank must "
-                f"pass the same {what} to from_local"
-            )
-    signatures = [t[5] for t in table]
-    if len(set(signatures)) > 1:
-        groups: dict[int, list[int]] = {}
-        for r, s in enumerate(signatures):
-            groups.setdefault(s, []).append(r)
-        return SPMDLayoutError, (
-            f"rank {axis.rank}: ranks disagree on dtype or non-token dims: rank groups "
-            f"{sorted(groups.values())}; every rank's shard needs the same dtype and feature shape"
-        )
-    if isinstance(placement, Varying):
-        return None, ""
-    rows = [t[2] for t in table]
-    declared = table[0][1]
+    rows_all = [row[-1] for row in table]
     is_shard = isinstance(placement, Shard)
-    total = declared if declared != _NO_T else (sum(rows) if is_shard else rows[0])
-    expected = layout.chunk_counts(total, n) if is_shard else [total] * n
-    if rows != expected:
-        bad = [r for r in range(n) if rows[r] != expected[r]]
-        dim = table[0][4]
-        own = _bad_rows_message(placement, total, axis, rows[axis.rank], dim) if axis.rank in bad else ""
-        origin = "declared" if declared != _NO_T else "inferred as the sum of rows"
-        return SPMDLayoutError, (
-            f"bad {placement} split on ranks {bad} for global_tokens={total} ({origin}) on {n} ranks: "
-            f"expected rows {expected if n <= 16 else '(chunk rule)'}, found {rows if n <= 16 else [rows[r] for r in bad]}"
-            + (f"\n  {own}" if own else f"\n  fix: shard with spmdmoe.shard(x, mesh) or give each rank its chunk-rule rows")
-        )
-    if table[0][6] and (problem := _strict_problem(total, axis)) is not None:
-        return SPMDLayoutError, problem
-    return None, ""
+    total = declared if declared != _NO_T else (sum(rows_all) if is_shard else rows_all[0])
+    _check_rows(rows_all, total, declared != _NO_T, axis, placement, dim)
+    if strict and (problem := _strict_problem(total, axis)) is not None:
+        raise SPMDLayoutError(problem)
+    return SPMDTensor._new(local, axis, Shard(dim) if is_shard else placement, total, dim)
+
+
+def _check_rows(rows: list[int], total: int, declared: bool, axis: MeshAxis, placement: Placement, dim: int) -> None:
+    """Raise the same error on every rank unless ``rows`` follow the layout for ``total`` (from the table)."""
+    n = axis.size
+    expected = layout.chunk_counts(total, n) if isinstance(placement, Shard) else [total] * n
+    if rows == expected:
+        return
+    bad = [r for r in range(n) if rows[r] != expected[r]]
+    own = _bad_rows_message(placement, total, axis, rows[axis.rank], dim) if axis.rank in bad else ""
+    origin = "declared" if declared else "inferred as the sum of rows"
+    raise SPMDLayoutError(
+        f"bad {placement} split on ranks {bad} for global_tokens={total} ({origin}) on {n} ranks: "
+        f"expected rows {expected if n <= 16 else '(chunk rule)'}, found {rows if n <= 16 else [rows[r] for r in bad]}"
+        + (f"\n  {own}" if own else "\n  fix: shard with spmdmoe.shard(x, mesh) or give each rank its chunk-rule rows")
+    )

@@ -10,13 +10,14 @@ mistake for tests and for callers that want to handle one case:
 ``SPMDDeviceError``        a tensor lives on a device the axis' backend cannot use
 ``SPMDTokenCountError``    a token count that is not a non-negative ``int``
 ``SPMDShapeError``         a feature shape that does not match the module
+``SPMDDtypeError``         a dtype that does not match the module's
 ``MoEConfigError``         an MoE configuration or parallel plan that cannot work
 ``SPMDRoutingError``       router output that cannot be routed (NaN logits)
 =========================  ====================================================
 
 Messages say what was expected, what was found, on which rank, and how to fix
-it. Errors that depend on other ranks' data are raised on every rank together
-(see :func:`spmdmoe.from_local`).
+it. Errors whose verdict could differ between ranks are raised on every rank
+together (see ``spmdmoe.agreement``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "SPMDDeviceError",
     "SPMDTokenCountError",
     "SPMDShapeError",
+    "SPMDDtypeError",
     "MoEConfigError",
     "SPMDRoutingError",
 ]
@@ -50,6 +52,10 @@ class SPMDTokenCountError(SPMDLayoutError, TypeError):
 
 class SPMDShapeError(SPMDLayoutError):
     """A tensor's feature shape does not match what the module expects (e.g. model dim)."""
+
+
+class SPMDDtypeError(SPMDLayoutError):
+    """A tensor's dtype does not match what the module expects (e.g. a bf16 layer fed fp32)."""
 
 
 class MoEConfigError(ValueError):

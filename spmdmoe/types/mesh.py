@@ -36,10 +36,11 @@ class MeshAxis:
     Attributes: ``group`` (the ``ProcessGroup``), ``rank`` (this process' index
     in the group), ``size``, ``device_type`` (where small metadata tensors for
     this axis live: ``"cuda"`` for NCCL, else ``"cpu"``), ``devices`` (device
-    types the backend accepts), ``source`` (the object it was built from).
+    types the backend accepts), ``source`` (the object it was built from),
+    ``ranks`` (the global rank of each member, in axis-rank order).
     """
 
-    __slots__ = ("group", "rank", "size", "device_type", "devices", "source", "__weakref__")
+    __slots__ = ("group", "rank", "size", "device_type", "devices", "source", "ranks", "__weakref__")
 
     group: dist.ProcessGroup
     rank: int
@@ -47,6 +48,7 @@ class MeshAxis:
     device_type: str
     devices: tuple[str, ...]
     source: Any
+    ranks: tuple[int, ...]
 
     def __init__(self, group: dist.ProcessGroup, device_type: str | None = None, source: Any = None):
         backend = str(dist.get_backend(group))
@@ -65,6 +67,7 @@ class MeshAxis:
         setattr_(self, "device_type", device_type)
         setattr_(self, "devices", tuple(devices))
         setattr_(self, "source", group if source is None else source)
+        setattr_(self, "ranks", tuple(dist.get_process_group_ranks(group)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("MeshAxis is immutable")
@@ -149,7 +152,13 @@ def mesh_axis(mesh: MeshLike) -> MeshAxis:
         _check_1d(mesh)
         key: tuple[Any, Any] = (mesh.get_group(), mesh.device_type)
     elif isinstance(mesh, tuple) and len(mesh) == 2 and isinstance(mesh[0], DeviceMesh):
-        key = (mesh[0].get_group(mesh[1]), mesh[0].device_type)
+        try:
+            key = (mesh[0].get_group(mesh[1]), mesh[0].device_type)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise SPMDMeshError(
+                f"rank {dist.get_rank()}: the mesh has no dim {mesh[1]!r}: expected one of "
+                f"{mesh[0].mesh_dim_names}, found {mesh[1]!r}; pass (mesh, name) with a name from that list"
+            ) from e
     elif isinstance(mesh, dist.ProcessGroup):
         key = (mesh, None)
     else:

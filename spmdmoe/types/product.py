@@ -12,23 +12,15 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
-from .._dist import all_gather_single
+from ..agreement import exchange_rows
 from .errors import SPMDMeshError
 from .mesh import MeshAxis, MeshLike, mesh_axis
 
-__all__ = ["product_axis", "world_rows"]
+__all__ = ["product_axis"]
 
 _products: dict[tuple[dist.ProcessGroup, ...], MeshAxis] = {}
-
-
-def world_rows(row: list[int], device: torch.device) -> list[list[int]]:
-    """Every rank's ``row`` of ints (same length everywhere), in rank order: one all-gather over the world."""
-    table = torch.empty(dist.get_world_size() * len(row), dtype=torch.int64, device=device)
-    all_gather_single(table, torch.tensor(row, dtype=torch.int64, device=device))
-    return table.view(-1, len(row)).tolist()
 
 
 def product_axis(*axes: Optional[MeshLike]) -> Optional[MeshAxis]:
@@ -63,7 +55,8 @@ def product_axis(*axes: Optional[MeshLike]) -> Optional[MeshAxis]:
 def _build(parts: list[MeshAxis]) -> MeshAxis:
     me, world = dist.get_rank(), dist.get_world_size()
     row = [r for a in parts for r in sorted(dist.get_process_group_ranks(a.group))]
-    rows = world_rows(row, parts[0].metadata_device())
+    # every rank's groups, as a table every rank holds the same copy of (the agreement exchange)
+    rows = exchange_rows(None, row)
     parent = list(range(world))
 
     def find(r: int) -> int:

@@ -24,6 +24,7 @@ Construction does local checks only (no communication). Use
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
@@ -312,18 +313,40 @@ def _check_token_dim(t: torch.Tensor, placement: Placement, token_dim: int, axis
     return dim % nd
 
 
+_COUNT_PROBLEMS = {
+    "tokens_type": "global_tokens must be a non-negative int (a Python or NumPy int, or a 1-element int tensor)",
+    "tokens_negative": "global_tokens must be a non-negative int",
+    "tokens_range": "global_tokens must fit in int64",
+}
+
+
+def parse_count(value: Any) -> tuple[int, str]:
+    """``(int(value), "")``, or ``(value or -1, kind)`` naming why ``value`` is not a token count.
+
+    Never raises: a rank with a bad count must still take part in the exchange
+    that tells its peers (``spmdmoe.agreement``).
+    """
+    if isinstance(value, bool) or getattr(type(value), "__index__", None) is None:
+        return -1, "tokens_type"
+    try:
+        v = operator.index(value)
+    except (TypeError, ValueError, RuntimeError):
+        return -1, "tokens_type"
+    if v < 0:
+        return v, "tokens_negative"
+    return (v, "") if v < 2**63 else (v, "tokens_range")
+
+
+def count_message(value: Any, kind: str, rank: int) -> str:
+    shown = repr(value) if len(repr(value)) < 60 else f"a {type(value).__name__}"
+    return f"rank {rank}: {_COUNT_PROBLEMS[kind]}, found {type(value).__name__} {shown}"
+
+
 def _check_total(total: Any, axis: MeshAxis) -> int:
-    if isinstance(total, bool) or not hasattr(total, "__index__"):
-        raise SPMDTokenCountError(
-            f"rank {axis.rank}: global_tokens must be a non-negative int, found "
-            f"{type(total).__name__} {total!r}"
-        )
-    total = total.__index__()
-    if total < 0:
-        raise SPMDTokenCountError(
-            f"rank {axis.rank}: global_tokens must be a non-negative int, found {total}"
-        )
-    return total
+    value, kind = parse_count(total)
+    if kind:
+        raise SPMDTokenCountError(count_message(total, kind, axis.rank))
+    return value
 
 
 def _bad_rows_message(placement: Placement, total: int, axis: MeshAxis, rows: int, dim: int) -> str:

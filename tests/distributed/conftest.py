@@ -82,6 +82,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs exactly 4 processes, found {world}"))
 
 
+@pytest.fixture(autouse=True)
+def _no_recorded_problems():
+    """Every test starts with no recorded problems (spmdmoe.agreement's sticky flags are per process)."""
+    from spmdmoe.agreement import clear_all
+
+    clear_all()
+
+
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """Where this rank's tensors live: its GPU under NCCL, else the CPU."""

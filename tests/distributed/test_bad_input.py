@@ -72,14 +72,26 @@ def test_tokens_declared_on_some_ranks_only(world, device):
     )
 
 
-@pytest.mark.parametrize("bad_value", [-3, 5.0, "5", True])
+@pytest.mark.parametrize("bad_value", [-3, 5.0, "5", True, "tensor3", "tensor_float", 2**64, -(2**70)],
+                         ids=lambda v: str(v)[:12])
 def test_bad_token_value_on_one_rank(world, device, bad_value):
+    """Issue 9: values that used to raise a TypeError/ValueError/overflow on the bad rank alone
+    (multi-element or float tensors, ints past int64) are now problems agreed on every rank."""
+    bad_value = {"tensor3": torch.ones(3, dtype=torch.int64), "tensor_float": torch.tensor(5.0)}.get(bad_value, bad_value) \
+        if isinstance(bad_value, str) else bad_value
     declared = bad_value if _rank(world) == 1 else 5
     assert_raises_everywhere(
         SPMDTokenCountError,
         lambda: spmdmoe.from_local(_chunk(world, device, 5), world, global_tokens=declared),
-        match="rank 1: global_tokens is",
+        match=r"rank 1: global_tokens (is not an int|is negative|does not fit in int64)",
     )
+
+
+def test_numpy_and_tensor_token_counts_are_ints(world, device):
+    import numpy as np
+
+    for declared in (np.int64(5), torch.tensor(5)):
+        assert spmdmoe.from_local(_chunk(world, device, 5), world, global_tokens=declared).global_tokens == 5
 
 
 def test_bad_token_value_everywhere_in_constructor(world, device):
@@ -142,7 +154,7 @@ def test_placement_disagreement(world, device):
     assert_raises_everywhere(
         SPMDLayoutError,
         lambda: spmdmoe.from_local(_chunk(world, device, 5), world, placement=placement, global_tokens=5),
-        match=r"disagree on the placement: per rank \['Replicate', 'Shard'",
+        match=r"disagree on the placement: per rank \[Replicate, Shard",
     )
 
 
@@ -151,13 +163,13 @@ def test_dtype_or_feature_shape_disagreement(world, device):
     assert_raises_everywhere(
         SPMDLayoutError,
         lambda: spmdmoe.from_local(_chunk(world, device, 5, features), world, global_tokens=5),
-        match="disagree on dtype or non-token dims",
+        match="disagree on the non-token dims",
     )
     dtype = torch.float64 if _rank(world) == 0 else torch.float32
     assert_raises_everywhere(
         SPMDLayoutError,
         lambda: spmdmoe.from_local(_chunk(world, device, 5).to(dtype), world, global_tokens=5),
-        match="disagree on dtype",
+        match="disagree on the dtype: per rank \\[float64, float32",
     )
 
 

@@ -48,20 +48,50 @@ def test_bad_counts_on_one_rank(world, device):
     counts = [2] + [0] * (n - 1)
     wrong = [3] + [0] * (n - 1) if r == 1 else counts  # sums to 3 but only 2 rows
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, torch.tensor(wrong, device=device)),
-                             match="rejected the send counts of ranks \\[1\\]")
+                             match=r"all_to_all rejected the input on 1 of \d+ ranks \(rank 1: bad counts\)")
     short = counts[:-1] if r == 0 else counts
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, torch.tensor(short, device=device)),
-                             match="rejected the send counts of ranks \\[0\\]")
+                             match=r"\(rank 0: bad counts\)")
     negative = [3, -1] + [0] * (n - 2) if r == 0 else counts
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, torch.tensor(negative, device=device)))
     recv = [2 if s == 0 else 0 for s in range(n)] if r == 0 else [0] * n
     host_wrong = [1] + [0] * (n - 1) if r == 2 % n else counts
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, host_wrong, recv),
-                             match="rejected the counts of ranks")
+                             match=rf"\(rank {2 % n}: bad counts\)")
+    host_short = counts[:-1] if r == 0 else counts  # a host list of the wrong length, exchanged on device
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, host_short), match=r"\(rank 0: bad counts\)")
+
+
+def test_numpy_split_sizes_are_ints(world, device):
+    """Issue 15: NumPy integer split sizes are ints."""
+    import numpy as np
+
+    n, r = world.size(), world.get_local_rank()
+    x = SPMDTensor(torch.full((2, 3), float(r), device=device), world, Varying())
+    send = np.array([2] + [0] * (n - 1), dtype=np.int64)  # every rank sends its 2 rows to rank 0
+    recv = np.array([2] * n if r == 0 else [0] * n, dtype=np.int64)
+    y = spmdmoe.all_to_all(x, list(send), list(recv))
+    assert y.local_tokens == (2 * n if r == 0 else 0)
+    z = spmdmoe.all_to_all(x, list(send))  # exchanged on device
+    assert torch.equal(z.local, y.local)
+
+
+def test_exchange_counts_widths_differ_on_one_rank(world, device):
+    """Issue 4: count tensors of another width on one rank used to abort the process (gloo size
+    mismatch); the width is agreed first, so every rank raises."""
+    n, r = world.size(), world.get_local_rank()
+    width = 3 if r == n - 1 else 2
+    counts = torch.zeros(n, width, dtype=torch.int64, device=device)
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.exchange_counts(counts, world),
+                             match=r"ranks disagree on the count width")
+    lead = torch.zeros(n + (1 if r == 0 else 0), 2, dtype=torch.int64, device=device)
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.exchange_counts(lead, world), match=r"rank 0: bad counts")
+    send, recv = spmdmoe.exchange_counts(torch.ones(n, 2, dtype=torch.int64, device=device), world, rows=2 * n)
+    assert send == [1] * 2 * n and recv == [1] * 2 * n
 
 
 def test_dtype_mismatch_detected_by_from_local(world, device):
     dtype = torch.float16 if world.get_local_rank() == 0 else torch.float32
     assert_raises_everywhere(SPMDLayoutError,
                              lambda: spmdmoe.from_local(torch.zeros(2, 2, device=device, dtype=dtype), world),
-                             match="disagree on dtype")
+                             match="disagree on the dtype")

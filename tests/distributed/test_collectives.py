@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import spmdmoe
 from spmdmoe import Partial, Replicate, Shard, SPMDTensor, Varying
-from spmdmoe.testing import assert_close_everywhere, reference_tensor
+from spmdmoe.testing import all_ranks_agree, assert_close_everywhere, reference_tensor
 from spmdmoe.types import layout
 
 TOKENS = [0, 1, 3, 4, 5, 7, 8, 9, 1023]
@@ -211,7 +211,7 @@ def _capture(monkeypatch, module, name):
 
 
 def test_full_ranks_send_without_copy_and_unpad_is_a_view(axis_mesh, device, monkeypatch):
-    import spmdmoe.collectives.allgather as ag
+    import spmdmoe.collectives.gather_scatter as ag
 
     n, r = axis_mesh.size(), axis_mesh.get_local_rank()
     total = 2 * n - 1  # every rank full except the last
@@ -224,26 +224,48 @@ def test_full_ranks_send_without_copy_and_unpad_is_a_view(axis_mesh, device, mon
     assert g.local.data_ptr() == out.data_ptr() and g.local.shape[0] == total  # [:T] is a view
 
 
-def test_prepadded_buffers_are_sent_without_copy(axis_mesh, device, monkeypatch):
-    import spmdmoe.collectives.allgather as ag
-    import spmdmoe.collectives.reducescatter as rs
+def test_reduce_scatter_results_gather_without_copy(axis_mesh, device, monkeypatch):
+    import spmdmoe.collectives.gather_scatter as gs
 
     n = axis_mesh.size()
     total = 2 * n - 1
-    rs_seen = _capture(monkeypatch, rs, "reduce_scatter_single")
-    ag_seen = _capture(monkeypatch, ag, "all_gather_single")
-    buf = spmdmoe.padded_empty(axis_mesh, Partial(), total, (4,), device=device)
-    buf.local.copy_(torch.ones(total, 4))
-    y = spmdmoe.reduce_scatter(buf)
-    assert rs_seen[0][1].data_ptr() == buf.buffer.data_ptr()  # the producer's buffer went out as is
+    ag_seen = _capture(monkeypatch, gs, "all_gather_single")
+    y = spmdmoe.reduce_scatter(spmdmoe.from_local(torch.ones(total, 4, device=device), axis_mesh, placement=Partial()))
     assert y.buffer is not None and y.buffer.shape[0] == y.padded_local_tokens
-    z = spmdmoe.all_gather(y)  # the Shard is backed by the received block: no padding copy
+    z = spmdmoe.all_gather(y)  # the Shard is backed by the received p-row block: no padding copy
     assert ag_seen[0][1].data_ptr() == y.buffer.data_ptr()
     assert_close_everywhere(z.local, torch.full((total, 4), float(n), device=device), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("total_fn", [lambda n: 2 * n - 1, lambda n: 2 * n], ids=["uneven", "even"])
+def test_collective_choice_ignores_rank_local_buffers(axis_mesh, device, monkeypatch, total_fn):
+    """Issue 2: the tensor or list form used to follow whether THIS rank's input had a padded buffer
+    (a collective mismatch when ranks differed). Rank 0 passes a pre-padded buffer, the others plain
+    tensors; every rank must pick the same call (decided by T and n) and the result must be exact."""
+    import spmdmoe.collectives.gather_scatter as gs
+
+    n, r = axis_mesh.size(), axis_mesh.get_local_rank()
+    total = total_fn(n)
+    calls = []
+    for name in ("reduce_scatter_single", "reduce_scatter_list"):
+        real = getattr(gs, name)
+        monkeypatch.setattr(gs, name, lambda out, inp, *a, _real=real, _name=name, **k: (calls.append(_name), _real(out, inp, *a, **k))[1])
+    part = reference_tensor((total, 4), 90 + r, device=device)
+    x = spmdmoe.from_local(part, axis_mesh, placement=Partial(), global_tokens=total)
+    if r == 0:  # the same layout, backed by a pre-padded buffer on this rank only (no communication)
+        x = spmdmoe.padded_empty(axis_mesh, Partial(), total, (4,), device=device)
+        x.local.copy_(part)
+    y = spmdmoe.reduce_scatter(x)
+    want = "reduce_scatter_single" if total % n == 0 else "reduce_scatter_list"
+    agreed = all_ranks_agree(calls == [want], axis_mesh)
+    assert not agreed, f"ranks {agreed} picked another collective: {calls}"
+    full = sum(reference_tensor((total, 4), 90 + q, device=device) for q in range(n))
+    start = layout.chunk_offset(total, n, r)
+    assert_close_everywhere(y.local, full[start : start + y.local_tokens], rtol=1e-6, atol=1e-6)
+
+
 def test_uneven_reduce_scatter_sends_views_of_the_input(axis_mesh, device, monkeypatch):
-    import spmdmoe.collectives.reducescatter as rs
+    import spmdmoe.collectives.gather_scatter as rs
 
     n = axis_mesh.size()
     total = 2 * n - 1

@@ -126,9 +126,9 @@ def test_padded_empty_buffer(world, device):
 
 def test_checks_off_trusts_declared_tokens_without_communication(world, device, monkeypatch):
     calls = []
-    import spmdmoe.types.construct as construct
+    import spmdmoe.agreement as agreement
 
-    monkeypatch.setattr(construct, "all_gather_single", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(agreement, "all_gather_single", lambda *a, **k: calls.append(1))
     chunk = spmdmoe.shard(torch.zeros(9, 2, device=device), world).local
     with spmdmoe.checks(False):
         x = spmdmoe.from_local(chunk, world, global_tokens=9)

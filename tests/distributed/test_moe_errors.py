@@ -67,7 +67,8 @@ def test_model_dim_mismatch_on_one_ep_rank(world, device):
     layer = parallelize_moe(reference_moe(CFG, 0, device), ep_mesh=world)
     bad = world.get_local_rank() == world.size() - 1
     x = torch.randn(5, D + 3 if bad else D, device=device)
-    assert_raises_everywhere(SPMDShapeError, lambda: layer(x), match="EP ranks")
+    assert_raises_everywhere(SPMDShapeError, lambda: layer(x),
+                             match=rf"rank {world.size() - 1}: input width is not the model dim")
 
 
 def test_nan_router_logits_with_ep_raise_everywhere(world, device):
@@ -76,19 +77,17 @@ def test_nan_router_logits_with_ep_raise_everywhere(world, device):
     if world.get_local_rank() == 0:
         local[1, 3] = float("nan")
     x = spmdmoe.from_local(local, world)
-    assert_raises_everywhere(SPMDRoutingError, lambda: layer(x), match=r"NaN on EP ranks \[0\]")
+    assert_raises_everywhere(SPMDRoutingError, lambda: layer(x), match=r"\(rank 0: non-finite router logits")
 
 
-def test_nan_router_logits_without_ep_propagate(world, device):
-    """Documented behaviour without EP (no exchange to carry a flag): the NaN token's output is NaN,
-    every other token's is finite, and no rank blocks."""
+def test_nan_router_logits_without_ep_raise_at_check_errors(world, device):
+    """One rule with and without EP: non-finite router logits are SPMDRoutingError on every rank.
+    Without an exchange to carry the flag, the forward goes on (no rank blocks) and the step
+    boundary (check_errors / update_expert_bias) raises everywhere."""
     layer = parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world)
     local = _rows(world, 4 * world.size(), device)
     if world.get_local_rank() == 0:
-        local[1, 3] = float("nan")
-    y = layer(spmdmoe.from_local(local, world)).local
-    finite = torch.isfinite(y).all(dim=1)
-    expected = torch.ones_like(finite)
-    if world.get_local_rank() == 0:
-        expected[1] = False
-    assert not all_ranks_agree(bool(torch.equal(finite, expected)))
+        local[1, 3] = float("inf")
+    layer(spmdmoe.from_local(local, world))
+    assert_raises_everywhere(SPMDRoutingError, spmdmoe.check_errors, match=r"\(rank 0: non-finite router logits")
+    spmdmoe.check_errors()  # raised once, then cleared

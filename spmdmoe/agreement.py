@@ -1,0 +1,338 @@
+"""Every rank agrees: the one mechanism behind every check whose verdict can differ between ranks.
+
+A check that passes on one rank and fails on another must never raise on one
+rank alone: the others would wait in their next collective until the
+process-group timeout. So a rank never raises such a finding directly. It sets
+a *problem bit* (one per kind, the table below) and keeps its own detail
+message; the bits and any *fields* that must be equal everywhere (dtype, width,
+declared token count, a fingerprint of a layer's config) form a small row of
+int64; the rows are exchanged; and every rank derives the same verdict from the
+same table and raises the same error, naming the offending ranks, with its own
+detail where it has one. The rows travel in one of three ways:
+
+==========  ==============================================  ==========================================
+mode        how the row travels                             used by
+==========  ==============================================  ==========================================
+(a) ride    as extra columns of a collective that runs      the EP count exchange (``exchange_with_codes``:
+            anyway and is read on the host anyway: no       input problems and non-finite router logits
+            extra collective, no extra sync                 of an MoE layer), ``exchange_counts``
+(b) agree   :func:`agree`: one all-gather of the rows and   ``from_local``, ``product_axis``,
+            one host read, for facts that do not change     ``parallelize_moe`` (config, plan, weights),
+            from step to step, made once and then kept      ``load_state_dict`` of parallel layers,
+            (a layer's agreed plan is what its per-step     ``exchange_counts``' width, host count lists,
+            input checks compare against, locally, free)    ``spmdmoe.testing`` (``check_layout`` ...)
+(c) sticky  :class:`ProblemFlag` (one per MoE layer)     MoE layers without an exchange that spans
+            records this rank's bits on the device (no      them (single device, SP modes, EP with dp):
+            sync); the flag rides the layer's bias-update   input problems, non-finite logits
+            count all-reduce, or :func:`check_errors`
+            exchanges every flag (one all-reduce of
+            ``world_size`` int64 and one host read); both
+            raise on every rank
+==========  ==============================================  ==========================================
+
+Cost of (c): nothing per forward but a few tiny device ops; the read costs one
+host sync, once per :func:`check_errors` call and once per
+``update_expert_bias`` call. With checks off (:func:`spmdmoe.set_checks`), the
+layers record nothing and :func:`agree` callers skip their exchange.
+
+Rank numbers in messages are ranks of the axis the row was exchanged on (the
+world for :func:`check_errors` and the sticky flag).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ._dist import all_gather_single, all_reduce
+from .host import to_host
+from .types.errors import (
+    MoEConfigError,
+    SPMDDeviceError,
+    SPMDDtypeError,
+    SPMDLayoutError,
+    SPMDMeshError,
+    SPMDRoutingError,
+    SPMDShapeError,
+    SPMDTokenCountError,
+)
+from .types.mesh import MeshAxis, MeshLike, mesh_axis
+
+__all__ = [
+    "KINDS",
+    "Kind",
+    "Found",
+    "Field",
+    "agree",
+    "exchange_rows",
+    "problems_error",
+    "ProblemFlag",
+    "check_errors",
+    "clear_all",
+    "world_axis",
+    "dtype_code",
+    "dtype_name",
+]
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    error: type[Exception]
+    what: str
+
+
+# One bit per kind, in this order. When several kinds are reported, the error raised is the type of
+# the first one listed (the most specific first: a device problem outranks a count problem).
+KINDS: tuple[Kind, ...] = (
+    Kind("device", SPMDDeviceError, "tensor on a device the backend cannot use"),
+    Kind("tokens_type", SPMDTokenCountError, "global_tokens is not an int"),
+    Kind("tokens_negative", SPMDTokenCountError, "global_tokens is negative"),
+    Kind("tokens_range", SPMDTokenCountError, "global_tokens does not fit in int64"),
+    Kind("not_tensor", SPMDLayoutError, "not a torch.Tensor"),
+    Kind("token_dim", SPMDLayoutError, "token dim out of range"),
+    Kind("placement", SPMDLayoutError, "unknown placement"),
+    Kind("mesh", SPMDMeshError, "mesh argument not usable as one axis"),
+    Kind("counts", SPMDLayoutError, "bad counts"),
+    Kind("input_layout", SPMDLayoutError, "input is not in the layer's layout"),
+    Kind("input_mesh", SPMDMeshError, "input lives on another mesh axis"),
+    Kind("dtype", SPMDDtypeError, "input dtype is not the layer's"),
+    Kind("width", SPMDShapeError, "input width is not the model dim"),
+    Kind("config", MoEConfigError, "MoE config or plan cannot work"),
+    Kind("state_dict", SPMDLayoutError, "state dict entry cannot be loaded"),
+    Kind("nonfinite", SPMDRoutingError, "non-finite router logits (NaN or inf input)"),
+    Kind("failed", AssertionError, "check failed"),
+)
+BIT = {kind.name: 1 << i for i, kind in enumerate(KINDS)}
+
+
+class Found:
+    """What this rank found: problem bits, and the detail messages only this rank can write."""
+
+    __slots__ = ("bits", "details")
+
+    def __init__(self) -> None:
+        self.bits = 0
+        self.details: list[str] = []
+
+    def add(self, kind: str, detail: str) -> None:
+        self.bits |= BIT[kind]
+        self.details.append(detail)
+
+    def __bool__(self) -> bool:
+        return bool(self.bits)
+
+
+@dataclass(frozen=True)
+class Field:
+    """A value every rank must agree on; ``show`` prints one value, ``fix`` says what to do."""
+
+    name: str
+    error: type[Exception] = SPMDLayoutError
+    show: Callable[[int], str] = str
+    fix: str = ""
+
+
+_DTYPES = [getattr(torch, name) for name in (
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int8", "int16", "int32", "int64",
+    "uint8", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+) if hasattr(torch, name)]
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small int for ``dtype`` (an agreement field): its index in a fixed table, or -1."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else "another dtype"
+
+
+def world_axis() -> MeshAxis:
+    """The default process group as a :class:`MeshAxis`."""
+    return mesh_axis(dist.group.WORLD)  # type: ignore[arg-type]
+
+
+def _int64(v: int) -> int:
+    return v if -(2**63) <= v < 2**63 else -(2**63)
+
+
+def exchange_rows(axis: Optional[MeshAxis], row: Union[Sequence[int], torch.Tensor]) -> list[list[int]]:
+    """Every rank's ``row`` (same length everywhere), in rank order: one all-gather, one host read.
+
+    ``axis`` ``None`` means the world. Without an initialised process group the
+    table is this rank's row alone.
+    """
+    if not dist.is_initialized():
+        return [[int(v) for v in (row.tolist() if isinstance(row, torch.Tensor) else row)]]
+    axis = world_axis() if axis is None else axis
+    device = axis.metadata_device()
+    mine = row.to(device=device, dtype=torch.int64) if isinstance(row, torch.Tensor) else \
+        torch.tensor([_int64(int(v)) for v in row], dtype=torch.int64, device=device)
+    table = torch.empty(axis.size * mine.numel(), dtype=torch.int64, device=device)
+    all_gather_single(table, mine, group=axis.group)
+    return to_host(table.view(axis.size, mine.numel()))
+
+
+def _kinds(bits: int) -> list[Kind]:
+    return [kind for i, kind in enumerate(KINDS) if bits >> i & 1]
+
+
+def problems_error(
+    op: str, bits_by_rank: Sequence[int], details: Sequence[str] = (), ranks: Optional[Sequence[int]] = None
+) -> Optional[Exception]:
+    """The error every rank raises for these per-rank bits (``None`` when all are zero)."""
+    ranks = list(range(len(bits_by_rank))) if ranks is None else list(ranks)
+    bad = [(r, b) for r, b in zip(ranks, bits_by_rank) if b]
+    if not bad:
+        return None
+    present = 0
+    for _, b in bad:
+        present |= b
+    error = _kinds(present)[0].error
+    parts = "; ".join(f"rank {r}: " + ", ".join(k.what for k in _kinds(b)) for r, b in bad)
+    own = "".join(f"\n  this rank: {d}" for d in details)
+    return error(f"{op} rejected the input on {len(bad)} of {len(bits_by_rank)} ranks ({parts}){own}")
+
+
+def disagreement_error(op: str, fields: Sequence[Field], table: Sequence[Sequence[int]], start: int) -> Optional[Exception]:
+    """The error for the first field whose values differ between rows (``None`` if all agree)."""
+    for i, field in enumerate(fields):
+        values = [row[start + i] for row in table]
+        if len(set(values)) > 1:
+            if len(values) <= 16:
+                shown = "per rank [" + ", ".join(field.show(v) for v in values) + "]"
+            else:
+                groups: dict[int, list[int]] = {}
+                for r, v in enumerate(values):
+                    groups.setdefault(v, []).append(r)
+                shown = "; ".join(f"{field.show(v)} on ranks {rs}" for v, rs in groups.items())
+            fix = field.fix or f"every rank must pass the same {field.name}"
+            return field.error(f"{op}: ranks disagree on the {field.name}: {shown}; {fix}")
+    return None
+
+
+def agree(
+    op: str,
+    axis: Optional[MeshAxis],
+    found: Found,
+    fields: Sequence[tuple[Field, int]] = (),
+    extra: Sequence[int] = (),
+) -> list[list[int]]:
+    """Mode (b): exchange ``[bits, *fields, *extra]`` and raise the same error everywhere, or return the table.
+
+    Raises when any rank found a problem (the most specific kind's error type,
+    naming every offending rank, with this rank's own details) or when a field
+    differs between ranks. ``extra`` columns are returned for the caller's own
+    rules, which it must derive from the table alone so every rank agrees.
+    """
+    row = [found.bits, *(value for _, value in fields), *extra]
+    table = exchange_rows(axis, row)
+    error = problems_error(op, [r[0] for r in table], found.details) or disagreement_error(
+        op, [f for f, _ in fields], table, 1
+    )
+    if error is not None:
+        raise error
+    return table
+
+
+# ------------------------------------------------------------------ mode (c): sticky flags
+def _world() -> tuple[int, int]:
+    return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+
+
+class ProblemFlag:
+    """Mode (c): this rank's sticky problem bits, recorded without a sync, raised at an exchange.
+
+    Each MoE layer owns one (so its ``update_expert_bias`` raises exactly the
+    problems of the ranks it exchanges with); :func:`check_errors` exchanges
+    every flag of the process over the world.
+    """
+
+    def __init__(self) -> None:
+        self._bits: dict[torch.device, torch.Tensor] = {}  # one int64 scalar per device used
+        self.details: list[str] = []
+
+    def record(self, bits: Union[int, torch.Tensor], device: torch.device, details: Sequence[str] = ()) -> None:
+        """OR ``bits`` (a host int, or a device int64 scalar: no sync) into this rank's flag."""
+        if isinstance(bits, int) and not bits:
+            return
+        device = torch.device(device)
+        own = self._bits.get(device)
+        if own is None:
+            own = self._bits[device] = torch.zeros((), dtype=torch.int64, device=device)
+            _flags.add(self)
+        own.bitwise_or_(bits)
+        self.details.extend(details)
+
+    def slots(self, device: torch.device) -> torch.Tensor:
+        """A ``(world_size,)`` int64 vector: this rank's bits in its own slot, zeros elsewhere.
+
+        Summed over any set of orthogonal axes, it gives every rank of their
+        product the bits of every rank of it (each slot has one contributor).
+        """
+        world, me = _world()
+        slots = torch.zeros(world, dtype=torch.int64, device=device)
+        for own in self._bits.values():
+            slots[me].bitwise_or_(own.to(device))
+        return slots
+
+    def raise_slots(self, op: str, slots: Sequence[int]) -> None:
+        """Raise the verdict of exchanged ``slots`` (host ints, one per global rank), clearing the flag first."""
+        error = problems_error(op, slots, list(self.details))
+        if error is not None:
+            self.clear()
+            raise error
+
+    def clear(self) -> None:
+        for own in self._bits.values():
+            own.zero_()
+        self.details.clear()
+
+
+_flags: "weakref.WeakSet[ProblemFlag]" = weakref.WeakSet()
+
+
+def check_errors(mesh: Optional[MeshLike] = None) -> None:
+    """Raise, on every rank at once, the problems any rank recorded since the last check.
+
+    A collective over ``mesh`` (default: the world): one all-reduce of
+    ``world_size`` int64 (every flag of this process OR-ed into this rank's
+    slot) and one host read (a sync). Call it where a step should fail if any
+    rank saw a problem its peers could not see, e.g. once per step before
+    ``optimizer.step()`` (each MoE layer's ``update_expert_bias`` does the
+    same for its own problems over its own axes). Without an initialised
+    process group it reads this process' flags. What was recorded is raised
+    once, then cleared.
+
+    >>> import spmdmoe
+    >>> spmdmoe.check_errors()   # nothing recorded: returns
+    """
+    if dist.is_initialized():
+        axis = world_axis() if mesh is None else mesh_axis(mesh)
+        device = axis.metadata_device()
+    else:
+        axis, device = None, torch.device("cpu")
+    flags = list(_flags)
+    world, _ = _world()
+    slots = torch.zeros(world, dtype=torch.int64, device=device)
+    for flag in flags:
+        slots.bitwise_or_(flag.slots(device))
+    if axis is not None:
+        all_reduce(slots, group=axis.group)
+    host = to_host(slots)
+    if any(host):
+        details = [d for flag in flags for d in flag.details]
+        for flag in flags:
+            flag.clear()
+        raise problems_error("check_errors", host, details)  # type: ignore[misc]
+
+
+def clear_all() -> None:
+    """Forget every recorded problem of this process (tests use it to start clean)."""
+    for flag in list(_flags):
+        flag.clear()

@@ -1,0 +1,59 @@
+"""When an op records its backward: by rank-local facts for local ops, by shared facts for collectives.
+
+A local op (a row gather, a permutation) may skip autograd when its input needs
+no gradient: nothing on another rank depends on it. A collective may not: its
+backward is a collective too, and a rank that skipped recording it would skip
+the backward collective its peers run, and they would wait forever. Whether a
+collective records its backward therefore depends only on facts every rank
+shares: grad mode and the dtype (floating point). A rank whose input does not
+require grad still records the node, through :data:`ANCHOR`, a zero-size leaf
+that requires grad and is passed as an extra input, so its backward runs
+whenever the peers' does. Its gradient is never computed (the backward returns
+``None`` for it), so the anchor costs nothing.
+
+One consequence, by design: with grad mode on, a collective's floating-point
+result requires grad on every rank, even where the input did not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ANCHOR", "differentiable", "collective_op"]
+
+ANCHOR = torch.zeros(0, requires_grad=True)
+
+
+def differentiable(function: type[torch.autograd.Function], plain: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """For LOCAL ops: ``function.apply`` when autograd must record the op, else ``plain`` (same math).
+
+    ``autograd.Function.apply`` costs ~10-20 us of host time per call; skipping
+    it under ``no_grad`` or for inputs that need no gradient keeps inference-style
+    calls cheap. Never use this for an op whose backward communicates: see
+    :func:`collective_op`.
+    """
+
+    def op(local: torch.Tensor, *args: Any) -> torch.Tensor:
+        if local.requires_grad and torch.is_grad_enabled():
+            return function.apply(local, *args)
+        return plain(local, *args)
+
+    return op
+
+
+def collective_op(function: type[torch.autograd.Function], plain: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """For COLLECTIVES: record the backward whenever grad mode is on and the data is floating point.
+
+    ``function.forward`` takes ``(local, *args, anchor)`` and its backward returns
+    one more ``None`` for the anchor. The decision never looks at
+    ``local.requires_grad``, which can differ between ranks.
+    """
+
+    def op(local: torch.Tensor, *args: Any) -> torch.Tensor:
+        if torch.is_grad_enabled() and (local.is_floating_point() or local.is_complex()):
+            return function.apply(local, *args, ANCHOR)
+        return plain(local, *args)
+
+    return op

@@ -1,0 +1,162 @@
+"""What ``parallelize_moe`` agrees on before it builds anything: the plan, the config, the weights.
+
+Legend: ``E`` experts, ``F`` expert hidden dim, ``D`` model dim, ``K`` top-k.
+
+Ranks that disagree on a layer hang, abort or silently compute another model
+(one rank with ``top_k=3``, one with ``sp_mode="local"``, one built from
+another seed). So every rank fingerprints what it was given and one agreement
+exchange over the world (``spmdmoe.agreement.agree``: one all-gather of ~20
+int64 per rank and one host read, once per layer) compares them:
+
+=========================  ===================================================  ================
+field                      value                                                error
+=========================  ===================================================  ================
+config                     ``dim``, ``hidden_dim``, ``num_experts``,            MoEConfigError
+                           ``top_k``, ``num_shared_experts``, and a hash of
+                           every option
+plan                       the sizes of sp / ep / dp, ``sp_mode``, EP on SP     MoEConfigError
+parameters                 dtype and device type                                MoEConfigError
+weights                    an exact integer fingerprint of every parameter      MoEConfigError
+                           and ``expert_bias`` (skipped on the meta device)
+=========================  ===================================================  ================
+
+Problems a rank finds on its own (a mesh that is not one axis, ``E % ep``,
+gather mode without SP, axes that are not orthogonal, a layer that is already
+parallel) travel as problem bits in the same exchange: every rank raises the
+same error. So ``parallelize_moe`` is a collective over the default group:
+every rank calls it for the same layers in the same order. With checks off
+nothing is exchanged and local problems raise locally.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..agreement import Field, Found, agree, dtype_code, dtype_name, problems_error
+from ..host import to_host
+from ..types.checks import checks_enabled
+from ..types.errors import MoEConfigError, SPMDMeshError
+from ..types.mesh import MeshAxis, MeshLike, mesh_axis
+
+__all__ = ["agree_plan", "weights_fingerprint"]
+
+_MODES = {"local": 0, "gather": 1}
+_DEVICES = {"cpu": 0, "cuda": 1, "meta": 2}
+_SAME_CONFIG = "build the layer from the same MoEConfig on every rank"
+
+
+def _config_field(name: str) -> Field:
+    return Field(f"MoEConfig.{name}", MoEConfigError, fix=_SAME_CONFIG)
+
+
+def _plan_field(name: str, show: Any = str) -> Field:
+    return Field(f"plan's {name}", MoEConfigError, show, "call parallelize_moe with the same meshes and sp_mode on every rank")
+
+
+_FIELDS = (
+    *(_config_field(n) for n in ("dim", "hidden_dim", "num_experts", "top_k", "num_shared_experts")),
+    Field("MoEConfig (hash of every option)", MoEConfigError, fix=_SAME_CONFIG),
+    _plan_field("sp_mesh size"),
+    _plan_field("ep_mesh size"),
+    _plan_field("dp_mesh size"),
+    _plan_field("sp_mode", lambda v: {c: m for m, c in _MODES.items()}.get(v, "other")),
+    _plan_field("EP-on-the-SP-axis", lambda v: str(bool(v))),
+    Field("parameter dtype", MoEConfigError, dtype_name, "convert the layer with .to(dtype) on every rank"),
+    Field("parameter device type", MoEConfigError, lambda v: {c: d for d, c in _DEVICES.items()}.get(v, "other"),
+          "build or move the layer to the same kind of device on every rank"),
+    Field("weights (fingerprint of every parameter and expert_bias)", MoEConfigError, lambda v: f"#{v % 99991}",
+          "build and initialise the layer identically on every rank (same seed, same checkpoint) before "
+          "parallelize_moe"),
+)
+
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def weights_fingerprint(module: nn.Module) -> int:
+    """An exact integer fingerprint of ``module``'s parameters and ``expert_bias``: their bit patterns
+    summed (and squared and summed) in wrapping int64, so the result does not depend on summation
+    order or device. -1 when a tensor has no data here (meta) or is a DTensor (shards differ by rank)."""
+    tensors = [p for _, p in sorted(module.named_parameters())] + [b for n, b in module.named_buffers() if n == "expert_bias"]
+    if not tensors or any(t.is_meta or isinstance(t, DTensor) for t in tensors):
+        return -1
+    acc = torch.zeros(2, dtype=torch.int64, device=tensors[0].device)
+    for t in tensors:
+        bits = t.detach().contiguous().view(-1).view(_INT_VIEW[t.element_size()])
+        for chunk in bits.split(1 << 22):
+            c = chunk.to(torch.int64)
+            acc += torch.stack([c.sum(), (c * c).sum()]).to(acc.device)
+    a, b = to_host(acc)
+    return (a * 1000003 + b + 2**63) % 2**64 - 2**63
+
+
+def _axis(name: str, mesh: Optional[MeshLike], found: Found) -> Optional[MeshAxis]:
+    try:
+        return None if mesh is None else mesh_axis(mesh)
+    except SPMDMeshError as e:
+        found.add("mesh", f"{name}: {e}")
+        return None
+
+
+def _plan_problems(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis],
+                   sp_mode: Any, found: Found) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if sp_mode not in _MODES:
+        found.add("config", f"rank {rank}: sp_mode must be 'local' or 'gather', found {sp_mode!r}")
+    if ep is not None and cfg.num_experts % ep.size:
+        found.add("config", f"rank {rank}: num_experts={cfg.num_experts} does not divide by the EP size {ep.size} "
+                            f"({cfg.num_experts} % {ep.size} = {cfg.num_experts % ep.size}); use an EP size that divides E")
+    if sp_mode == "gather" and sp is None:
+        found.add("config", f"rank {rank}: sp_mode='gather' needs sp_mesh (the axis tokens are gathered over)")
+    if sp_mode == "gather" and ep is not None and ep == sp:
+        found.add("config", f"rank {rank}: sp_mode='gather' splits the experts' hidden dim over sp_mesh, so EP must be "
+                            "another axis (or None); for EP on the SP group use sp_mode='local'")
+    pairs = [("sp_mesh", sp, "ep_mesh", ep)] if sp != ep else []
+    pairs += [("dp_mesh", dp, name, a) for name, a in (("sp_mesh", sp), ("ep_mesh", ep))]
+    for name_a, a, name_b, b in pairs:
+        if a is not None and b is not None:
+            shared = set(a.ranks) & set(b.ranks)
+            if shared != {rank}:
+                same = "the same group or " if name_a == "sp_mesh" else ""
+                found.add("mesh", f"rank {rank}: {name_a} and {name_b} must be {same}orthogonal axes (e.g. two dims "
+                                  f"of one mesh); they share ranks {sorted(shared)}")
+
+
+def agree_plan(moe: Any, sp_mesh: Optional[MeshLike], ep_mesh: Optional[MeshLike], dp_mesh: Optional[MeshLike],
+               sp_mode: Any, single_device_type: type) -> tuple[Optional[MeshAxis], Optional[MeshAxis], Optional[MeshAxis]]:
+    """The normalised ``(sp, ep, dp)`` axes, once every rank agrees on the layer (see the module docstring)."""
+    found = Found()
+    sp, ep, dp = (_axis(n, m, found) for n, m in (("sp_mesh", sp_mesh), ("ep_mesh", ep_mesh), ("dp_mesh", dp_mesh)))
+    if not isinstance(moe, single_device_type):
+        found.add("config", f"parallelize_moe takes a single-device {single_device_type.__name__}, found "
+                            f"{type(moe).__name__}" + (" (it is already parallel: apply parallelize_moe once, to "
+                                                       "the single-device layer)" if isinstance(moe, nn.Module) else ""))
+        values = [-1] * len(_FIELDS)
+    else:
+        _plan_problems(moe.config, sp, ep, dp, sp_mode, found)
+        values = _values(moe, sp, ep, dp, sp_mode) if checks_enabled() else []
+    if checks_enabled():
+        agree("parallelize_moe", None, found, list(zip(_FIELDS, values)))
+    elif found:
+        raise problems_error("parallelize_moe", [found.bits], found.details)  # type: ignore[misc]
+    return sp, ep, dp
+
+
+def _values(moe: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis], sp_mode: Any) -> list[int]:
+    cfg = moe.config
+    weight = moe.router.gate.weight
+    return [
+        cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, cfg.num_shared_experts,
+        zlib.crc32(repr(cfg).encode()),
+        *(0 if a is None else a.size for a in (sp, ep, dp)),
+        _MODES.get(sp_mode, -1),
+        int(sp is not None and sp == ep),
+        dtype_code(weight.dtype),
+        _DEVICES.get(weight.device.type, 3),
+        weights_fingerprint(moe),
+    ]
