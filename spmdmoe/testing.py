@@ -7,7 +7,12 @@ never leaves the other ranks waiting in the next test's collective.
 * :func:`reference_tensor` — the same random tensor on every rank, from a seed.
 * :func:`assert_close_everywhere` — compare with a reference, fail on all ranks.
 * :func:`assert_raises_everywhere` — a call must raise the given error on every rank.
+* :func:`check_layout` — verify an ``SPMDTensor``'s layout across ranks (for
+  tensors made by the local constructors, which check nothing across ranks).
 * :func:`single_process_group` — a world-size-1 gloo group for examples and doctests.
+
+Every verdict goes through ``spmdmoe.agreement`` (one exchange of a small row
+per rank).
 """
 
 from __future__ import annotations
@@ -18,13 +23,19 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Type
 import torch
 import torch.distributed as dist
 
+from .agreement import exchange_rows
+from .types.checks import checks
+from .types.construct import from_local
 from .types.mesh import MeshLike, mesh_axis
+from .types.placement import Varying
+from .types.tensor import SPMDTensor
 
 __all__ = [
     "reference_tensor",
     "assert_close_everywhere",
     "assert_raises_everywhere",
     "all_ranks_agree",
+    "check_layout",
     "single_process_group",
 ]
 
@@ -51,17 +62,31 @@ def reference_tensor(
 
 
 def all_ranks_agree(ok: bool, mesh: Optional[MeshLike] = None) -> list[int]:
-    """The ranks (in the axis) where ``ok`` is false; the same list on every rank."""
-    if mesh is None:
-        group, size, rank = None, dist.get_world_size(), dist.get_rank()
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    else:
-        axis = mesh_axis(mesh)
-        group, size, rank, device = axis.group, axis.size, axis.rank, axis.metadata_device()
-    flags = torch.zeros(size, dtype=torch.int32, device=device)
-    flags[rank] = 0 if ok else 1
-    dist.all_reduce(flags, group=group)
-    return [r for r, f in enumerate(flags.tolist()) if f]
+    """The ranks (in the axis; default: the world) where ``ok`` is false; the same list on every rank."""
+    table = exchange_rows(None if mesh is None else mesh_axis(mesh), [0 if ok else 1])
+    return [r for r, (bad,) in enumerate(table) if bad]
+
+
+def check_layout(x: SPMDTensor) -> None:
+    """Raise the same ``SPMDLayoutError`` on every rank of ``x``'s axis unless its layout is one layout.
+
+    The local constructors (``SPMDTensor(...)``, ``SPMDTensor.from_buffer``,
+    ``with_local``, ``shard``) check only this rank's rows against this rank's
+    metadata; they cannot see a ``global_tokens``, dtype, feature shape or
+    placement that differs on another rank (the next collective would then
+    abort or hang). This runs :func:`spmdmoe.from_local`'s collective check on
+    ``x`` as it is, also with checks switched off: one all-gather of a few
+    int64 and one host read. Meant for tests and debugging.
+
+    >>> import torch, spmdmoe
+    >>> pg = spmdmoe.testing.single_process_group()
+    >>> spmdmoe.testing.check_layout(spmdmoe.shard(torch.zeros(5, 2), pg))
+    """
+    if not isinstance(x, SPMDTensor):
+        raise TypeError(f"check_layout takes an SPMDTensor, found {type(x).__name__}")
+    total = None if isinstance(x.placement, Varying) else x.global_tokens
+    with checks(True):
+        from_local(x.local, x.axis, placement=x.placement, global_tokens=total, token_dim=x.token_dim)
 
 
 def assert_close_everywhere(

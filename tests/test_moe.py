@@ -196,20 +196,49 @@ def test_cuda_matches_cpu(dtype, rtol):
     torch.testing.assert_close(got, ref, rtol=rtol, atol=rtol * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("style", ["ours", "new", "old"])
+@pytest.mark.parametrize("style", ["ours", "new", "older", "oldest"])
 def test_single_device_loads_torchtitan_state_dicts(style):
-    from spmdmoe.moe.checkpoint import to_torchtitan
+    """Issue 8: torchtitan 0.3.0 names (routed_experts.inner_experts.w1_EFD, expert_bias_E) load and
+    round-trip; the earlier _EFD names load; the oldest (E, D, F) orientation only through from_torchtitan."""
+    from spmdmoe.moe.checkpoint import from_torchtitan, to_torchtitan
 
     cfg = MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2, num_shared_experts=1)
     src, dst = _moe(cfg, seed=1), _moe(cfg, seed=2)
     sd = {k: v.clone() for k, v in src.state_dict().items()}
-    if style == "new":
-        sd = to_torchtitan(sd, names="new")
-        sd["tokens_per_expert"] = torch.ones(4)
-    if style == "old":
+    if style == "new":  # torchtitan 0.3.0, built by hand (torchtitan is not a dependency)
+        sd = {{"experts.w1": "routed_experts.inner_experts.w1_EFD", "experts.w2": "routed_experts.inner_experts.w2_EDF",
+               "experts.w3": "routed_experts.inner_experts.w3_EFD", "expert_bias": "expert_bias_E"}.get(k, k): v
+              for k, v in sd.items()}
+        sd["tokens_per_expert_E"] = torch.ones(4)
+        assert sd.keys() == to_torchtitan(src.state_dict()).keys() | {"tokens_per_expert_E"}
+    if style == "older":
+        sd = {k.replace("experts.w1", "experts.w1_EFD").replace("experts.w2", "experts.w2_EDF")
+              .replace("experts.w3", "experts.w3_EFD") if k.startswith("experts.") else k: v for k, v in sd.items()}
+    if style == "oldest":
         sd = {k: (v.transpose(1, 2).contiguous() if k.startswith("experts.") else v) for k, v in sd.items()}
+        with pytest.raises(ValueError, match="orientation='EDF'"):
+            dst.load_state_dict(sd)
+        sd = from_torchtitan(sd, orientation="EDF")
     dst.load_state_dict(sd)
     for name, p in src.state_dict().items():
         assert torch.equal(dst.state_dict()[name], p), name
-    with pytest.raises(ValueError, match="expected the global expert tensor"):
+    with pytest.raises(ValueError, match="expected shape"):
         dst.load_state_dict({**src.state_dict(), "experts.w1": torch.zeros(2, 8, 16)})
+    back = {k: v.clone() for k, v in to_torchtitan(dst.state_dict()).items()}
+    assert "routed_experts.inner_experts.w1_EFD" in back and "expert_bias_E" in back
+    src.load_state_dict(back)
+    assert torch.equal(src.experts.w1, dst.experts.w1)
+
+
+def test_oldest_orientation_is_never_guessed_when_dim_equals_hidden():
+    """Issue 13: with D == F an (E, D, F) tensor has our shape; nothing can tell, so nothing is
+    transposed by load_state_dict, and from_torchtitan(orientation='EDF') transposes explicitly."""
+    from spmdmoe.moe.checkpoint import from_torchtitan
+
+    cfg = MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2)
+    src, dst = _moe(cfg, seed=1), _moe(cfg, seed=2)
+    oldest = {k: (v.transpose(1, 2).contiguous() if k.startswith("experts.") else v) for k, v in src.state_dict().items()}
+    dst.load_state_dict(from_torchtitan(oldest, orientation="EDF"))
+    assert torch.equal(dst.experts.w1, src.experts.w1) and torch.equal(dst.experts.w2, src.experts.w2)
+    dst.load_state_dict(oldest)  # taken as ours, as documented: the caller must say "EDF"
+    assert torch.equal(dst.experts.w1, src.experts.w1.transpose(1, 2))

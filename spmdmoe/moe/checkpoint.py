@@ -15,14 +15,26 @@ first (one all-gather over the DP group per weight: the checkpoint is the same
 as without FSDP); dense weights stay FSDP's DTensors, which DCP reads natively.
 
 Loading. ``load_state_dict`` on ``MoE`` or a parallel layer accepts our names
-and torchtitan's (``experts.w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` or the older
-``experts.w1`` / ``w2`` / ``w3``, also the older ``(E, D, F)`` orientation of
-``w1``/``w3``, told apart by shape when ``D != F``), plain full tensors or
-DTensors of any layout (this layer's own layout is taken locally, any other is
-gathered once and sliced), with or without ``expert_bias`` (kept as is when
-absent) and ``tokens_per_expert`` (a per-step counter here, dropped). So a
-checkpoint saved at one EP size loads at another. Under FSDP2 each rank keeps
-its DP shard of its slice (no communication).
+and torchtitan's: 0.3.0's ``routed_experts.inner_experts.w1_EFD`` / ``w2_EDF`` /
+``w3_EFD`` and ``expert_bias_E``, the earlier ``experts.w1_EFD`` ..., and the
+oldest ``experts.w1`` / ``w2`` / ``w3`` (our own names). Values are plain full
+tensors or DTensors of any layout (this layer's own layout is taken locally,
+any other is gathered once and sliced), with or without ``expert_bias`` (kept
+as is when absent) and ``tokens_per_expert`` (a per-step counter here,
+dropped). So a checkpoint saved at one EP size loads at another. Under FSDP2
+each rank keeps its DP shard of its slice (no communication).
+
+Orientation is never guessed: ``experts.w1`` is ``(E, F, D)`` as ours and
+torchtitan's current one. The oldest torchtitan layout (``w1``/``w3``
+``(E, D, F)``, ``w2`` ``(E, F, D)``) cannot be told apart from ours when
+``D == F``, so it is loaded only through :func:`from_torchtitan` with
+``orientation="EDF"``; a tensor of the transposed shape is refused with that fix.
+
+A parallel layer's load first agrees (``spmdmoe.agreement``, one exchange over
+the world) on what every rank was given: a missing or misshapen entry, or an
+entry that is a DTensor on one rank and a plain tensor on another, raises the
+same error on every rank before any rank starts the gathers that loading a
+DTensor of another layout needs.
 """
 
 from __future__ import annotations
@@ -35,14 +47,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import Shard as DShard
 
+from ..agreement import Field, Found, agree, exchange_rows
+from ..types.checks import checks_enabled
 from ..types.errors import SPMDLayoutError
 from ..types.layout import contiguous_strides
 from ..types.mesh import MeshAxis
-from ..agreement import exchange_rows
 
-__all__ = ["to_torchtitan", "install_hooks", "ExpertLayout", "grid_mesh"]
+__all__ = ["to_torchtitan", "from_torchtitan", "install_hooks", "ExpertLayout", "grid_mesh"]
 
-TORCHTITAN_NAMES = {"experts.w1_EFD": "experts.w1", "experts.w2_EDF": "experts.w2", "experts.w3_EFD": "experts.w3"}
+# torchtitan's names -> ours, newest first (0.3.0, then the earlier _EFD names)
+TORCHTITAN_NAMES = {
+    "routed_experts.inner_experts.w1_EFD": "experts.w1",
+    "routed_experts.inner_experts.w2_EDF": "experts.w2",
+    "routed_experts.inner_experts.w3_EFD": "experts.w3",
+    "expert_bias_E": "expert_bias",
+    "experts.w1_EFD": "experts.w1",
+    "experts.w2_EDF": "experts.w2",
+    "experts.w3_EFD": "experts.w3",
+}
+NEWEST = dict(list(TORCHTITAN_NAMES.items())[:4])
 COUNTERS = ("tokens_per_expert", "tokens_per_expert_E")
 HIDDEN_DIM = {"experts.w1": 1, "experts.w2": 2, "experts.w3": 1}
 
@@ -89,22 +112,46 @@ def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:
 
 
 def to_torchtitan(state_dict: dict[str, Any], *, names: str = "new") -> dict[str, Any]:
-    """Our state dict with torchtitan's expert names: ``"new"`` (``w1_EFD``...) or ``"old"`` (``w1``...).
+    """Our state dict with torchtitan's names: ``"new"`` (0.3.0: ``routed_experts.inner_experts.w1_EFD``
+    ..., ``expert_bias_E``) or ``"old"`` (``experts.w1`` ..., which are ours).
 
     Orientation is torchtitan's current one (ours): ``w1``/``w3`` ``(E, F, D)``,
     ``w2`` ``(E, D, F)``. Values (plain tensors or DTensors) are passed through.
+    The router (``router.gate.weight``) and shared experts
+    (``shared_experts.w1.weight`` ...) have the same names in both.
     """
     if names not in ("new", "old"):
         raise ValueError(f"names must be 'new' or 'old', found {names!r}")
-    ours_to_theirs = {v: k for k, v in TORCHTITAN_NAMES.items()}
-    out = {}
-    for key, value in state_dict.items():
-        for ours, theirs in ours_to_theirs.items():
-            if names == "new" and key.endswith(ours):
-                key = key[: -len(ours)] + theirs
-                break
-        out[key] = value
+    if names == "old":
+        return dict(state_dict)
+    ours_to_theirs = {v: k for k, v in NEWEST.items()}
+    return {_renamed(key, ours_to_theirs): value for key, value in state_dict.items()}
+
+
+def from_torchtitan(state_dict: dict[str, Any], *, orientation: str = "EFD") -> dict[str, Any]:
+    """A torchtitan state dict in our names, the experts in our orientation.
+
+    ``orientation="EFD"``: torchtitan's current layout (``w1``/``w3`` ``(E, F, D)``),
+    names only (``load_state_dict`` does this by itself). ``"EDF"``: the oldest
+    layout (``w1``/``w3`` ``(E, D, F)``, ``w2`` ``(E, F, D)``): the last two dims of
+    every expert weight are swapped, also when ``D == F`` (where no shape can
+    tell the layouts apart, which is why this is never guessed). Plain tensors
+    only for ``"EDF"`` (gather a DTensor with ``full_tensor()`` first).
+    """
+    if orientation not in ("EFD", "EDF"):
+        raise ValueError(f"orientation must be 'EFD' or 'EDF', found {orientation!r}")
+    out = {_renamed(key, TORCHTITAN_NAMES): value for key, value in state_dict.items()}
+    if orientation == "EDF":
+        for key in [k for k in out if any(k.endswith(n) for n in HIDDEN_DIM)]:
+            out[key] = out[key].transpose(1, 2).contiguous()
     return out
+
+
+def _renamed(key: str, table: dict[str, str]) -> str:
+    for theirs, ours in table.items():
+        if key == theirs or key.endswith("." + theirs):
+            return key[: -len(theirs)] + ours
+    return key
 
 
 def install_hooks(module: torch.nn.Module, layout: Optional[ExpertLayout]) -> None:
@@ -132,14 +179,17 @@ def _save_hook(layout: ExpertLayout) -> Any:
 
 
 def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout]) -> Any:
-    def hook(mod: Any, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        for theirs, ours in TORCHTITAN_NAMES.items():
-            if prefix + theirs in state_dict:
-                state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
+    def hook(mod: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool, *args: Any) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            ours = prefix + _renamed(key[len(prefix):], TORCHTITAN_NAMES)
+            if ours != key:
+                state_dict[ours] = state_dict.pop(key)
         for counter in COUNTERS:
             state_dict.pop(prefix + counter, None)
         if prefix + "expert_bias" not in state_dict:
             state_dict[prefix + "expert_bias"] = module.expert_bias.detach().clone()
+        if layout is not None and checks_enabled():
+            _agree_on_entries(module, state_dict, prefix, layout, strict)
         for name in HIDDEN_DIM:
             key = prefix + name
             if key in state_dict:
@@ -152,6 +202,52 @@ def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout]) -> Any:
     return hook
 
 
+_KIND = {0: "missing", 1: "a plain tensor", 2: "a DTensor in this layer's layout", 3: "a DTensor in another layout"}
+
+
+def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layout: ExpertLayout, strict: bool) -> None:
+    """One agreement exchange over the world before any gather: every rank raises if one rank's entries
+    are missing (strict), misshapen, or of another kind than its peers'."""
+    found, kinds = Found(), []
+    rank = dist.get_rank()
+    expected = [*module.named_parameters(), ("expert_bias", module.expert_bias)]
+    for name, param in expected:
+        value = state_dict.get(prefix + name)
+        if name in HIDDEN_DIM:
+            own = isinstance(value, DTensor) and layout.mesh is not None and value.device_mesh == layout.mesh \
+                and list(value.placements) == layout.placements(name)
+            kinds.append((Field(f"kind of entry {prefix + name}", show=lambda v: _KIND[v]),
+                          0 if value is None else 2 if own else 3 if isinstance(value, DTensor) else 1))
+            want: Any = _global_shape(name, module.config)
+        else:
+            want = tuple(param.shape)
+        if value is None:
+            if strict:
+                found.add("state_dict", f"rank {rank}: {prefix + name} is missing from the state dict")
+        elif not isinstance(value, torch.Tensor):
+            found.add("state_dict", f"rank {rank}: {prefix + name} is a {type(value).__name__}, not a tensor")
+        elif tuple(value.shape) != want:
+            found.add("state_dict", f"rank {rank}: {prefix + name}: {_shape_problem(name, tuple(value.shape), want)}")
+    agree("load_state_dict", None, found, kinds)
+
+
+def _global_shape(name: str, config: Any) -> tuple[int, int, int]:
+    E, F, D = config.num_experts, config.hidden_dim, config.dim
+    return (E, D, F) if name == "experts.w2" else (E, F, D)
+
+
+def _shape_problem(name: str, found: tuple[int, ...], want: Any) -> str:
+    text = f"expected shape {tuple(want)}, found {found}"
+    if name in HIDDEN_DIM and len(found) == 3 and found == (want[0], want[2], want[1]):
+        text += ("; this looks like torchtitan's oldest (E, D, F) orientation: convert it with "
+                 "spmdmoe.moe.checkpoint.from_torchtitan(state_dict, orientation='EDF') (never guessed: it is "
+                 "ambiguous when dim == hidden_dim)")
+    elif name in HIDDEN_DIM:
+        text += ("; a plain tensor must hold every expert (save with the layer's state_dict(), which presents "
+                 "global DTensors)")
+    return text
+
+
 def _local_value(name: str, value: Any, layout: Optional[ExpertLayout], config: Any) -> torch.Tensor:
     """This rank's slice of a saved expert weight (DTensor of any layout, or a full tensor)."""
     if isinstance(value, DTensor):
@@ -159,19 +255,7 @@ def _local_value(name: str, value: Any, layout: Optional[ExpertLayout], config: 
                 and list(value.placements) == layout.placements(name):
             return value.to_local()
         value = value.full_tensor()
-    full = _oriented(name, value, config)
-    return full if layout is None else layout.local_slice(name, full)
-
-
-def _oriented(name: str, full: torch.Tensor, config: Any) -> torch.Tensor:
-    E, F, dim = config.num_experts, config.hidden_dim, config.dim
-    want = (E, dim, F) if name == "experts.w2" else (E, F, dim)
-    if tuple(full.shape) == want:
-        return full
-    if tuple(full.shape) == (want[0], want[2], want[1]):  # torchtitan's older (E, D, F) w1/w3
-        return full.transpose(1, 2)
-    raise SPMDLayoutError(
-        f"{name}: expected the global expert tensor of shape {want} (or its transpose in the last two "
-        f"dims), found {tuple(full.shape)}; a plain tensor must hold every expert (save with the layer's "
-        "state_dict(), which presents global DTensors)"
-    )
+    want = _global_shape(name, config)
+    if tuple(value.shape) != want:
+        raise SPMDLayoutError(f"{name}: {_shape_problem(name, tuple(value.shape), want)}")
+    return value if layout is None else layout.local_slice(name, value)

@@ -17,9 +17,18 @@ attribute                  meaning
 ``buffer``                 optional backing storage with spare tail rows
 =========================  ===============================================
 
-Construction does local checks only (no communication). Use
-:func:`spmdmoe.from_local` to verify a layout across ranks, or
-:func:`spmdmoe.shard` to cut a full tensor.
+Construction does local checks only (no communication): ``SPMDTensor(...)``,
+:meth:`SPMDTensor.from_buffer`, :meth:`SPMDTensor.with_local` and
+:func:`spmdmoe.shard` check this rank's rows against this rank's metadata
+(token dim in range, row count for ``T`` under the chunk rule, ``T`` a
+non-negative int, a contiguous padded buffer). They do NOT check anything
+across ranks: a ``global_tokens``, placement, token dim, dtype or feature
+shape that differs on another rank goes unnoticed until the next collective,
+which then aborts (gloo) or hangs or corrupts (NCCL). :func:`spmdmoe.from_local`
+makes that check (one small all-gather), and
+:func:`spmdmoe.testing.check_layout` makes it on any ``SPMDTensor`` (for
+tests). Collectives trust the type and never re-check; the MoE layers check
+their input against the layer every rank agreed on (``spmdmoe.agreement``).
 """
 
 from __future__ import annotations
@@ -67,7 +76,9 @@ class SPMDTensor:
             (``Shard`` uses its own ``dim``). Default 0.
 
     Raises:
-        SPMDLayoutError: ``local`` does not hold this rank's rows for ``T``.
+        SPMDLayoutError: ``local`` does not hold this rank's rows for ``T``
+            (checked on this rank only: see the module docstring for what is
+            not checked across ranks).
 
     Example (one process, world size 1, so rank 0 holds every row):
 
@@ -142,7 +153,8 @@ class SPMDTensor:
         ``buffer`` has ``padded_local_tokens`` rows along the token dimension for
         ``Shard`` and ``padded_global_tokens`` rows for ``Partial``/``Replicate``;
         ``.local`` is the view of the valid rows. A producer that writes into
-        such a buffer lets a collective send it without a padding copy.
+        such a buffer lets a collective send it without a padding copy. Local
+        checks only (row count, contiguity); nothing across ranks.
         """
         axis = mesh_axis(mesh)
         if isinstance(placement, Varying):
@@ -168,10 +180,12 @@ class SPMDTensor:
     def with_local(self, local: torch.Tensor) -> "SPMDTensor":
         """The same layout around new local data (e.g. after a row-wise op).
 
-        The token dimension must keep its size; other dimensions may change.
-        Raises :class:`SPMDLayoutError` otherwise. Only row-wise (per-token) ops
-        keep a ``Shard`` meaningful, and only linear ops keep a ``Partial`` one:
-        that part is the caller's promise.
+        The token dimension must keep its size; other dimensions and the dtype
+        may change. Raises :class:`SPMDLayoutError` otherwise. Only row-wise
+        (per-token) ops keep a ``Shard`` meaningful, and only linear ops keep a
+        ``Partial`` one: that part is the caller's promise. Not checked across
+        ranks: a width or dtype that one rank changes and the others do not
+        (use :func:`spmdmoe.testing.check_layout` in tests).
         """
         dim = self._token_dim
         if local.dim() <= dim or local.shape[dim] != self._local.shape[dim]:

@@ -1,5 +1,6 @@
 """Checkpoints of parallel MoE layers: DCP saves every expert and loads across EP / TP layouts;
-torchtitan state dicts (new and old names, plain and DTensor values) load everywhere.
+torchtitan state dicts (0.3.0 and older names, plain and DTensor values) load everywhere; a bad entry
+on one rank raises on every rank.
 
 Every comparison is exact (rtol = atol = 0): checkpoints move bytes."""
 
@@ -12,8 +13,8 @@ from torch.distributed.tensor import Shard as DShard
 
 from moe_plans import build_plan, expert_grad_slice, reference_moe
 from spmdmoe.moe import MoEConfig
-from spmdmoe.moe.checkpoint import to_torchtitan
-from spmdmoe.testing import assert_close_everywhere
+from spmdmoe.moe.checkpoint import from_torchtitan, to_torchtitan
+from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere
 
 CFG = MoEConfig(dim=16, hidden_dim=8, num_experts=8, top_k=2, num_shared_experts=1, load_balance_coeff=1e-3)
 EXACT = dict(rtol=0, atol=0)
@@ -63,11 +64,13 @@ def test_torchtitan_state_dicts_load_into_parallel_layers(world, device, request
     ref = reference_moe(CFG, 5, device)
     sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     sd["tokens_per_expert"] = torch.zeros(CFG.num_experts, device=device)
-    if style == "old":  # older torchtitan: (E, D, F) w1/w3 and (E, F, D) w2, no expert_bias
+    if style == "old":  # oldest torchtitan: (E, D, F) w1/w3 and (E, F, D) w2, no expert_bias; explicit
         sd = {k: (v.transpose(1, 2).contiguous() if k.startswith("experts.") else v) for k, v in sd.items()}
         del sd["expert_bias"]
-    else:
+        sd = from_torchtitan(sd, orientation="EDF")
+    else:  # torchtitan 0.3.0 names, as its MoE module writes them
         sd = to_torchtitan(sd, names="new")
+        assert {"routed_experts.inner_experts.w1_EFD", "expert_bias_E"} <= set(sd)
     if style == "dtensor":  # torchtitan EP: experts sharded on dim 0 over the world
         sd = {k: (distribute_tensor(v, world, [DShard(0)]) if k.startswith("experts.") else v) for k, v in sd.items()}
     plan = build_plan(target, reference_moe(CFG, 6, device), 8, world, request)
@@ -85,5 +88,36 @@ def test_save_back_in_torchtitan_names(world, device, request):
     ref = reference_moe(CFG, 7, device)
     layer = build_plan("sp_ep", ref, 8, world, request).layer
     out = to_torchtitan(layer.state_dict(), names="new")
-    assert {"experts.w1_EFD", "experts.w2_EDF", "experts.w3_EFD", "expert_bias", "router.gate.weight"} <= set(out)
-    assert_close_everywhere(out["experts.w2_EDF"].full_tensor(), ref.experts.w2.detach(), **EXACT, name="w2_EDF")
+    assert {"routed_experts.inner_experts.w1_EFD", "routed_experts.inner_experts.w2_EDF",
+            "routed_experts.inner_experts.w3_EFD", "expert_bias_E", "router.gate.weight"} <= set(out)
+    assert_close_everywhere(out["routed_experts.inner_experts.w2_EDF"].full_tensor(), ref.experts.w2.detach(), **EXACT,
+                            name="w2_EDF")
+    plan = build_plan("sp_x_ep" if world.size() == 4 else "sp_ep", reference_moe(CFG, 8, device), 8, world, request)
+    plan.layer.load_state_dict(out)  # round trip in torchtitan's names, across layouts
+    _check(plan, ref, "torchtitan names round trip")
+
+
+@pytest.mark.parametrize("bad", ["shape", "missing", "kind", "transposed"])
+def test_bad_entry_on_one_rank_raises_everywhere(world, device, request, bad):
+    """Issue 13: a state dict that is wrong on ONE rank used to hang the others (in the gathers that
+    loading a DTensor of another layout needs); every rank now raises before any gather."""
+    ref = reference_moe(CFG, 9, device)
+    sd = {k: (distribute_tensor(v.detach(), world, [DShard(0)]) if k.startswith("experts.") else v.detach().clone())
+          for k, v in ref.state_dict().items()}
+    layer = build_plan("gather", reference_moe(CFG, 10, device), 8, world, request).layer
+    if dist.get_rank() == world.size() - 1:
+        if bad == "shape":
+            sd["router.gate.weight"] = torch.zeros(3, 3, device=device)
+        elif bad == "missing":
+            del sd["experts.w2"]
+        elif bad == "kind":  # a plain full tensor here, DTensors elsewhere: the others would gather alone
+            sd["experts.w1"] = ref.experts.w1.detach().clone()
+        else:
+            sd["experts.w1"] = ref.experts.w1.detach().transpose(1, 2).contiguous()
+    last = world.size() - 1
+    common = "disagree on the kind of entry experts.w1" if bad == "kind" else \
+        rf"\(rank {last}: state dict entry cannot be loaded\)"
+    err = assert_raises_everywhere(ValueError, lambda: layer.load_state_dict(sd), match=common)
+    own = {"shape": "router.gate.weight: expected shape", "missing": "experts.w2 is missing",
+           "kind": "", "transposed": "orientation='EDF'"}[bad]
+    assert dist.get_rank() != last or own in str(err), str(err)

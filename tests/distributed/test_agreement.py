@@ -1,0 +1,239 @@
+"""Every rank agrees: a bad input on ONE rank raises the specific error on EVERY rank, quickly.
+
+Each case gives one rank (the last) a bad input and runs what a training step runs: the
+forward, a backward, and ``update_expert_bias`` (the step boundary). Plans whose EP count
+exchange spans every rank the layer talks to raise at the exchange; the others (no EP, EP
+beside another SP axis, EP with dp) let every rank finish the step with the bad rank standing
+in zero rows, and raise at the step boundary. Either way every rank raises the same error
+type, naming the bad rank, and no rank waits: a timeout (60 s here; each case takes well
+under one) is a failure. Before this mechanism every case below hung or aborted.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import spmdmoe
+from moe_plans import build_plan, reference_moe
+from spmdmoe import (
+    MoEConfigError,
+    Replicate,
+    Shard,
+    SPMDDeviceError,
+    SPMDDtypeError,
+    SPMDLayoutError,
+    SPMDMeshError,
+    SPMDRoutingError,
+    SPMDShapeError,
+    SPMDTensor,
+)
+from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
+from spmdmoe.testing import assert_raises_everywhere, reference_tensor
+
+D, F, E = 16, 16, 8
+CFG = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1, load_balance_coeff=1e-3)
+SP_PLANS = ["sp", "sp_ep", "gather", "sp_x_ep", "gather_ep", "sp_ep_dp"]
+ERRORS = {
+    "plain": SPMDLayoutError, "replicate": SPMDLayoutError, "token_dim": SPMDLayoutError, "mesh": SPMDMeshError,
+    "width": SPMDShapeError, "dtype": SPMDDtypeError, "device": SPMDDeviceError, "inf": SPMDRoutingError,
+}
+WHAT = {
+    SPMDLayoutError: "input is not in the layer's layout", SPMDMeshError: "input lives on another mesh axis",
+    SPMDShapeError: "input width is not the model dim", SPMDDtypeError: "input dtype is not the layer's",
+    SPMDDeviceError: "tensor on a device the backend cannot use", SPMDRoutingError: "non-finite router logits",
+}
+
+
+@pytest.fixture(scope="module")
+def self_groups():
+    """One 1-rank group per rank (every rank creates every group, in the same order)."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    return groups[dist.get_rank()]
+
+
+def _plan(name, world, request, device, total=23):
+    moe = reference_moe(CFG, 0, device)
+    if name == "sp_ep_dp":  # EP on the SP axis, plus a dp axis: the count exchange does not span the layer
+        if world.size() != 4:
+            pytest.skip("needs 4 ranks")
+        mesh = request.getfixturevalue("mesh2x2")
+        layer = parallelize_moe(moe, sp_mesh=mesh["sp"], ep_mesh=mesh["sp"], dp_mesh=mesh["dp"])
+        sp, b = mesh["sp"], mesh["dp"].get_local_rank()
+        from spmdmoe.types import layout
+
+        b_rows = layout.local_tokens(total, 2, b)
+        start = layout.chunk_offset(total, 2, b) + layout.chunk_offset(b_rows, 2, sp.get_local_rank())
+        rows = slice(start, start + layout.local_tokens(b_rows, 2, sp.get_local_rank()))
+
+        class P:
+            pass
+
+        plan = P()
+        plan.layer, plan.rows = layer, rows
+        plan.wrap = lambda t: spmdmoe.from_local(t, sp, global_tokens=b_rows)
+        return plan
+    return build_plan(name, moe, total, world, request)
+
+
+def _corrupt(x, kind, self_group, device):
+    """The bad input of one rank, built with local constructors only (no collective on one rank)."""
+    if kind == "plain":
+        return x.local if isinstance(x, SPMDTensor) else spmdmoe.SPMDTensor._new(x, spmdmoe.mesh_axis(self_group), Shard(0), x.shape[0], 0)
+    if kind == "replicate":
+        return SPMDTensor._new(x.local, x.axis, Replicate(), x.local_tokens, 0)
+    if kind == "token_dim":
+        return SPMDTensor._new(x.local.t().contiguous(), x.axis, Shard(1), x.global_tokens, 1)
+    if kind == "mesh":
+        return SPMDTensor._new(x.local, spmdmoe.mesh_axis(self_group), Shard(0), x.local_tokens, 0)
+    local = x.local if isinstance(x, SPMDTensor) else x
+    if kind == "width":
+        bad = torch.cat([local, local[:, :1]], dim=1)
+    elif kind == "dtype":
+        bad = local.double()
+    elif kind == "device":
+        bad = local.to("meta" if device.type == "cpu" else "cpu")
+    else:  # inf: a valid layout, one non-finite value
+        bad = local.clone()
+        if bad.shape[0]:
+            bad[0, 3] = float("inf")
+    return x.with_local(bad) if isinstance(x, SPMDTensor) else bad
+
+
+def _step(layer, x):
+    y = layer(x)
+    local = y.local if isinstance(y, SPMDTensor) else y
+    local.float().sum().backward()
+    layer.update_expert_bias()
+
+
+def _bad_rank_raises_everywhere(plan, kind, self_group, device):
+    X = reference_tensor((23, D), 1, device=device)
+    leaf = X[plan.rows].clone().requires_grad_()
+    x = plan.wrap(leaf)
+    last = dist.get_world_size() - 1
+    if dist.get_rank() == last:
+        x = _corrupt(x, kind, self_group, device)
+    error = ERRORS[kind]
+    err = assert_raises_everywhere(error, lambda: _step(plan.layer, x), match=rf"\(rank {last}: {WHAT[error]}")
+    assert type(err) is error, f"expected exactly {error.__name__}, found {type(err).__name__}: {err}"
+    # the step after the error is clean again on every rank (nothing left recorded)
+    good = plan.wrap(X[plan.rows].clone().requires_grad_())
+    _step(plan.layer, good)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["plain", "replicate", "token_dim", "mesh", "width", "dtype", "device", "inf"])
+@pytest.mark.parametrize("plan_name", SP_PLANS)
+def test_sp_input_wrong_on_one_rank(world, device, request, self_groups, plan_name, kind):
+    """Issue 1 (and 12 for inf): SP modes, the input wrong on one rank only."""
+    _bad_rank_raises_everywhere(_plan(plan_name, world, request, device), kind, self_groups, device)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["plain", "width", "dtype", "device", "inf"])
+def test_ep_input_wrong_on_one_rank(world, device, request, self_groups, kind):
+    """EP only (each rank its own batch): a Shard SPMDTensor instead of rows, or bad rows, on one rank."""
+    _bad_rank_raises_everywhere(_plan("ep", world, request, device), kind, self_groups, device)
+
+
+@pytest.mark.timeout(60)
+def test_width_changed_by_with_local_after_from_local(world, device, request):
+    """Issue 1: from_local agreed on the width; one rank then changes it with with_local."""
+    plan = _plan("gather", world, request, device)
+    x = plan.wrap(reference_tensor((23, D), 1, device=device)[plan.rows].clone())
+    if dist.get_rank() == 0:
+        x = x.with_local(x.local[:, :-1])
+    assert_raises_everywhere(SPMDShapeError, lambda: _step(plan.layer, x), match=r"\(rank 0: input width")
+
+
+@pytest.mark.timeout(60)
+def test_input_without_grad_on_one_rank_matches_reference(world, device, request):
+    """Issue 3: one rank's input does not require grad; every backward collective still runs on it."""
+    for name in ("gather", "sp_ep", "ep"):
+        plan = _plan(name, world, request, device)
+        X = reference_tensor((23, D), 1, device=device)
+        needs = dist.get_rank() != 0
+        x = plan.wrap(X[plan.rows].clone().requires_grad_(needs))
+        y = plan.layer(x)
+        (y.local if isinstance(y, SPMDTensor) else y).sum().backward()
+        assert plan.layer.router.gate.weight.grad is not None
+
+
+# ------------------------------------------------------------------ the layer itself differs
+def _layer_differs(world, device, request, **changes):
+    cfg = {**CFG.__dict__}
+    moe_seed = 0
+    plan_args = dict(sp_mesh=world, ep_mesh=world)
+    if dist.get_rank() == world.size() - 1:
+        moe_seed = changes.pop("seed", 0)
+        plan_args.update(changes.pop("plan", {}))
+        cfg.update(changes)
+    moe = reference_moe(MoEConfig(**cfg), moe_seed, device)
+    return lambda: parallelize_moe(moe, **plan_args)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change,match", [
+    (dict(top_k=3), r"MoEConfig.top_k: per rank \[2, 2"),
+    (dict(num_experts=4), r"MoEConfig.num_experts"),
+    (dict(dim=8), r"MoEConfig.dim"),
+    (dict(aux_loss_coeff=0.1), r"MoEConfig \(hash of every option\)"),
+    (dict(router_dtype="input"), r"MoEConfig \(hash of every option\)"),
+    (dict(plan=dict(ep_mesh=None)), r"plan's ep_mesh size"),
+    (dict(plan=dict(sp_mode="gather", ep_mesh=None)), r"plan's (ep_mesh size|sp_mode)"),
+    (dict(seed=1), r"weights \(fingerprint"),
+], ids=["top_k", "num_experts", "dim", "aux_loss_coeff", "router_dtype", "no_ep", "sp_mode", "weights"])
+def test_layer_differs_on_one_rank(world, device, request, change, match):
+    """Issue 10: ranks that disagree on the layer raise at parallelize_moe, on every rank."""
+    assert_raises_everywhere(MoEConfigError, _layer_differs(world, device, request, **change), match=match)
+
+
+@pytest.mark.timeout(60)
+def test_plan_problem_on_one_rank(world, device, request, mesh2x2):
+    """A mesh that is not one axis, or a layer that is already parallel, on one rank only."""
+    moe = reference_moe(CFG, 0, device)
+    last = dist.get_rank() == world.size() - 1
+    assert_raises_everywhere(SPMDMeshError, lambda: parallelize_moe(moe, sp_mesh=mesh2x2 if last else world),
+                             match=r"rank 3: mesh argument not usable")
+    once = parallelize_moe(moe, sp_mesh=world)
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(once if last else moe, sp_mesh=world),
+                             match=r"rank 3: MoE config or plan cannot work")
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(once, sp_mesh=world), match="already parallel")
+
+
+@pytest.mark.timeout(60)
+def test_experts_not_divisible_on_one_rank(world, device):
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E if dist.get_rank() else world.size() + 1, top_k=1)
+    err = assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(reference_moe(cfg, 0, device), ep_mesh=world),
+                                   match=r"\(rank 0: MoE config or plan cannot work\)")
+    assert dist.get_rank() != 0 or "does not divide" in str(err)
+
+
+@pytest.mark.timeout(60)
+def test_check_layout_catches_local_constructors(world, device):
+    """Issue 14: local constructors skip cross-rank checks; spmdmoe.testing.check_layout makes them."""
+    n, r = world.size(), world.get_local_rank()
+    from spmdmoe.types import layout
+
+    total = 11 if r == 0 else 10  # T differs on one rank: the next collective would abort
+    x = SPMDTensor(torch.zeros(layout.local_tokens(total, n, r), 4, device=device), world, Shard(0), global_tokens=total)
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.testing.check_layout(x),
+                             match="disagree on the declared global_tokens")
+    y = spmdmoe.shard(torch.zeros(10, 4, device=device), world)
+    if r == 1:
+        y = y.with_local(y.local.half())
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.testing.check_layout(y), match="disagree on the dtype")
+    spmdmoe.testing.check_layout(spmdmoe.shard(torch.zeros(10, 4, device=device), world))
+
+
+@pytest.mark.timeout(60)
+def test_check_errors_is_collective_and_clears(world, device):
+    """Mode (c) on its own: a problem recorded on one rank, raised by check_errors on every rank."""
+    from spmdmoe.agreement import ProblemFlag
+
+    flag = ProblemFlag()
+    if dist.get_rank() == 1 % world.size():
+        flag.record(torch.tensor(1 << 12, device=device), device, ["rank 1: a detail only it knows"])
+    err = assert_raises_everywhere(ValueError, spmdmoe.check_errors, match=r"check_errors rejected the input on 1 of")
+    assert dist.get_rank() != 1 % world.size() or "a detail only it knows" in str(err)
+    spmdmoe.check_errors()  # cleared on every rank
