@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import spmdmoe
 from spmdmoe import MoEConfigError, SPMDShapeError
 from spmdmoe.moe import MoE, MoEConfig, route
 from spmdmoe.moe.balance import aux_loss
@@ -158,6 +159,94 @@ def test_load_counts_and_bias_update_single_device():
     assert "tokens_per_expert" not in moe.state_dict() and "expert_bias" in moe.state_dict()
 
 
+def test_eval_and_no_grad_forwards_count_nothing():
+    """Issue 6: only training forwards count load (at their backward) and compute the aux loss."""
+    moe = _moe(MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2, aux_loss_coeff=0.1))
+    x = torch.randn(30, 16)
+    moe.eval()
+    moe(x)
+    assert moe.aux_loss is None and int(moe.tokens_per_expert.sum()) == 0
+    moe.train()
+    with torch.no_grad():
+        moe(x)
+    assert int(moe.tokens_per_expert.sum()) == 0
+    y = moe(x)
+    assert moe.aux_loss is not None and int(moe.tokens_per_expert.sum()) == 0  # counted at the backward
+    (y.sum() + moe.aux_loss).backward()
+    assert int(moe.tokens_per_expert.sum()) == 30 * 2
+    moe.eval()
+    with torch.enable_grad():  # an eval forward with grad (e.g. a validation loss): still not counted
+        moe(x).sum().backward()
+    assert int(moe.tokens_per_expert.sum()) == 30 * 2
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpoint_counts_once(reentrant):
+    moe = _moe(MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2))
+    x = torch.randn(30, 16, requires_grad=True)
+    checkpoint(moe, x, use_reentrant=reentrant).sum().backward()
+    r = route(x, moe.router.gate.weight, moe.expert_bias, moe.config)
+    assert torch.equal(moe.tokens_per_expert, torch.bincount(r.ids_TK.flatten(), minlength=4))
+
+
+def test_expert_bias_stays_fp32_under_to():
+    """Issue 5: .to(bf16) used to make expert_bias bf16, where +-1e-3 steps round away above |0.25|."""
+    cfg = MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2, load_balance_coeff=1e-3)
+    ref = _moe(cfg)
+    with torch.no_grad():
+        ref.expert_bias.copy_(torch.tensor([0.3, -0.7, 1.5, 0.001]))
+    for convert in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16),
+                    lambda m: m.bfloat16().float().bfloat16()):
+        moe = convert(_moe(cfg))
+        moe.load_state_dict(ref.state_dict())
+        assert moe.expert_bias.dtype == torch.float32 and moe.router.gate.weight.dtype != torch.float32
+        assert torch.equal(moe.expert_bias, ref.expert_bias)
+        want = ref.expert_bias.clone()
+        for step in range(3):
+            counts = torch.tensor([5, 1, 9, 3]) * (step + 1)
+            moe.tokens_per_expert.copy_(counts)
+            moe.update_expert_bias()
+            delta = 1e-3 * torch.sign(counts.float().mean() - counts.float())
+            want += delta - delta.mean()
+        assert torch.equal(moe.expert_bias, want), (moe.expert_bias, want)  # every expert moved, exactly as fp32
+
+
+def test_bf16_gate_chooses_as_fp32_and_rounds_its_gradient_once():
+    """Issue 7: the gate GEMM runs in fp32 by default: bf16 activations pick the experts of an fp32
+    gate (here bitwise: the same fp32 product), and the weight gradient is the fp32 one rounded once."""
+    torch.manual_seed(3)
+    cfg = MoEConfig(dim=64, hidden_dim=16, num_experts=64, top_k=6)
+    x = torch.randn(4000, 64).bfloat16()
+    gate = torch.nn.Parameter((torch.randn(64, 64) / 8).bfloat16())
+    bias = torch.zeros(64)
+    r = route(x, gate, bias, cfg)
+    gate32 = gate.detach().float().requires_grad_()
+    r32 = route(x.float(), gate32, bias, cfg)
+    assert torch.equal(r.ids_TK, r32.ids_TK)
+    g = torch.randn(r.weights_TK.shape)
+    (r.weights_TK * g).sum().backward()
+    (r32.weights_TK * g).sum().backward()
+    assert gate.grad.dtype == torch.bfloat16 and torch.equal(gate.grad, gate32.grad.bfloat16())
+    cheap = route(x, gate.detach(), bias, MoEConfig(dim=64, hidden_dim=16, num_experts=64, top_k=6, router_dtype="input"))
+    differ = (cheap.ids_TK.sort(-1).values != r.ids_TK.sort(-1).values).any(-1).float().mean().item()
+    assert differ > 0.001, differ  # the bf16 gate really picks other experts for some tokens (why fp32 is the default)
+
+
+def test_dtype_mismatch_is_our_error():
+    """Issue 15: a bf16 layer fed fp32 raises SPMDDtypeError, not torch's matmul dtype error."""
+    moe = _moe(MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2)).to(torch.bfloat16)
+    with pytest.raises(spmdmoe.SPMDDtypeError, match=r"computes in torch.bfloat16.*found input of dtype torch.float32"):
+        moe(torch.randn(3, 16))
+
+
+def test_bad_mesh_dim_name_is_our_error():
+    pg = spmdmoe.testing.single_process_group()
+    mesh = spmdmoe.init_mesh("cpu", (1, 1), mesh_dim_names=("dp", "sp"))
+    with pytest.raises(spmdmoe.SPMDMeshError, match=r"no dim 'tp': expected one of \('dp', 'sp'\)"):
+        spmdmoe.shard(torch.zeros(3, 2), (mesh, "tp"))
+    assert pg is not None
+
+
 def test_parameter_names_and_shapes():
     moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=6, top_k=2, num_shared_experts=2))
     shapes = {n: tuple(p.shape) for n, p in moe.named_parameters()}
@@ -175,7 +264,10 @@ def test_parameter_names_and_shapes():
 @pytest.mark.parametrize("bad", [
     dict(top_k=9), dict(top_k=0), dict(score_func="relu"), dict(num_expert_groups=3, num_limited_groups=1),
     dict(num_limited_groups=1), dict(num_expert_groups=4, num_limited_groups=1, top_k=3),
-])
+    dict(num_expert_groups=True, num_limited_groups=1), dict(num_expert_groups=2, num_limited_groups=True),
+    dict(router_dtype="bfloat16"),
+], ids=["top_k>E", "top_k=0", "score_func", "groups%E", "limited_alone", "top_k>reachable", "groups=True",
+        "limited=True", "router_dtype"])
 def test_config_errors(bad):
     args = dict(dim=8, hidden_dim=8, num_experts=8, top_k=2)
     args.update(bad)

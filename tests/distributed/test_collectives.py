@@ -197,6 +197,42 @@ def test_exact_adjoints(axis_mesh, device, total):
         assert gap <= 1e-12, f"{name}: adjoint mismatch {gap:.3e} (T={total})"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"])
+def test_input_without_grad_on_one_rank_still_runs_the_backward(axis_mesh, device, op):
+    """Issue 3: whether a collective records its backward used to follow THIS rank's
+    ``requires_grad``; a rank whose input needed no gradient skipped the backward collective its
+    peers ran, and they hung. Now every rank records it (grad mode is what decides), and the
+    gradients of the ranks that want one are exact (float64, adjoint check against the rule)."""
+    n, r = axis_mesh.size(), axis_mesh.get_local_rank()
+    total = 2 * n - 1
+    rows = {"all_gather": layout.local_tokens(total, n, r), "all_to_all": n}.get(op, total)
+    x = reference_tensor((rows, 3), 300 + r, dtype=torch.float64, device=device).requires_grad_(r != 0)
+    placement = {"all_gather": Shard(0), "all_to_all": Varying()}.get(op, Partial())
+    t = SPMDTensor(x, axis_mesh, placement, global_tokens=None if op == "all_to_all" else total)
+    y = {"all_gather": spmdmoe.all_gather, "reduce_scatter": spmdmoe.reduce_scatter, "all_reduce": spmdmoe.all_reduce,
+         "all_to_all": lambda v: spmdmoe.all_to_all(v, [1] * n, [1] * n)}[op](t)
+    assert y.local.requires_grad  # on every rank, also rank 0
+    g = reference_tensor(tuple(y.local.shape), 400 + r, dtype=torch.float64, device=device)
+    (y.local * g).sum().backward()
+    if r != 0:  # the gradient of sum_r <y_r, g_r> wrt x_r, from the op's adjoint written out
+        out_rows = [layout.local_tokens(total, n, q) if op == "reduce_scatter" else y.local.shape[0] for q in range(n)]
+        gs = [reference_tensor((out_rows[q], 3), 400 + q, dtype=torch.float64, device=device) for q in range(n)]
+        if op == "all_gather":
+            start = layout.chunk_offset(total, n, r)
+            want = sum(gs)[start : start + rows]
+        elif op == "reduce_scatter":
+            want = torch.zeros(total, 3, dtype=torch.float64, device=device)
+            for q in range(n):
+                start = layout.chunk_offset(total, n, q)
+                want[start : start + out_rows[q]] = gs[q]
+        elif op == "all_reduce":
+            want = sum(gs)
+        else:
+            want = torch.stack([gs[q][r] for q in range(n)])
+        torch.testing.assert_close(x.grad, want, rtol=1e-12, atol=1e-12)
+
+
 # ------------------------------------------------------------------ padding rules
 def _capture(monkeypatch, module, name):
     seen = []

@@ -140,3 +140,35 @@ def test_bf16(world, device, request, plan_name):
     """bf16 end to end (router in fp32) against the bf16 single-device layer, rtol 2e-2."""
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1)
     run_parity(plan_name, 64, cfg, world, device, request, dtype=torch.bfloat16, rtol=2e-2)
+
+
+@pytest.mark.parametrize("plan_name", ["gather", "gather_ep"])
+@pytest.mark.parametrize("hidden", [5, 3, 1])
+def test_gather_with_ranks_holding_no_hidden_unit(world, device, request, plan_name, hidden):
+    """Issue 11: the chunk rule splits F=5 over 4 ranks as 2,2,1,0 (F=3: 1,1,1,0; F=1: 1,0,0,0); a
+    rank with no hidden unit used to crash in the grouped GEMM and hang the others. It contributes
+    zeros, and outputs and gradients match the single-device layer."""
+    cfg = MoEConfig(dim=D, hidden_dim=hidden, num_experts=E, top_k=2, num_shared_experts=1, aux_loss_coeff=0.01)
+    plan = run_parity(plan_name, 17, cfg, world, device, request)
+    assert plan.layer.experts.w1.shape[1] == plan.hidden.stop - plan.hidden.start
+
+
+@pytest.mark.parametrize("plan_name", PLANS)
+def test_eval_forward_counts_nothing_and_skips_the_aux_loss(world, device, request, plan_name, monkeypatch):
+    """Issue 6: eval and no_grad forwards leave tokens_per_expert alone and issue no aux all-reduce."""
+    import spmdmoe.moe.balance as balance
+
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, aux_loss_coeff=0.1)
+    plan = build_plan(plan_name, reference_moe(cfg, 0, device), 29, world, request)
+    x = plan.wrap(reference_tensor((29, D), 5, device=device)[plan.rows].clone())
+    calls = []
+    real = balance.reduce_counts
+    monkeypatch.setattr(balance, "reduce_counts", lambda *a: (calls.append(1), real(*a))[1])
+    plan.layer.eval()
+    plan.layer(x)
+    assert plan.layer.aux_loss is None
+    plan.layer.train()
+    with torch.no_grad():
+        plan.layer(x)
+    assert calls == [1]  # only the no_grad training forward computed an aux loss (its all-reduce)
+    assert int(plan.layer.tokens_per_expert.sum()) == 0

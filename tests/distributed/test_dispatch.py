@@ -1,0 +1,114 @@
+"""The EP transports on their own: counts, offsets, the permutation, its round trip, empty ranks
+and idle experts, problem bits; against references built from every rank's inputs (the same
+seeds on every rank). Exact comparisons: dispatch moves rows; combine sums K fp64 products.
+
+Legend: ``T`` tokens of a rank, ``K`` top-k, ``D`` model dim, ``E`` experts, ``e`` local experts,
+``R`` rows received by a rank's experts.
+"""
+
+import pytest
+import torch
+
+import spmdmoe
+from spmdmoe import SPMDShapeError
+from spmdmoe.agreement import BIT, ProblemFlag
+from spmdmoe.moe import AllToAllTransport, LocalTransport
+from spmdmoe.moe.dispatch import Problem
+from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
+
+D, K = 3, 2
+EXACT = dict(rtol=0, atol=0)
+
+
+def _inputs(rank, tokens, E, seed, skew=False):
+    """Rank ``rank``'s (x_TD, ids_TK, weights_TK) from seeds: distinct experts per token."""
+    T = tokens[rank]
+    x_TD = reference_tensor((T, D), seed * 100 + rank, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed * 100 + 50 + rank)
+    if skew:  # every token on experts 0 and 1: the others are idle
+        ids_TK = torch.tensor([[0, 1]] * T, dtype=torch.int64).view(T, K)
+    else:
+        ids_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+    w_TK = reference_tensor((T, K), seed * 100 + 70 + rank, dtype=torch.float64)
+    return x_TD, ids_TK, w_TK
+
+
+def _expert_rows(x_TD, ids_TK, expert):
+    """The rows a source sends to ``expert``, in its stable (token, k) order."""
+    return [x_TD[t] for t in range(ids_TK.shape[0]) for k in range(K) if int(ids_TK[t, k]) == expert]
+
+
+@pytest.mark.parametrize("tokens_of", [lambda n: [5] * n, lambda n: [0] + [7] * (n - 1), lambda n: [0] * n,
+                                       lambda n: [1, 0, 9, 2][:n]], ids=["even", "empty_first", "all_empty", "mixed"])
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "idle_experts"])
+def test_all_to_all_transport(world, device, tokens_of, skew):
+    n, r = world.size(), world.get_local_rank()
+    e = 2
+    E = e * n
+    tokens = tokens_of(n)
+    inputs = [_inputs(q, tokens, E, 1, skew) for q in range(n)]
+    x_TD, ids_TK, w_TK = (t.to(device) for t in inputs[r])
+    x_TD.requires_grad_()
+    transport = AllToAllTransport(spmdmoe.mesh_axis(world), E)
+    routed = transport.dispatch(x_TD, ids_TK)
+
+    # what this rank's experts receive: expert-major, then source rank, then the source's stable order
+    want_rows, sizes = [], []
+    for j in range(e):
+        rows = [row for q in range(n) for row in _expert_rows(inputs[q][0], inputs[q][1], r * e + j)]
+        want_rows += rows
+        sizes.append(len(rows))
+    want = torch.stack(want_rows).to(device) if want_rows else torch.zeros(0, D, dtype=torch.float64, device=device)
+    assert_close_everywhere(routed.x_RD, want, **EXACT, name="received rows")
+    assert routed.group_sizes == sizes and routed.capacity == sum(sizes)
+    assert routed.group_offsets.dtype == torch.int32
+    assert routed.group_offsets.tolist() == torch.tensor(sizes).cumsum(0).tolist()
+    ex = routed.handle
+    assert torch.equal(ex.perm_R[ex.inv_R], torch.arange(ex.perm_R.numel(), device=device))  # inverse permutations
+
+    # combine of a row-wise "expert" (row * (global expert id + 1)) and its gradient
+    expert_of_row = torch.repeat_interleave(torch.arange(e, device=device) + r * e + 1,
+                                            torch.tensor(sizes, device=device)).to(torch.float64)
+    y_RD = routed.x_RD * expert_of_row[:, None]
+    out_TD = transport.combine(y_RD, routed, w_TK)
+    ref_x = inputs[r][0].to(device).requires_grad_()
+    ref = (ref_x[:, None, :] * (ids_TK[:, :, None] + 1) * w_TK[:, :, None]).sum(1)
+    assert_close_everywhere(out_TD, ref.detach(), rtol=1e-12, atol=1e-12, name="combined rows")
+    g = reference_tensor(tuple(out_TD.shape), 900 + r, dtype=torch.float64, device=device)
+    (out_TD * g).sum().backward()
+    (ref * g).sum().backward()
+    assert_close_everywhere(x_TD.grad, ref_x.grad, rtol=1e-12, atol=1e-12, name="input gradient")
+
+
+@pytest.mark.parametrize("T", [0, 1, 6])
+@pytest.mark.parametrize("skew", [False, True])
+def test_local_transport(device, T, skew):
+    E = 4
+    x_TD, ids_TK, w_TK = (t.to(device) for t in _inputs(0, [T], E, 2, skew))
+    routed = LocalTransport(E).dispatch(x_TD, ids_TK)
+    want_rows = [row for j in range(E) for row in _expert_rows(x_TD, ids_TK, j)]
+    sizes = [len(_expert_rows(x_TD, ids_TK, j)) for j in range(E)]
+    want = torch.stack(want_rows) if want_rows else torch.zeros(0, D, dtype=torch.float64, device=device)
+    assert torch.equal(routed.x_RD, want) and routed.capacity == T * K and routed.group_sizes is None
+    assert routed.group_offsets.tolist() == torch.tensor(sizes).cumsum(0).tolist()
+    out = LocalTransport(E).combine(routed.x_RD * 3, routed, w_TK)
+    torch.testing.assert_close(out, 3 * x_TD * w_TK.sum(1, keepdim=True), rtol=1e-12, atol=1e-12)
+
+
+def test_problem_bits_ride_the_count_exchange(world, device):
+    """Mode (a): a problem on one rank raises on every rank at the exchange (raises=True), or is
+    recorded in the sticky flag and the dispatch completes on every rank (raises=False)."""
+    n, r = world.size(), world.get_local_rank()
+    E = 2 * n
+    x_TD, ids_TK, _ = (t.to(device) for t in _inputs(r, [4] * n, E, 3))
+    bits = BIT["width"] if r == n - 1 else 0
+    axis = spmdmoe.mesh_axis(world)
+    assert_raises_everywhere(
+        SPMDShapeError,
+        lambda: AllToAllTransport(axis, E).dispatch(x_TD, ids_TK, problem=Problem(bits, [f"rank {r}: mine"])),
+        match=rf"MoE dispatch rejected the input on 1 of {n} ranks \(rank {n - 1}: input width",
+    )
+    flag = ProblemFlag()
+    routed = AllToAllTransport(axis, E, raises=False).dispatch(x_TD, ids_TK, problem=Problem(bits, [], flag))
+    assert routed.x_RD.shape[0] == routed.capacity
+    assert_raises_everywhere(SPMDShapeError, spmdmoe.check_errors, match=rf"\(rank {n - 1}: input width")

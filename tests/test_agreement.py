@@ -1,0 +1,81 @@
+"""The agreement mechanism on one process: verdicts, precedence, messages, the sticky flag."""
+
+import pytest
+import torch
+
+import spmdmoe
+from spmdmoe import MoEConfigError, SPMDDeviceError, SPMDLayoutError, SPMDShapeError, SPMDTokenCountError
+from spmdmoe.agreement import BIT, KINDS, Field, Found, ProblemFlag, agree, dtype_code, dtype_name, problems_error
+
+
+@pytest.fixture(scope="module")
+def pg():
+    return spmdmoe.testing.single_process_group()
+
+
+def test_kinds_are_one_bit_each_and_fit_int64():
+    assert len(KINDS) <= 63 and len(set(BIT.values())) == len(KINDS)
+    assert all(v & (v - 1) == 0 for v in BIT.values())
+
+
+def test_verdict_names_every_bad_rank_and_picks_the_most_specific_error():
+    err = problems_error("op", [0, BIT["counts"], BIT["device"] | BIT["width"], 0], ["rank 2: my detail"])
+    assert isinstance(err, SPMDDeviceError)  # device outranks counts and width
+    text = str(err)
+    assert "op rejected the input on 2 of 4 ranks" in text
+    assert "rank 1: bad counts" in text and "rank 2: tensor on a device the backend cannot use, input width" in text
+    assert text.endswith("this rank: rank 2: my detail")
+    assert problems_error("op", [0, 0]) is None
+    assert isinstance(problems_error("op", [BIT["width"]]), SPMDShapeError)
+    assert isinstance(problems_error("op", [BIT["tokens_negative"]]), SPMDTokenCountError)
+
+
+def test_global_ranks_in_messages():
+    err = problems_error("op", [0, BIT["config"]], ranks=[4, 6])
+    assert isinstance(err, MoEConfigError) and "(rank 6: MoE config" in str(err)
+
+
+def test_agree_raises_on_problems_and_returns_the_table(pg):
+    found = Found()
+    assert not found
+    table = agree("op", None, found, [(Field("width"), 7)], extra=[3])
+    assert table == [[0, 7, 3]]
+    found.add("token_dim", "rank 0: detail")
+    with pytest.raises(SPMDLayoutError, match=r"op rejected the input on 1 of 1 ranks \(rank 0: token dim out of range\)"):
+        agree("op", None, found)
+
+
+def test_dtype_codes_round_trip():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        assert dtype_name(dtype_code(dtype)) == str(dtype).replace("torch.", "")
+    assert dtype_name(-1) == "another dtype"
+
+
+def test_sticky_flag_records_without_reading_and_raises_once(pg):
+    flag = ProblemFlag()
+    flag.record(0, torch.device("cpu"))  # nothing to record: no tensor made
+    assert flag.slots(torch.device("cpu")).tolist() == [0]
+    flag.record(torch.tensor(BIT["nonfinite"]), torch.device("cpu"), ["rank 0: inf in row 3"])
+    flag.record(BIT["width"], torch.device("cpu"))
+    assert flag.slots(torch.device("cpu")).tolist() == [BIT["nonfinite"] | BIT["width"]]
+    with pytest.raises(spmdmoe.SPMDShapeError, match=r"check_errors rejected the input on 1 of 1 ranks"):
+        spmdmoe.check_errors()
+    spmdmoe.check_errors()  # cleared
+    assert flag.slots(torch.device("cpu")).tolist() == [0]
+
+
+def test_single_device_nonfinite_input_raises_at_the_step_boundary(pg):
+    from spmdmoe.moe import MoE, MoEConfig
+
+    moe = MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2, load_balance_coeff=1e-3))
+    x = torch.randn(5, 8)
+    x[2, 1] = float("nan")
+    moe(x).sum().backward()  # the forward does not sync to look
+    with pytest.raises(spmdmoe.SPMDRoutingError, match="non-finite router logits"):
+        moe.update_expert_bias()
+    assert moe.expert_bias.abs().sum() == 0  # the bad step never reached the bias
+    moe(torch.randn(5, 8)).sum().backward()
+    moe.update_expert_bias()  # clean again
+    with spmdmoe.checks(False):  # checks off: no pass over the logits, nothing recorded
+        moe(x).sum().backward()
+    moe.update_expert_bias()
