@@ -15,7 +15,7 @@ each rank with its own T tokens (EP = N). Rows:
   all-to-alls, syncs, SwiGLU elementwise work.
 
 TFLOP/s counts the 18·R·D·F expert GEMM FLOPs (R routed rows) over each time;
-compare with REFERENCE.md's bf16 grouped_mm fwd+bwd ceiling (314 / 544
+compare with the measured bf16 grouped_mm fwd+bwd ceiling (314 / 544
 TFLOP/s at 16k / 64k rows on an H200).
 """
 

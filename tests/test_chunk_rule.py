@@ -1,4 +1,4 @@
-"""Property tests of the chunk rule (DESIGN.md §2) for sizes 1..1024 and T in 0..10^7."""
+"""Property tests of the chunk rule (docs/design.md §2) for sizes 1..1024 and T in 0..10^7."""
 
 import torch
 from hypothesis import given, settings

@@ -1,4 +1,4 @@
-"""Differentiable collectives over ``SPMDTensor`` (DESIGN.md §4).
+"""Differentiable collectives over ``SPMDTensor`` (docs/design.md §4).
 
 =====================  ==========================  ===============================
 op                     forward                     backward

@@ -45,7 +45,7 @@ def all_reduce(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
     then one in-place ``all_reduce`` (sum) of that copy. No padding.
 
     Backward: all-reduce (sum) of the incoming gradients: a ``Replicate``
-    tensor's gradient is ``Partial`` (DESIGN.md §4), so the gradient of each
+    tensor's gradient is ``Partial`` (docs/design.md §4), so the gradient of each
     summand is the sum of every rank's gradient. A Megatron-style "identity
     backward" all-reduce is a different op and is not this one. The backward is
     recorded on every rank whenever grad mode is on (``spmdmoe.autograd``).

@@ -1,4 +1,4 @@
-"""Mixture-of-Experts on typed tensors (DESIGN.md §5).
+"""Mixture-of-Experts on typed tensors (docs/design.md §5).
 
 =========================  =====================================================
 ``MoEConfig``              shapes and routing options

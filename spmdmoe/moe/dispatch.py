@@ -4,7 +4,7 @@ Legend: ``T`` tokens routed here, ``D`` model dim, ``K`` top-k, ``N = T*K``
 routed copies, ``E`` experts, ``e`` local experts, ``n`` EP ranks, ``R`` rows
 received by this rank's experts.
 
-Interface (DESIGN.md §5.1)::
+Interface (docs/design.md §5)::
 
     routed = transport.dispatch(x_TD, ids_TK, problem=code)   # -> RoutedTokens
     out_TD = transport.combine(y_RD, routed, weights_TK)

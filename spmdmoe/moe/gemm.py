@@ -5,7 +5,7 @@ Legend: ``M`` rows, ``I`` input (reduction) dim, ``O`` output dim, ``e`` groups
 
 On aligned shapes this is ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``
 on torch 2.11) with the device-resident group offsets: no host sync, no
-token-group padding (bf16 needs none, REFERENCE.md). torch's kernels need every
+token-group padding (bf16 needs none: measured on H200, padding groups to 16 rows gains nothing). torch's kernels need every
 row stride to be a multiple of 16 bytes; other shapes (toy dims) take a
 per-group ``mm`` loop that needs the group sizes on the host: free when the
 dispatcher already has them (the all-to-all's one sync), otherwise one

@@ -1,4 +1,4 @@
-"""Gradients of parameters replicated along an SP axis (DESIGN.md §5.2).
+"""Gradients of parameters replicated along an SP axis (docs/design.md §5).
 
 A parameter replicated along an SP axis (router, shared experts, attention,
 norms; experts when they are not split along that axis) is used by every rank

@@ -7,7 +7,7 @@ again a gather, by the inverse map, followed by a sum over the ``J`` copies
 each source row was read into (``J = K`` for the dispatch fan-out, ``J = 1``
 for pure permutations). No scatter-add, no atomics: deterministic, in the
 source dtype, summed in fp32. These are the plain-torch references that the
-Triton permute kernels (DESIGN.md §6) will replace.
+Triton permute kernels (docs/design.md §7) will replace.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The chunk rule for token counts (DESIGN.md §2), as pure integer functions.
+"""The chunk rule for token counts (docs/design.md §2), as pure integer functions.
 
 For ``T`` valid tokens on an axis of ``n`` ranks::
 

@@ -22,7 +22,7 @@ __all__ = ["Shard", "Replicate", "Partial", "Varying", "Placement"]
 
 @dataclass(frozen=True)
 class Shard:
-    """The tensor is split along ``dim`` by the chunk rule (DESIGN.md §2).
+    """The tensor is split along ``dim`` by the chunk rule (docs/design.md §2).
 
     >>> Shard(0)
     Shard(dim=0)
