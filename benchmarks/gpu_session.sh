@@ -8,7 +8,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 echo "== single-process GPU tests (cuda-marked and the MoE layer)"
-python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -m "cuda or not cuda" 2>&1 | tail -3 | tee "$OUT/tests_single.txt"
+python3 -m pytest -q -p no:cacheprovider tests/test_moe.py tests/test_agreement.py -m "cuda or not cuda" 2>&1 | tail -3 | tee "$OUT/tests_single.txt"
 echo "== distributed tests on NCCL, $NGPU ranks"
 timeout 420 torchrun --nproc-per-node "$NGPU" -m pytest -q -p no:cacheprovider tests/distributed 2>&1 | grep -v "^W1" > "$OUT/tests_nccl.txt"; tail -4 "$OUT/tests_nccl.txt"
 echo "== main job on NCCL"

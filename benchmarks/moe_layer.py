@@ -17,12 +17,21 @@ each rank with its own T tokens (EP = N). Rows:
 TFLOP/s counts the 18·R·D·F expert GEMM FLOPs (R routed rows) over each time;
 compare with the measured bf16 grouped_mm fwd+bwd ceiling (314 / 544
 TFLOP/s at 16k / 64k rows on an H200).
+
+Also, interleaved with the default layer: the same layer with checks off
+(``spmdmoe.set_checks(False)``: no input comparison, no non-finite pass) and
+with a bf16 gate GEMM (``router_dtype="input"``, the fp32 default's cost);
+the time of one ``update_expert_bias`` (its all-reduce and the one host read
+of the agreement flags); and, under ``torch.cuda.set_sync_debug_mode("warn")``,
+the synchronizing calls of one forward, backward and bias update.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -52,20 +61,28 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank = dist.get_rank() if world > 1 else 0
-    spmdmoe.set_checks(False)
 
-    cfg = MoEConfig(dim=args.dim, hidden_dim=args.hidden, num_experts=args.experts, top_k=args.top_k)
+    cfg = MoEConfig(dim=args.dim, hidden_dim=args.hidden, num_experts=args.experts, top_k=args.top_k,
+                    load_balance_coeff=1e-3)
     torch.manual_seed(0)
     moe = MoE(cfg).to(device="cuda", dtype=torch.bfloat16)
+    cheap_gate = MoE(dataclasses.replace(cfg, router_dtype="input")).to(device="cuda", dtype=torch.bfloat16)
+    cheap_gate.load_state_dict(moe.state_dict())
     layer = parallelize_moe(moe, ep_mesh=dist.group.WORLD) if world > 1 else moe
+    layer_bf16_gate = parallelize_moe(cheap_gate, ep_mesh=dist.group.WORLD) if world > 1 else cheap_gate
     gen = torch.Generator(device="cuda").manual_seed(1 + rank)
     x = torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     g = torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-    def layer_step() -> None:  # as in training: gradients start from None (no accumulation add)
-        x.grad = None
-        layer.zero_grad(set_to_none=True)
-        layer(x).backward(g)
+    def step_of(module, checks: bool):
+        def step() -> None:  # as in training: gradients start from None (no accumulation add)
+            spmdmoe.set_checks(checks)
+            x.grad = None
+            module.zero_grad(set_to_none=True)
+            module(x).backward(g)
+        return step
+
+    layer_step = step_of(layer, True)
 
     # the same grouped GEMMs alone, on a routed buffer with this rank's real group offsets
     captured = {}
@@ -88,8 +105,11 @@ def main() -> None:
             p.grad = None
         grouped_swiglu(routed_leaf, *w).backward(gy)
 
-    t = timed({"layer": layer_step, "gemm": gemm_step}, args.iters, args.reps)
+    t = timed({"layer": layer_step, "gemm": gemm_step, "off": step_of(layer, False),
+               "bf16 gate": step_of(layer_bf16_gate, True), "update": layer.update_expert_bias}, args.iters, args.reps)
+    spmdmoe.set_checks(True)
     t_layer, t_gemm = t["layer"], t["gemm"]
+    syncs = {checks: sync_counts(layer, x, g, checks) for checks in (True, False)}
     R = torch.tensor([rows.shape[0]], device="cuda", dtype=torch.float64)
     if world > 1:
         dist.all_reduce(R, op=dist.ReduceOp.MAX)
@@ -103,6 +123,13 @@ def main() -> None:
             "|---|---|---|---|---|---|---|",
             f"| {world} | {t_layer:.3f} | {args.tokens / t_layer * 1e3:,.0f} | {t_gemm:.3f} | {1 - t_gemm / t_layer:.1%} | "
             f"{flops / t_layer / 1e9:.0f} | {flops / t_gemm / 1e9:.0f} |",
+            "",
+            "| GPUs | layer, checks off ms | checks on / off | layer, bf16 gate ms | fp32 gate / bf16 gate | "
+            "update_expert_bias ms | syncs fwd / bwd / update, checks on | checks off |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {world} | {t['off']:.3f} | {t_layer / t['off']:.3f} | {t['bf16 gate']:.3f} | "
+            f"{t_layer / t['bf16 gate']:.3f} | {t['update']:.3f} | {' / '.join(map(str, syncs[True]))} | "
+            f"{' / '.join(map(str, syncs[False]))} |",
         ]
         text = "\n".join(lines)
         report(text, args.out)
@@ -116,6 +143,27 @@ def main() -> None:
                 f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     if world > 1:
         dist.destroy_process_group()
+
+
+def sync_counts(layer, x, g, checks: bool) -> tuple[int, int, int]:
+    """Synchronizing calls CUDA's sync debug mode reports in one forward, its backward, and one bias update."""
+    spmdmoe.set_checks(checks)
+    out = []
+    for phase in ("forward", "backward", "update"):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            if phase == "forward":
+                y = layer(x)
+            elif phase == "backward":
+                y.backward(g)
+            else:
+                layer.update_expert_bias()
+            torch.cuda.set_sync_debug_mode("default")
+        out.append(sum("synchroniz" in str(w.message) for w in seen))
+    spmdmoe.set_checks(True)
+    return out[0], out[1], out[2]
 
 
 if __name__ == "__main__":

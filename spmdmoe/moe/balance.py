@@ -11,8 +11,9 @@ counter by the *backward* of the forward that routed them
 (:func:`count_on_backward`): a forward's backward runs once per training use,
 so evaluation (``eval()``, ``torch.no_grad()``) counts nothing, and activation
 checkpointing counts once whether it recomputes the forward (non-reentrant) or
-runs its first pass without grad (reentrant). No host sync: counts come from a
-fixed-size ``scatter_add_`` (``torch.bincount`` syncs twice on CUDA).
+runs its first pass without grad (reentrant). No host sync: counts come from
+``permute.count_per_expert``, a fixed-size ``scatter_add_`` (``torch.bincount``
+syncs twice on CUDA).
 
 * ``tokens_per_expert`` (int64 buffer, not saved): this rank's counts since
   the last :func:`update_expert_bias`.
@@ -45,16 +46,10 @@ from .._dist import all_reduce
 from ..agreement import ProblemFlag
 from ..autograd import ANCHOR
 from ..host import to_host
+from ..types.checks import checks_enabled
 from ..types.mesh import MeshAxis
 
-__all__ = ["count_tokens", "count_on_backward", "reduce_counts", "aux_loss", "update_expert_bias"]
-
-
-def count_tokens(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Routed copies per expert (int64, on the ids' device): a fixed-size scatter-add, no host sync."""
-    ids_N = ids_TK.reshape(-1)
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
-    return counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
+__all__ = ["count_on_backward", "reduce_counts", "aux_loss", "update_expert_bias"]
 
 
 class _CountOnBackward(torch.autograd.Function):
@@ -109,16 +104,19 @@ def update_expert_bias(
     One all-reduce per axis of ``E + world_size`` int64 (the counts and every
     rank's sticky ``problems`` flag of this layer) and one host read of the
     flags: if any rank of the axes recorded a problem, the counts are dropped
-    and every rank raises.
+    and every rank raises. With checks off: the counts alone, no host read.
     """
     E = tokens_per_expert.numel()
-    payload = torch.cat([tokens_per_expert.to(torch.int64), problems.slots(tokens_per_expert.device)])
+    checking = checks_enabled()
+    parts = [tokens_per_expert.to(torch.int64)] + ([problems.slots(tokens_per_expert.device)] if checking else [])
+    payload = torch.cat(parts)
     for axis in axes:
         all_reduce(payload, group=axis.group)
-    slots = to_host(payload[E:])
-    if any(slots):
-        tokens_per_expert.zero_()
-        problems.raise_slots("update_expert_bias (problems recorded during the step)", slots)
+    if checking:
+        slots = to_host(payload[E:])
+        if any(slots):
+            tokens_per_expert.zero_()
+            problems.raise_slots("update_expert_bias (problems recorded during the step)", slots)
     load = payload[:E].to(torch.float32)
     delta = coeff * torch.sign(load.mean() - load)
     expert_bias.add_((delta - delta.mean()).to(expert_bias.dtype))

@@ -33,6 +33,7 @@ from .checkpoint import install_hooks
 from .config import MoEConfig
 from .dispatch import LocalTransport, Problem
 from .experts import GroupedExperts, SharedExperts
+from .permute import count_per_expert
 from .router import Router
 
 __all__ = ["MoE", "Transport"]
@@ -124,7 +125,7 @@ class _Layer(nn.Module):
         weights_TK = r.weights_TK
         if self.training:
             own_ids = r.ids_TK if own is None else r.ids_TK[own]
-            counts_E = balance.count_tokens(own_ids, cfg.num_experts)
+            counts_E = count_per_expert(own_ids, cfg.num_experts)
             if torch.is_grad_enabled():
                 weights_TK = balance.count_on_backward(weights_TK, counts_E, self)
             if cfg.aux_loss_coeff is not None:

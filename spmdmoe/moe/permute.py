@@ -18,7 +18,7 @@ import torch
 
 from ..autograd import differentiable
 
-__all__ = ["gather_rows", "sort_by_expert", "weighted_combine"]
+__all__ = ["gather_rows", "count_per_expert", "sort_by_expert", "weighted_combine"]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -45,6 +45,14 @@ Every source row must be read exactly ``J`` times (a permutation has ``J = 1``).
 """
 
 
+def count_per_expert(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed copies per expert (int64, on the ids' device): a fixed-size scatter-add, no host sync
+    (``torch.bincount`` syncs twice on CUDA to size its output)."""
+    ids_N = ids_TK.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
+    return counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
+
+
 def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order_N, pos_N, counts_E)``: a stable sort of the routed copies by expert.
 
@@ -56,8 +64,7 @@ def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     order_N = torch.argsort(ids_N, stable=True)
     pos_N = torch.empty_like(order_N)
     pos_N.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
-    counts_E = torch.bincount(ids_N, minlength=num_experts)
-    return order_N, pos_N, counts_E
+    return order_N, pos_N, count_per_expert(ids_N, num_experts)
 
 
 class _WeightedSum(torch.autograd.Function):
