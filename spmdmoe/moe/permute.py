@@ -6,7 +6,7 @@ Every move of rows is a gather ``out[m] = src[index[m]]`` whose backward is
 again a gather, by the inverse map, followed by a sum over the ``J`` copies
 each source row was read into (``J = K`` for the dispatch fan-out, ``J = 1``
 for pure permutations). No scatter-add, no atomics: deterministic, in the
-source dtype, summed in fp32. These are the plain-torch references that the
+source dtype, summed in fp32 (fp64 for fp64). These are the plain-torch references that the
 Triton permute kernels (docs/design.md §7) will replace.
 """
 
@@ -35,7 +35,8 @@ class _GatherRows(torch.autograd.Function):
         if J == 1:
             return grad_M.index_select(0, inverse_SJ.view(-1)), None, None
         picked = grad_M.index_select(0, inverse_SJ.reshape(-1)).view(S, J, *grad_M.shape[1:])
-        return picked.sum(dim=1, dtype=torch.float32).to(grad_M.dtype), None, None
+        acc = torch.promote_types(grad_M.dtype, torch.float32)  # fp32 for bf16/fp16, fp64 stays fp64
+        return picked.sum(dim=1, dtype=acc).to(grad_M.dtype), None, None
 
 
 gather_rows = differentiable(_GatherRows, lambda src, index_M, inverse_SJ: src.index_select(0, index_M))

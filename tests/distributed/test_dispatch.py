@@ -47,7 +47,7 @@ def test_all_to_all_transport(world, device, tokens_of, skew):
     E = e * n
     tokens = tokens_of(n)
     inputs = [_inputs(q, tokens, E, 1, skew) for q in range(n)]
-    x_TD, ids_TK, w_TK = (t.to(device) for t in inputs[r])
+    x_TD, ids_TK, w_TK = (t.to(device).clone() for t in inputs[r])
     x_TD.requires_grad_()
     transport = AllToAllTransport(spmdmoe.mesh_axis(world), E)
     routed = transport.dispatch(x_TD, ids_TK)
@@ -71,7 +71,7 @@ def test_all_to_all_transport(world, device, tokens_of, skew):
                                             torch.tensor(sizes, device=device)).to(torch.float64)
     y_RD = routed.x_RD * expert_of_row[:, None]
     out_TD = transport.combine(y_RD, routed, w_TK)
-    ref_x = inputs[r][0].to(device).requires_grad_()
+    ref_x = inputs[r][0].to(device).clone().requires_grad_()  # a separate leaf, also on the CPU
     ref = (ref_x[:, None, :] * (ids_TK[:, :, None] + 1) * w_TK[:, :, None]).sum(1)
     assert_close_everywhere(out_TD, ref.detach(), rtol=1e-12, atol=1e-12, name="combined rows")
     g = reference_tensor(tuple(out_TD.shape), 900 + r, dtype=torch.float64, device=device)
