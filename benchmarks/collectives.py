@@ -4,7 +4,9 @@
 
 bf16, per-rank rows T in --rows, even (global 4T) and uneven (global 4T-1).
 Rows: all_gather (Shard -> Replicate) and reduce_scatter (Partial -> Shard,
-with and without a pre-padded producer buffer). Each time is the median over
+with and without a pre-padded producer buffer; ours and DTensor under
+``torch.no_grad()``, like the raw calls, plus ours with grad mode on, which
+records the backward on every rank). Each time is the median over
 repeats of the mean over --iters back-to-back calls, CUDA events, max over
 ranks. "raw" is the torch.distributed tensor collective on the same bytes
 (p rows per rank, no padding work). busbw = (n-1)/n * padded bytes / time.
@@ -48,6 +50,17 @@ def chunk_views(t: torch.Tensor, total: int, n: int) -> list:
     return [t[layout.chunk_offset(total, n, r) : layout.chunk_offset(total, n, r) + c] for r, c in enumerate(layout.chunk_counts(total, n))]
 
 
+def no_grad(fn):
+    """``fn`` under ``torch.no_grad()``: like for like with the raw collectives (no autograd). With grad
+    mode on, every floating-point collective records its backward (``spmdmoe.autograd``)."""
+
+    def run():
+        with torch.no_grad():
+            return fn()
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[4096, 16384])
@@ -86,10 +99,11 @@ def main() -> None:
             pre = spmdmoe.padded_empty(mesh, Shard(0), G, (H,), dtype=dt, device="cuda")
             pre.local.copy_(local)
             fns = {
-                "all_gather": lambda: spmdmoe.all_gather(x),
-                "all_gather (pre-padded)": lambda: spmdmoe.all_gather(pre),
+                "all_gather": no_grad(lambda: spmdmoe.all_gather(x)),
+                "all_gather (pre-padded)": no_grad(lambda: spmdmoe.all_gather(pre)),
+                "all_gather (grad mode on: backward recorded)": lambda: spmdmoe.all_gather(x),
                 "raw": lambda: all_gather_single(out, send),
-                "dtensor": lambda: dtensor.redistribute(mesh, [DReplicate()]),
+                "dtensor": no_grad(lambda: dtensor.redistribute(mesh, [DReplicate()])),
             }
             if uneven:  # the copy-free alternative: NCCL's uneven list all_gather (grouped broadcasts)
                 views = chunk_views(out, G, n)
@@ -108,10 +122,11 @@ def main() -> None:
             big, small = rand(p * n, H), torch.empty(p, H, device="cuda", dtype=dt)
             dpart = DTensor.from_local(part, mesh, [DPartial()], shape=(G, H), stride=(H, 1))
             fns = {
-                "reduce_scatter": lambda: spmdmoe.reduce_scatter(y),
-                "reduce_scatter (pre-padded)": lambda: spmdmoe.reduce_scatter(pre),
+                "reduce_scatter": no_grad(lambda: spmdmoe.reduce_scatter(y)),
+                "reduce_scatter (pre-padded)": no_grad(lambda: spmdmoe.reduce_scatter(pre)),
+                "reduce_scatter (grad mode on: backward recorded)": lambda: spmdmoe.reduce_scatter(y),
                 "raw": lambda: reduce_scatter_single(small, big),
-                "dtensor": lambda: dpart.redistribute(mesh, [DShard(0)]),
+                "dtensor": no_grad(lambda: dpart.redistribute(mesh, [DShard(0)])),
             }
             if uneven:  # the copy-free alternative: NCCL's uneven list reduce_scatter (grouped reduces)
                 views, mine_out = chunk_views(part, G, n), torch.empty(mine, H, device="cuda", dtype=dt)
@@ -135,8 +150,9 @@ def main() -> None:
         dgrad = DTensor.from_local(leaf, mesh, [DShard(0)], shape=(G, 16), stride=(16, 1))
         send, out = torch.randn(2, 16, device="cuda", dtype=dt), torch.empty(2 * n, 16, device="cuda", dtype=dt)
         for name, fn in (
-            ("spmdmoe.all_gather", lambda: spmdmoe.all_gather(x)),
-            ("spmdmoe.all_gather, input requires grad (autograd recorded)", lambda: spmdmoe.all_gather(xg)),
+            ("spmdmoe.all_gather under no_grad", no_grad(lambda: spmdmoe.all_gather(x))),
+            ("spmdmoe.all_gather, grad mode on, input without grad (backward recorded)", lambda: spmdmoe.all_gather(x)),
+            ("spmdmoe.all_gather, input requires grad (backward recorded)", lambda: spmdmoe.all_gather(xg)),
             ("raw all_gather_into_tensor (same bytes)", lambda: all_gather_single(out, send)),
             ("DTensor redistribute(Shard(0) -> Replicate)", lambda: dtensor.redistribute(mesh, [DReplicate()])),
             ("DTensor redistribute, input requires grad", lambda: dgrad.redistribute(mesh, [DReplicate()])),

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1408)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="write rank 0's top CUDA kernels of one step here")

@@ -14,15 +14,19 @@ import torch.distributed as dist
 def timed(fns: dict[str, Callable[[], object]], iters: int, reps: int) -> dict[str, float]:
     """Median over ``reps`` of the mean time per call (ms) of each fn, max over ranks.
 
-    The candidates are interleaved within every rep, so drift (clocks, other
-    tenants) hits all of them alike. Three warm-up calls each first.
+    The candidates are interleaved within every rep, in an order rotated from
+    rep to rep (no candidate always follows the same one), so drift (clocks,
+    cache state, other tenants) hits all of them alike. Three warm-up calls
+    each first.
     """
     for fn in fns.values():
         for _ in range(3):
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            fn = fns[name]
             if dist.is_initialized():
                 dist.barrier()
             torch.cuda.synchronize()

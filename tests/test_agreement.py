@@ -79,3 +79,30 @@ def test_single_device_nonfinite_input_raises_at_the_step_boundary(pg):
     with spmdmoe.checks(False):  # checks off: no pass over the logits, nothing recorded
         moe(x).sum().backward()
     moe.update_expert_bias()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_checks_make_no_host_sync_on_cuda():
+    """Mode (c) promises no sync: the input check and the non-finite pass only record on the device.
+    Checked with CUDA's sync debug mode (any synchronizing call raises), not with a counter; the bias
+    update's one documented read is seen by the same mode."""
+    from spmdmoe.moe import MoE, MoEConfig
+
+    moe = MoE(MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=2, load_balance_coeff=1e-3)).cuda().bfloat16()
+    x = torch.randn(50, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe(x).sum().backward()  # warm-up: first-time allocations and the flag itself
+    torch.cuda.synchronize()
+
+    def under_error_mode(fn):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    assert spmdmoe.checks_enabled()
+    y = under_error_mode(lambda: moe(x))
+    under_error_mode(lambda: y.sum().backward())
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        under_error_mode(moe.update_expert_bias)
