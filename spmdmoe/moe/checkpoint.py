@@ -136,7 +136,7 @@ def from_torchtitan(state_dict: dict[str, Any], *, orientation: str = "EFD") -> 
     layout (``w1``/``w3`` ``(E, D, F)``, ``w2`` ``(E, F, D)``): the last two dims of
     every expert weight are swapped, also when ``D == F`` (where no shape can
     tell the layouts apart, which is why this is never guessed). Plain tensors
-    only for ``"EDF"`` (gather a DTensor with ``full_tensor()`` first).
+    and DTensors (a transpose of the last two dims keeps a ``Shard(0)``).
     """
     if orientation not in ("EFD", "EDF"):
         raise ValueError(f"orientation must be 'EFD' or 'EDF', found {orientation!r}")

@@ -9,6 +9,8 @@ type, naming the bad rank, and no rank waits: a timeout (60 s here; each case ta
 under one) is a failure. Before this mechanism every case below hung or aborted.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ from spmdmoe import (
 )
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
+from spmdmoe.types import layout
 
 D, F, E = 16, 16, 8
 CFG = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1, load_balance_coeff=1e-3)
@@ -59,19 +62,11 @@ def _plan(name, world, request, device, total=23):
         mesh = request.getfixturevalue("mesh2x2")
         layer = parallelize_moe(moe, sp_mesh=mesh["sp"], ep_mesh=mesh["sp"], dp_mesh=mesh["dp"])
         sp, b = mesh["sp"], mesh["dp"].get_local_rank()
-        from spmdmoe.types import layout
-
         b_rows = layout.local_tokens(total, 2, b)
         start = layout.chunk_offset(total, 2, b) + layout.chunk_offset(b_rows, 2, sp.get_local_rank())
         rows = slice(start, start + layout.local_tokens(b_rows, 2, sp.get_local_rank()))
 
-        class P:
-            pass
-
-        plan = P()
-        plan.layer, plan.rows = layer, rows
-        plan.wrap = lambda t: spmdmoe.from_local(t, sp, global_tokens=b_rows)
-        return plan
+        return SimpleNamespace(layer=layer, rows=rows, wrap=lambda t: spmdmoe.from_local(t, sp, global_tokens=b_rows))
     return build_plan(name, moe, total, world, request)
 
 
@@ -224,8 +219,6 @@ def test_experts_not_divisible_on_one_rank(world, device):
 def test_check_layout_catches_local_constructors(world, device):
     """Issue 14: local constructors skip cross-rank checks; spmdmoe.testing.check_layout makes them."""
     n, r = world.size(), world.get_local_rank()
-    from spmdmoe.types import layout
-
     total = 11 if r == 0 else 10  # T differs on one rank: the next collective would abort
     x = SPMDTensor(torch.zeros(layout.local_tokens(total, n, r), 4, device=device), world, Shard(0), global_tokens=total)
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.testing.check_layout(x),
