@@ -5,7 +5,7 @@ Legend: ``E`` experts, ``F`` expert hidden dim, ``D`` model dim, ``K`` top-k.
 Ranks that disagree on a layer hang, abort or silently compute another model
 (one rank with ``top_k=3``, one with ``sp_mode="local"``, one built from
 another seed). So every rank fingerprints what it was given and one agreement
-exchange over the world (``spmdmoe.agreement.agree``: one all-gather of ~20
+exchange over the world (``spmdmoe.agreement.agree``: one all-gather of 15
 int64 per rank and one host read, once per layer) compares them:
 
 =========================  ===================================================  ================
