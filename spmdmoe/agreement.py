@@ -17,10 +17,11 @@ mode        how the row travels                             used by
             anyway and is read on the host anyway: no       input problems and non-finite router logits
             extra collective, no extra sync                 of an MoE layer), ``exchange_counts``
 (b) agree   :func:`agree`: one all-gather of the rows and   ``from_local``, ``product_axis``,
-            one host read, for facts that do not change     ``parallelize_moe`` (config, plan, weights),
-            from step to step, made once and then kept      ``load_state_dict`` of parallel layers,
-            (a layer's agreed plan is what its per-step     ``exchange_counts``' width, host count lists,
-            input checks compare against, locally, free)    ``spmdmoe.testing`` (``check_layout`` ...)
+            one host read: once per layer for what does     ``parallelize_moe`` (config, plan, weights),
+            not change from step to step (a plan, a state   ``load_state_dict`` of parallel layers,
+            dict; each forward compares its input with the  ``exchange_counts``' width, host count lists,
+            agreed layer, locally, free), or per call where ``spmdmoe.testing`` (``check_layout`` ...)
+            the call syncs anyway
 (c) sticky  :class:`ProblemFlag` (one per MoE layer)     MoE layers without an exchange that spans
             records this rank's bits on the device (no      them (single device, SP modes, EP with dp):
             sync); the flag rides the layer's bias-update   input problems, non-finite logits
@@ -35,8 +36,9 @@ host sync, once per :func:`check_errors` call and once per
 ``update_expert_bias`` call. With checks off (:func:`spmdmoe.set_checks`), the
 layers record nothing and :func:`agree` callers skip their exchange.
 
-Rank numbers in messages are ranks of the axis the row was exchanged on (the
-world for :func:`check_errors` and the sticky flag).
+Rank numbers in messages: the axis' own ranks for exchanges over one axis
+(``from_local``, ``exchange_counts``, ``all_to_all``); global ranks for the MoE
+layer, ``parallelize_moe``, ``load_state_dict`` and the sticky flags.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ __all__ = [
     "check_errors",
     "clear_all",
     "world_axis",
+    "raise_problems",
+    "alone",
+    "global_rank",
     "dtype_code",
     "dtype_name",
 ]
@@ -178,6 +183,15 @@ def exchange_rows(axis: Optional[MeshAxis], row: Union[Sequence[int], torch.Tens
     return to_host(table.view(axis.size, mine.numel()))
 
 
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def alone() -> bool:
+    """Whether this process is the whole job (nobody could wait on it in a collective)."""
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
 def _kinds(bits: int) -> list[Kind]:
     return [kind for i, kind in enumerate(KINDS) if bits >> i & 1]
 
@@ -197,6 +211,14 @@ def problems_error(
     parts = "; ".join(f"rank {r}: " + ", ".join(k.what for k in _kinds(b)) for r, b in bad)
     own = "".join(f"\n  this rank: {d}" for d in details)
     return error(f"{op} rejected the input on {len(bad)} of {len(bits_by_rank)} ranks ({parts}){own}")
+
+
+def raise_problems(op: str, bits_by_rank: Sequence[int], details: Sequence[str] = (),
+                   ranks: Optional[Sequence[int]] = None) -> None:
+    """Raise :func:`problems_error`'s error, if there is one."""
+    error = problems_error(op, bits_by_rank, details, ranks)
+    if error is not None:
+        raise error
 
 
 def disagreement_error(op: str, fields: Sequence[Field], table: Sequence[Sequence[int]], start: int) -> Optional[Exception]:
@@ -222,6 +244,7 @@ def agree(
     found: Found,
     fields: Sequence[tuple[Field, int]] = (),
     extra: Sequence[int] = (),
+    global_ranks: bool = False,
 ) -> list[list[int]]:
     """Mode (b): exchange ``[bits, *fields, *extra]`` and raise the same error everywhere, or return the table.
 
@@ -229,10 +252,14 @@ def agree(
     naming every offending rank, with this rank's own details) or when a field
     differs between ranks. ``extra`` columns are returned for the caller's own
     rules, which it must derive from the table alone so every rank agrees.
+    Ranks are named by their index in ``axis``, or by their global rank.
     """
     row = [found.bits, *(value for _, value in fields), *extra]
     table = exchange_rows(axis, row)
-    error = problems_error(op, [r[0] for r in table], found.details) or disagreement_error(
+    ranks = None
+    if global_ranks and dist.is_initialized():
+        ranks = (world_axis() if axis is None else axis).ranks
+    error = problems_error(op, [r[0] for r in table], found.details, ranks) or disagreement_error(
         op, [f for f, _ in fields], table, 1
     )
     if error is not None:
@@ -250,12 +277,15 @@ class ProblemFlag:
 
     Each MoE layer owns one (so its ``update_expert_bias`` raises exactly the
     problems of the ranks it exchanges with); :func:`check_errors` exchanges
-    every flag of the process over the world.
+    every flag of the process over the world. ``on_clear`` runs whenever the
+    flag is cleared after a raise (a layer drops the step's load counts).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_clear: Optional[Callable[[], object]] = None) -> None:
         self._bits: dict[torch.device, torch.Tensor] = {}  # one int64 scalar per device used
         self.details: list[str] = []
+        self.on_clear = on_clear
+        _flags.add(self)
 
     def record(self, bits: Union[int, torch.Tensor], device: torch.device, details: Sequence[str] = ()) -> None:
         """OR ``bits`` (a host int, or a device int64 scalar: no sync) into this rank's flag."""
@@ -265,7 +295,6 @@ class ProblemFlag:
         own = self._bits.get(device)
         if own is None:
             own = self._bits[device] = torch.zeros((), dtype=torch.int64, device=device)
-            _flags.add(self)
         own.bitwise_or_(bits)
         self.details.extend(details)
 
@@ -283,18 +312,25 @@ class ProblemFlag:
 
     def raise_slots(self, op: str, slots: Sequence[int]) -> None:
         """Raise the verdict of exchanged ``slots`` (host ints, one per global rank), clearing the flag first."""
-        error = problems_error(op, slots, list(self.details))
-        if error is not None:
-            self.clear()
-            raise error
+        _raise_and_clear(op, slots, [self])
 
     def clear(self) -> None:
         for own in self._bits.values():
             own.zero_()
         self.details.clear()
+        if self.on_clear is not None:
+            self.on_clear()
 
 
 _flags: "weakref.WeakSet[ProblemFlag]" = weakref.WeakSet()
+
+
+def _raise_and_clear(op: str, slots: Sequence[int], flags: Sequence[ProblemFlag]) -> None:
+    error = problems_error(op, slots, [d for flag in flags for d in flag.details])
+    if error is not None:
+        for flag in flags:
+            flag.clear()
+        raise error
 
 
 def check_errors(mesh: Optional[MeshLike] = None) -> None:
@@ -305,9 +341,10 @@ def check_errors(mesh: Optional[MeshLike] = None) -> None:
     slot) and one host read (a sync). Call it where a step should fail if any
     rank saw a problem its peers could not see, e.g. once per step before
     ``optimizer.step()`` (each MoE layer's ``update_expert_bias`` does the
-    same for its own problems over its own axes). Without an initialised
-    process group it reads this process' flags. What was recorded is raised
-    once, then cleared.
+    same for its own problems over its own axes), and at the end of an
+    evaluation pass. Without an initialised process group it reads this
+    process' flags. What was recorded is raised once, then cleared, and every
+    layer drops the load counts of the failed step.
 
     >>> import spmdmoe
     >>> spmdmoe.check_errors()   # nothing recorded: returns
@@ -324,12 +361,7 @@ def check_errors(mesh: Optional[MeshLike] = None) -> None:
         slots.bitwise_or_(flag.slots(device))
     if axis is not None:
         all_reduce(slots, group=axis.group)
-    host = to_host(slots)
-    if any(host):
-        details = [d for flag in flags for d in flag.details]
-        for flag in flags:
-            flag.clear()
-        raise problems_error("check_errors", host, details)  # type: ignore[misc]
+    _raise_and_clear("check_errors", to_host(slots), flags)
 
 
 def clear_all() -> None:

@@ -119,3 +119,23 @@ def test_documented_row_widths(pg, monkeypatch):
     spmdmoe.from_local(torch.zeros(3, 2), pg)
     parallelize_moe(MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2)), ep_mesh=pg)
     assert widths == [8, 15]
+
+
+def test_weights_fingerprint_sees_permutations():
+    """The fingerprint is position-weighted: a transposed w1 (D == F, so the same shape) or two swapped
+    experts change it; the same weights give the same value."""
+    from spmdmoe.moe import MoE, MoEConfig
+    from spmdmoe.moe.plan import weights_fingerprint
+
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=2))
+    base = weights_fingerprint(moe)
+    assert base == weights_fingerprint(moe) and base != -1
+    with torch.no_grad():
+        moe.experts.w1.copy_(moe.experts.w1.transpose(1, 2).clone())
+    assert weights_fingerprint(moe) != base
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=2))
+    with torch.no_grad():
+        moe.experts.w2.copy_(moe.experts.w2[[1, 0, 2, 3]].clone())
+    assert weights_fingerprint(moe) != base

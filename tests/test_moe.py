@@ -194,11 +194,13 @@ def test_expert_bias_stays_fp32_under_to():
     cfg = MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2, load_balance_coeff=1e-3)
     ref = _moe(cfg)
     with torch.no_grad():
-        ref.expert_bias.copy_(torch.tensor([0.3, -0.7, 1.5, 0.001]))
+        ref.expert_bias.copy_(torch.tensor([0.3001, -0.7003, 1.5007, 0.0011]))
+    assert not torch.equal(ref.expert_bias.bfloat16().float(), ref.expert_bias)
     for convert in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16),
                     lambda m: m.bfloat16().float().bfloat16()):
-        moe = convert(_moe(cfg))
-        moe.load_state_dict(ref.state_dict())
+        moe = _moe(cfg)
+        moe.load_state_dict(ref.state_dict())  # a bias that bf16 / fp16 cannot hold: conversion must keep it
+        moe = convert(moe)
         assert moe.expert_bias.dtype == torch.float32 and moe.router.gate.weight.dtype != torch.float32
         assert torch.equal(moe.expert_bias, ref.expert_bias)
         want = ref.expert_bias.clone()

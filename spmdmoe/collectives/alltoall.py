@@ -11,19 +11,18 @@ extra collective. A sync-free path with a static capacity comes later.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from .._dist import all_to_all_single
-from ..agreement import BIT, Field, Found, agree, problems_error
+from ..agreement import BIT, Field, Found, agree, raise_problems
 from ..autograd import collective_op
 from ..host import to_host
 from ..types.checks import checks_enabled
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Varying
-from ..types.tensor import SPMDTensor
+from ..types.tensor import SPMDTensor, parse_count
 from ._common import expect, restore_dim, result, rows_view
 
 Counts = Union[Sequence[int], torch.Tensor]
@@ -83,20 +82,22 @@ def _exchange(send_counts: torch.Tensor, axis: MeshAxis, rows: Optional[int], wi
     a problem its caller found) takes part with zeros and its problem bit set."""
     n = axis.size
     counts = send_counts.to(device=axis.metadata_device(), dtype=torch.int64)
-    if bad is None and counts.numel() == n * width and counts.dim() >= 1 and counts.shape[0] == n:
+    shaped = bad is None and counts.numel() == n * width and counts.dim() >= 1 and counts.shape[0] == n
+    if shaped:
         flat = counts.reshape(n, width)
-        bad = (flat < 0).any()
+        wrong = (flat < 0).any()
         if rows is not None:
-            bad = bad | (flat.sum() != rows)
-        code: Union[int, torch.Tensor] = bad.to(torch.int64) * BIT["counts"]
-        detail = f"rank {axis.rank}: send counts {{send}} must be non-negative and sum to the rows sent ({rows})"
+            wrong = wrong | (flat.sum() != rows)
+        code: Union[int, torch.Tensor] = wrong.to(torch.int64) * BIT["counts"]
     else:
         flat, code = torch.zeros((n, width), dtype=torch.int64, device=counts.device), BIT["counts"]
-        detail = bad or (f"rank {axis.rank}: send counts of shape {tuple(send_counts.shape)}, expected ({n},"
-                         f"{'' if width == 1 else f' {width}'}) (one row per destination rank)")
     send, recv, codes = exchange_with_codes(flat, code, axis)
-    if any(codes):
-        raise problems_error(op, codes, [detail.format(send=send)] if codes[axis.rank] else [])  # type: ignore[misc]
+    if codes[axis.rank]:
+        detail = (f"rank {axis.rank}: send counts {send} must be non-negative and sum to the rows sent ({rows})"
+                  if shaped else bad or f"rank {axis.rank}: send counts of shape {tuple(send_counts.shape)}, "
+                  f"expected ({n},{'' if width == 1 else f' {width}'}) (one row per destination rank)")
+        raise_problems(op, codes, [detail])
+    raise_problems(op, codes)
     return send, recv
 
 
@@ -108,15 +109,15 @@ def exchange_counts(
     ``send_counts`` is an int tensor of shape ``(n,)``, or ``(n, k)`` for ``k``
     counts per destination (e.g. per local expert); the returned ``recv`` has
     the same layout with ``recv[src]`` what rank ``src`` sends here. Problems
-    travel with the counts, so a bad input on one rank (a negative count,
-    counts that do not sum to ``rows``, a wrong leading size) raises
-    ``SPMDLayoutError`` on every rank, with no extra collective and no extra
-    sync. The width ``k`` decides the size of the exchange, so it is agreed
-    first: with checks on, one more tiny all-gather and host read (mode (b)),
-    which makes counts of different shapes on different ranks an error on
-    every rank rather than a size mismatch inside the collective. With checks
-    off the width is trusted. A fixed-width caller (the MoE layer, whose width
-    ``e`` was agreed at ``parallelize_moe``) uses the exchange directly.
+    travel with the counts (a negative count, counts that do not sum to
+    ``rows``, a wrong leading size): ``SPMDLayoutError`` on every rank, carried
+    by the count exchange itself. The width ``k`` decides the size of that
+    exchange, so it is agreed before it: with checks on, one tiny all-gather
+    and host read more (mode (b)), which turns counts of different shapes on
+    different ranks into an error on every rank rather than a size mismatch
+    inside the collective. With checks off the width is trusted. A
+    fixed-width caller (the MoE layer, whose width ``e`` was agreed at
+    ``parallelize_moe``) uses the exchange directly.
     """
     axis = mesh_axis(mesh)
     n = axis.size
@@ -184,13 +185,7 @@ def all_to_all(
 
 def _ints(counts: Sequence[Any]) -> list[Any]:
     """Counts as Python ints where they are ints of any kind (NumPy too); others are left for the check."""
-    out = []
-    for c in counts:
-        try:
-            out.append(c if isinstance(c, bool) else operator.index(c))
-        except TypeError:
-            out.append(c)
-    return out
+    return [value if not kind else c for c, (value, kind) in zip(counts, map(parse_count, counts))]
 
 
 def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAxis) -> None:
@@ -209,6 +204,6 @@ def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAx
 def _count_problem(counts: Sequence[Any], n: int, what: str) -> Optional[str]:
     if len(counts) != n:
         return f"{what} needs {n} entries (one per rank), found {len(counts)}"
-    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
-        return f"{what} must be non-negative ints, found {list(counts)}"
+    if any(parse_count(c)[1] for c in counts):
+        return f"{what} must be non-negative ints that fit in int64, found {list(counts)}"
     return None

@@ -6,8 +6,8 @@ Counting rule: every rank counts only the valid tokens it *holds* (its own
 rows; in gather mode the rows that came from it), so the sum over the layer's
 "load axes" (the distinct token holders: the SP axis and the EP axis, once
 each when they are the same group, and the DP axis) counts every token exactly
-once. Counts are taken in training mode only, and they are added to the
-counter by the *backward* of the forward that routed them
+once. Counts are taken by training-mode forwards with grad only, and they are added
+to the counter by the *backward* of the forward that routed them
 (:func:`count_on_backward`): a forward's backward runs once per training use,
 so evaluation (``eval()``, ``torch.no_grad()``) counts nothing, and activation
 checkpointing counts once whether it recomputes the forward (non-reentrant) or
@@ -33,7 +33,8 @@ syncs twice on CUDA).
   gradient), ``P_e`` the mean score of ``e`` over the batch's tokens. Each
   rank's value uses its own tokens' scores in ``P_e``, so the values of a
   batch's ranks sum to the single-device aux loss of that batch, and so do
-  their gradients. Training mode only.
+  their gradients. Training-mode forwards with grad only (the others could
+  not use it), so eval and ``no_grad`` forwards issue no aux all-reduce.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any, Sequence
 import torch
 
 from .._dist import all_reduce
-from ..agreement import ProblemFlag
+from ..agreement import ProblemFlag, alone
 from ..autograd import ANCHOR
 from ..host import to_host
 from ..types.checks import checks_enabled
@@ -105,6 +106,11 @@ def update_expert_bias(
     rank's sticky ``problems`` flag of this layer) and one host read of the
     flags: if any rank of the axes recorded a problem, the counts are dropped
     and every rank raises. With checks off: the counts alone, no host read.
+
+    A layer with no peers (every axis of one rank) in a job of several
+    processes (a plain ``MoE`` under torch DDP) cannot tell whether its peers
+    would raise too: it drops a failed step's counts and leaves the bias, but
+    does not raise; :func:`spmdmoe.check_errors` raises on every rank.
     """
     E = tokens_per_expert.numel()
     checking = checks_enabled()
@@ -115,8 +121,10 @@ def update_expert_bias(
     if checking:
         slots = to_host(payload[E:])
         if any(slots):
-            tokens_per_expert.zero_()
-            problems.raise_slots("update_expert_bias (problems recorded during the step)", slots)
+            if alone() or any(axis.size > 1 for axis in axes):
+                problems.raise_slots("update_expert_bias (problems recorded during the step)", slots)
+            tokens_per_expert.zero_()  # no peers here, but peers elsewhere: check_errors raises everywhere
+            return payload[:E].to(torch.float32)
     load = payload[:E].to(torch.float32)
     delta = coeff * torch.sign(load.mean() - load)
     expert_bias.add_((delta - delta.mean()).to(expert_bias.dtype))

@@ -154,11 +154,13 @@ def _renamed(key: str, table: dict[str, str]) -> str:
     return key
 
 
-def install_hooks(module: torch.nn.Module, layout: Optional[ExpertLayout]) -> None:
-    """Register the save hook (parallel layers) and the load hook (every layer) on ``module``."""
+def install_hooks(module: torch.nn.Module, layout: Optional[ExpertLayout], agree_over: Optional[MeshAxis] = None) -> None:
+    """Register the save hook (parallel layers) and the load hook (every layer) on ``module``.
+
+    ``agree_over``: the group a parallel layer's load agrees over (``None``: the world)."""
     if layout is not None and layout.mesh is not None:
         module.register_state_dict_post_hook(_save_hook(layout))
-    module.register_load_state_dict_pre_hook(_load_hook(module, layout))
+    module.register_load_state_dict_pre_hook(_load_hook(module, layout, agree_over))
 
 
 def _save_hook(layout: ExpertLayout) -> Any:
@@ -178,7 +180,7 @@ def _save_hook(layout: ExpertLayout) -> Any:
     return hook
 
 
-def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout]) -> Any:
+def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout], agree_over: Optional[MeshAxis]) -> Any:
     def hook(mod: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool, *args: Any) -> None:
         for key in [k for k in state_dict if k.startswith(prefix)]:
             ours = prefix + _renamed(key[len(prefix):], TORCHTITAN_NAMES)
@@ -189,7 +191,7 @@ def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout]) -> Any:
         if prefix + "expert_bias" not in state_dict:
             state_dict[prefix + "expert_bias"] = module.expert_bias.detach().clone()
         if layout is not None and checks_enabled():
-            _agree_on_entries(module, state_dict, prefix, layout, strict)
+            _agree_on_entries(module, state_dict, prefix, layout, strict, agree_over)
         for name in HIDDEN_DIM:
             key = prefix + name
             if key in state_dict:
@@ -205,9 +207,10 @@ def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout]) -> Any:
 _KIND = {0: "missing", 1: "a plain tensor", 2: "a DTensor in this layer's layout", 3: "a DTensor in another layout"}
 
 
-def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layout: ExpertLayout, strict: bool) -> None:
-    """One agreement exchange over the world before any gather: every rank raises if one rank's entries
-    are missing (strict), misshapen, or of another kind than its peers'."""
+def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layout: ExpertLayout, strict: bool,
+                      agree_over: Optional[MeshAxis]) -> None:
+    """One agreement exchange over ``agree_over`` (the world by default) before any gather: every rank
+    raises if one rank's entries are missing (strict), misshapen, or of another kind than its peers'."""
     found, kinds = Found(), []
     rank = dist.get_rank()
     expected = [*module.named_parameters(), ("expert_bias", module.expert_bias)]
@@ -228,7 +231,7 @@ def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layo
             found.add("state_dict", f"rank {rank}: {prefix + name} is a {type(value).__name__}, not a tensor")
         elif tuple(value.shape) != want:
             found.add("state_dict", f"rank {rank}: {prefix + name}: {_shape_problem(name, tuple(value.shape), want)}")
-    agree("load_state_dict", None, found, kinds)
+    agree("load_state_dict", agree_over, found, kinds, global_ranks=True)
 
 
 def _global_shape(name: str, config: Any) -> tuple[int, int, int]:

@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..agreement import ProblemFlag, problems_error
+from ..agreement import ProblemFlag, raise_problems
 from ..collectives.alltoall import exchanged_op, exchange_with_codes
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
@@ -131,7 +131,7 @@ class AllToAllTransport:
         if any(codes):
             mine = codes[self.axis.rank]
             if self.raises:
-                raise problems_error("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)  # type: ignore[misc]
+                raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
             problem.record(mine, x_TD.device)
         send = [sum(send_flat[r * e : (r + 1) * e]) for r in range(n)]
         recv = [sum(recv_flat[r * e : (r + 1) * e]) for r in range(n)]

@@ -18,6 +18,7 @@ in its count exchange or records them in the sticky flag.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Protocol
 
 import torch
@@ -66,7 +67,9 @@ class _Layer(nn.Module):
         counts = torch.zeros(config.num_experts, dtype=torch.int64, device=expert_bias.device)
         self.register_buffer("tokens_per_expert", counts, persistent=False)
         self.aux_loss: Optional[torch.Tensor] = None
-        self.problems = ProblemFlag()  # problems recorded for the step boundary (spmdmoe.agreement)
+        # problems recorded for the step boundary (spmdmoe.agreement); a failed step's load counts are dropped
+        counter = weakref.ref(self)
+        self.problems = ProblemFlag(lambda: (layer := counter()) is not None and layer.tokens_per_expert.zero_())
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """``expert_bias`` stays fp32 whatever ``.to()`` / ``.half()`` does (its ±coeff steps would round away)."""
@@ -123,17 +126,15 @@ class _Layer(nn.Module):
         cfg = self.config
         r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
         weights_TK = r.weights_TK
-        if self.training:
+        self.aux_loss = None
+        if self.training and torch.is_grad_enabled():  # a forward whose backward can run (balance.py)
             own_ids = r.ids_TK if own is None else r.ids_TK[own]
             counts_E = count_per_expert(own_ids, cfg.num_experts)
-            if torch.is_grad_enabled():
-                weights_TK = balance.count_on_backward(weights_TK, counts_E, self)
+            weights_TK = balance.count_on_backward(weights_TK, counts_E, self)
             if cfg.aux_loss_coeff is not None:
                 total_E = balance.reduce_counts(counts_E, self.aux_axes)
                 own_scores = r.scores_TE if own is None else r.scores_TE[own]
                 self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff)
-        else:
-            self.aux_loss = None
         problem = problem or Problem()
         problem.flag = self.problems
         if checks_enabled():
@@ -161,8 +162,8 @@ class MoE(_Layer):
     ``load_state_dict`` also takes torchtitan names and DTensors (see
     ``spmdmoe.moe.checkpoint``). ``expert_bias`` stays fp32 under ``.to()``.
     Leading dims of ``x`` are flattened into tokens. With ``aux_loss_coeff``,
-    ``self.aux_loss`` holds the aux loss of the last training-mode forward
-    (add it to the loss); in eval mode it is ``None``. A non-finite router
+    ``self.aux_loss`` holds the aux loss of the last training-mode forward with
+    grad (add it to the loss); otherwise it is ``None``. A non-finite router
     logit is recorded and raised by :func:`spmdmoe.check_errors` or
     :meth:`update_expert_bias` (``spmdmoe.agreement``).
 
@@ -181,7 +182,7 @@ class MoE(_Layer):
             else None
         )
         experts = GroupedExperts(config.num_experts, config.dim, config.hidden_dim)
-        self._build(config, Router(config), experts, shared, torch.zeros(config.num_experts))
+        self._build(config, Router(config), experts, shared, torch.zeros(config.num_experts, dtype=torch.float32))
         self.transport = LocalTransport(config.num_experts)
         install_hooks(self, None)
         self.init_weights()

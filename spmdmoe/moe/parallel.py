@@ -28,16 +28,17 @@ Every rank agrees (``spmdmoe.agreement``). ``parallelize_moe`` compares the
 config, plan and weights of every rank once (``plan.py``). Each forward then
 checks its input against that agreed layer, locally and for free: ``Shard(0)``
 on ``sp_mesh`` (or, without SP, a plain or ``Varying`` tensor), width ``D``,
-the layer's compute dtype, a device the axes can use. A rank whose input fails
+the layer's compute dtype, the layer's device. A rank whose input fails
 does NOT raise on its own: it stands in zero rows (in gather mode its chunk of
 zeros, at the ``T`` the SP axis agrees on) so that it issues exactly the
 collectives its peers issue, and returns zeros shaped like its input, linked
-to the layer's graph so its backward collectives run too. Its problem bits
+to the layer's graph and to its input (``_StandIn``), so its backward runs the
+collectives of the layer and of everything upstream too. Its problem bits
 ride the EP count exchange: when the EP axis spans every rank the layer talks
 to (no other SP axis, no ``dp_mesh``), every rank raises there; otherwise the
 bits are recorded, and ``update_expert_bias`` / :func:`spmdmoe.check_errors`
 raise on every rank at the step boundary (before the optimizer step, so no
-weight ever sees the bad step). Without any axis a problem raises at once.
+weight ever sees the bad step). Only a process that is the whole job raises at once.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from .._dist import all_gather_single
-from ..agreement import Found, problems_error
+from ..agreement import Found, alone, global_rank, raise_problems
 from ..collectives import all_gather, reduce_scatter
 from ..host import to_host
 from ..types import layout
@@ -76,6 +77,7 @@ def parallelize_moe(
     ep_mesh: Optional[MeshLike] = None,
     dp_mesh: Optional[MeshLike] = None,
     sp_mode: Literal["local", "gather"] = "local",
+    agree_over: Optional[MeshLike] = None,
 ) -> "ParallelMoE":
     """This rank's part of ``moe`` over the given axes (same parameter names, sliced experts).
 
@@ -95,18 +97,20 @@ def parallelize_moe(
     are summed over the SP axis only (the ranks one batch spans), and each
     rank's ``aux_loss`` is its share of its batch's aux loss.
 
-    A collective over the default group (every rank calls it, for the same
-    layers in the same order): the config, plan and weights are compared
-    across ranks (``spmdmoe.moe.plan``) and every rank raises the same error if
-    any rank's differ. Raises ``MoEConfigError``: configs, plans or weights that
+    A collective over ``agree_over`` (default: the world; a pipeline stage
+    passes its own group, e.g. ``mesh["dp", "sp", "ep"]._flatten()`` or a
+    ``ProcessGroup``): every rank of it calls this for the same layers in the
+    same order, the config, plan and weights are compared across them
+    (``spmdmoe.moe.plan``), and every rank raises the same error if any rank's
+    differ. ``load_state_dict`` agrees over the same group. Raises ``MoEConfigError``: configs, plans or weights that
     differ between ranks, ``E % ep != 0``, an unknown ``sp_mode``, gather mode
     without ``sp_mesh`` or with ``ep_mesh`` equal to ``sp_mesh``, a layer that is
     already parallel. ``SPMDMeshError``: a mesh that is not one axis, SP and EP
     axes that are neither the same group nor orthogonal, a DP axis not
     orthogonal to both.
     """
-    sp, ep, dp = agree_plan(moe, sp_mesh, ep_mesh, dp_mesh, sp_mode, MoE)
-    return ParallelMoE(moe, sp, ep, sp_mode, dp)
+    sp, ep, dp, over = agree_plan(moe, sp_mesh, ep_mesh, dp_mesh, sp_mode, MoE, agree_over)
+    return ParallelMoE(moe, sp, ep, sp_mode, dp, over)
 
 
 def _expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
@@ -132,10 +136,11 @@ class ParallelMoE(_Layer):
     """A :class:`MoE` over SP and/or EP axes; see :func:`parallelize_moe` and the module docstring."""
 
     def __init__(self, moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
-                 dp: Optional[MeshAxis] = None):
+                 dp: Optional[MeshAxis] = None, agree_over: Optional[MeshAxis] = None):
         super().__init__()
         cfg = moe.config
         self.sp, self.ep, self.dp, self.sp_mode = sp, ep, dp, sp_mode
+        self.agree_over = agree_over  # the group the layer's one-off agreements run over (None: the world)
         n_ep, r_ep = (1, 0) if ep is None else (ep.size, ep.rank)
         e = cfg.num_experts // n_ep
         experts_slice = slice(r_ep * e, (r_ep + 1) * e)
@@ -152,7 +157,7 @@ class ParallelMoE(_Layer):
             experts.w2.copy_(src.w2[experts_slice, :, hidden])
             experts.w3.copy_(src.w3[experts_slice, hidden])
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
-        self.load_axes = tuple(a for i, a in enumerate((sp, ep, dp)) if a is not None and a not in (sp, ep)[:i])
+        self.load_axes = _distinct(sp, ep, dp)
         if ep is not None and ep.size > 1:
             # problems raise at the count exchange only when it reaches every rank the layer talks to
             spans = all(a == ep or a.size == 1 for a in self.load_axes)
@@ -160,7 +165,7 @@ class ParallelMoE(_Layer):
         else:
             self.transport = LocalTransport(e)
         self.aux_axes = () if sp is None else (sp,)
-        install_hooks(self, _expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden))
+        install_hooks(self, _expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden), agree_over)
         if sp is not None and sp.size > 1:
             self.sp_synced = tuple(_Layer.weights(self))  # dense weights; the experts sync their own
             if sp_mode == "local" and sp != ep:
@@ -207,19 +212,22 @@ class ParallelMoE(_Layer):
     def forward(self, x: Input) -> Input:
         found = Found()
         x_TD = self._accept(x, found) if checks_enabled() else (x.local if isinstance(x, SPMDTensor) else x)
-        if found and all(a.size == 1 for a in self.load_axes):  # no peers to leave waiting
-            raise problems_error("MoE layer", [found.bits], found.details)  # type: ignore[misc]
+        if found and alone():  # the only process of the job: nobody to leave waiting
+            raise_problems("MoE layer", [found.bits], found.details)
         problem = Problem(found.bits, found.details)
         w = self.weights()
         if self.sp is not None and self.sp_mode == "gather":
             out_TD = self._gathered(x, found, w, problem)
         else:
             if found:  # stand in zero rows: the same collectives as the peers, nothing routed
-                x_TD = torch.zeros((0, self.config.dim), dtype=self.compute_dtype(), device=self.expert_bias.device)
+                x_TD = self._zero_rows(0)
             out_TD = self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem), x_TD, w)
         if found:
-            return _stand_in(x, out_TD)
+            return _stand_in(x, out_TD, self._zero_rows)
         return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD
+
+    def _zero_rows(self, rows: int) -> torch.Tensor:
+        return torch.zeros((rows, self.config.dim), dtype=self.compute_dtype(), device=self.expert_bias.device)
 
     def _gathered(self, x: Input, found: Found, w: dict[str, torch.Tensor], problem: Problem) -> torch.Tensor:
         """Gather mode: route all SP rows, TP experts, combine, reduce-scatter; + shared on the local rows."""
@@ -227,9 +235,7 @@ class ParallelMoE(_Layer):
         assert sp is not None
         T = self._gather_tokens(x, found)
         if found:  # this rank's chunk as zeros, at the T its peers gather
-            rows = layout.local_tokens(T, sp.size, sp.rank)
-            x = SPMDTensor._new(torch.zeros((rows, self.config.dim), dtype=self.compute_dtype(),
-                                            device=self.expert_bias.device), sp, Shard(0), T, 0)
+            x = SPMDTensor._new(self._zero_rows(layout.local_tokens(T, sp.size, sp.rank)), sp, Shard(0), T, 0)
         assert isinstance(x, SPMDTensor)
         start = layout.chunk_offset(T, sp.size, sp.rank)
         h_TD = all_gather(x).local
@@ -238,27 +244,29 @@ class ParallelMoE(_Layer):
         return self._plus_shared(out_TD, x.local, w)
 
     def _gather_tokens(self, x: Input, found: Found) -> int:
-        """The ``T`` every SP rank gathers. With checks on, one all-gather of one int64 per rank (no host
-        read on ranks whose input names ``T``): a rank whose input cannot name it reads the peers' value."""
+        """The ``T`` every SP rank gathers. With checks on, one all-gather of ``(T, bad)`` per rank; only a
+        rank with a bad input reads it (a sync), and takes the ``T`` of the first rank whose input was
+        good; when no rank's was, the whole SP group stands in zero tokens (its problems are raised with
+        everyone else's, at the step boundary)."""
         sp = self.sp
         assert sp is not None
         own = x.global_tokens if isinstance(x, SPMDTensor) and x.axis == sp and isinstance(x.placement, Shard) else -1
         if not checks_enabled():
             return own
-        mine = torch.full((1,), own, dtype=torch.int64, device=sp.metadata_device())
-        table = torch.empty(sp.size, dtype=torch.int64, device=mine.device)
+        mine = torch.full((2,), own, dtype=torch.int64, device=sp.metadata_device())  # fills: no host copy
+        mine[1:].fill_(int(bool(found)))
+        table = torch.empty(sp.size * 2, dtype=torch.int64, device=mine.device)
         all_gather_single(table, mine, group=sp.group)
-        if own >= 0:
+        if not found:
             return own
-        named = [t for t in to_host(table) if t >= 0]
-        if not named:  # no rank can name T: every rank is here, so every rank raises
-            raise problems_error("MoE layer (gather mode: no rank's input names the token count)",  # type: ignore[misc]
-                                 [found.bits], found.details)
-        return named[0]
+        good = [t for t, bad in to_host(table.view(sp.size, 2)) if not bad]
+        return good[0] if good else 0
 
     def _accept(self, x: Any, found: Found) -> Optional[torch.Tensor]:
-        """This rank's rows if ``x`` is what the agreed layer takes, else ``None`` with ``found`` set."""
-        axis, rank = (self.sp, self.sp.rank) if self.sp is not None else (self.ep, self.ep.rank if self.ep else 0)
+        """This rank's rows if ``x`` is what the agreed layer takes, else ``None`` with ``found`` set
+        (messages name global ranks, as the layer's verdicts do)."""
+        axis = self.sp if self.sp is not None else self.ep
+        rank = global_rank()
         if self.sp is not None:
             expected = "an SPMDTensor sharded with Shard(0) on the layer's sp_mesh"
             if not (isinstance(x, SPMDTensor) and isinstance(x.placement, Shard) and x.token_dim == 0):
@@ -289,19 +297,54 @@ class ParallelMoE(_Layer):
                                f"of dtype {x_TD.dtype}; cast the input (x.to({dtype})) or the layer")
         if axis is not None and (problem := axis.device_problem(x_TD)) is not None:
             found.add("device", f"rank {rank}: input {problem}")
+        elif x_TD.device != self.expert_bias.device:  # a device the backend takes, but not the layer's
+            found.add("device", f"rank {rank}: input on {x_TD.device}, the layer on {self.expert_bias.device}; "
+                                "move the input there with .to(...)")
         return None if found else x_TD
+
+
+def _distinct(*axes: Optional[MeshAxis]) -> tuple[MeshAxis, ...]:
+    """The axes given, without ``None`` and without repeats (SP and EP may be one group)."""
+    out: list[MeshAxis] = []
+    for a in axes:
+        if a is not None and a not in out:
+            out.append(a)
+    return tuple(out)
 
 
 def _describe(x: Any) -> str:
     return f"{x.placement} on {x.axis}" if isinstance(x, SPMDTensor) else type(x).__name__
 
 
-def _stand_in(x: Any, out_TD: torch.Tensor) -> Any:
+class _StandIn(torch.autograd.Function):
+    """Zeros shaped like ``like``; the backward sends zero gradients to ``like`` and to ``out_TD``.
+
+    So a rank that stood in still runs every backward collective: the layer's
+    own (through ``out_TD``) and those upstream of its input (through ``like``).
+    Zeros, not ``0 * x``, so a non-finite input cannot turn them into NaN.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, like: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.like = (like.shape, like.dtype, like.device)
+        ctx.out = (out_TD.shape, out_TD.dtype, out_TD.device)
+        return torch.zeros_like(like)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        shape, dtype, device = ctx.like
+        g_like = None if device.type == "meta" else torch.zeros(shape, dtype=dtype, device=device)
+        shape, dtype, device = ctx.out
+        return g_like, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _stand_in(x: Any, out_TD: torch.Tensor, zero_rows: Any) -> Any:
     """What a rank with a bad input returns: zeros shaped like its input (its own code downstream sees
-    what it passed), linked to the layer's output so its backward takes part in every collective."""
-    link = out_TD.sum() * 0
+    what it passed), linked to its input and to the layer's output so its backward takes part in every
+    collective its peers run. An input that cannot carry a gradient gets zero rows of the layer's width."""
     local = x.local if isinstance(x, SPMDTensor) else x
-    if not isinstance(local, torch.Tensor) or not local.is_floating_point() or local.device != out_TD.device:
-        return out_TD
-    zeros = torch.zeros_like(local) + link.to(local.dtype)
-    return x.with_local(zeros) if isinstance(x, SPMDTensor) else zeros
+    if isinstance(local, torch.Tensor) and local.is_floating_point():
+        zeros = _StandIn.apply(local, out_TD)
+        return x.with_local(zeros) if isinstance(x, SPMDTensor) else zeros
+    rows = local.shape[0] if isinstance(local, torch.Tensor) and local.dim() else 0
+    return _StandIn.apply(zero_rows(rows), out_TD)

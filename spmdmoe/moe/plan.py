@@ -5,8 +5,11 @@ Legend: ``E`` experts, ``F`` expert hidden dim, ``D`` model dim, ``K`` top-k.
 Ranks that disagree on a layer hang, abort or silently compute another model
 (one rank with ``top_k=3``, one with ``sp_mode="local"``, one built from
 another seed). So every rank fingerprints what it was given and one agreement
-exchange over the world (``spmdmoe.agreement.agree``: one all-gather of 15
-int64 per rank and one host read, once per layer) compares them:
+exchange (``spmdmoe.agreement.agree``: one all-gather of 15 int64 per rank,
+once per layer, plus the host reads of the fingerprint and of the table)
+compares them, over ``agree_over``: by default the world, which every rank
+can name before anything is agreed; pipeline stages that build different
+layers pass the group of the stage instead.
 
 =========================  ===================================================  ================
 field                      value                                                error
@@ -17,14 +20,15 @@ config                     ``dim``, ``hidden_dim``, ``num_experts``,            
 plan                       the sizes of sp / ep / dp, ``sp_mode``, EP on SP     MoEConfigError
 parameters                 dtype and device type                                MoEConfigError
 weights                    an exact integer fingerprint of every parameter      MoEConfigError
-                           and ``expert_bias`` (skipped on the meta device)
+                           and ``expert_bias``, position-weighted (a transposed
+                           or swapped tensor changes it; skipped on meta)
 =========================  ===================================================  ================
 
 Problems a rank finds on its own (a mesh that is not one axis, ``E % ep``,
 gather mode without SP, axes that are not orthogonal, a layer that is already
 parallel) travel as problem bits in the same exchange: every rank raises the
-same error. So ``parallelize_moe`` is a collective over the default group:
-every rank calls it for the same layers in the same order. With checks off
+same error. So ``parallelize_moe`` is a collective over ``agree_over``: every
+rank of it calls it for the same layers in the same order. With checks off
 nothing is exchanged and local problems raise locally.
 """
 
@@ -34,11 +38,10 @@ import zlib
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..agreement import Field, Found, agree, dtype_code, dtype_name, problems_error
+from ..agreement import Field, Found, agree, dtype_code, dtype_name, global_rank, raise_problems
 from ..host import to_host
 from ..types.checks import checks_enabled
 from ..types.errors import MoEConfigError, SPMDMeshError
@@ -79,18 +82,30 @@ _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def weights_fingerprint(module: nn.Module) -> int:
-    """An exact integer fingerprint of ``module``'s parameters and ``expert_bias``: their bit patterns
-    summed (and squared and summed) in wrapping int64, so the result does not depend on summation
-    order or device. -1 when a tensor has no data here (meta) or is a DTensor (shards differ by rank)."""
+    """An exact integer fingerprint of ``module``'s parameters and ``expert_bias``.
+
+    The bit patterns of every element, in the order of a flat concatenation of
+    the (name-sorted) tensors, summed twice in wrapping int64: plainly, and
+    weighted by a hash of the element's position, so a permutation (a
+    transposed ``w1`` with ``D == F``, swapped tensors) changes it. Integer
+    sums do not depend on summation order, so every rank and device type gets
+    the same value for the same bits. -1 when a tensor has no data here (meta)
+    or is a DTensor (its shards differ by rank).
+    """
     tensors = [p for _, p in sorted(module.named_parameters())] + [b for n, b in module.named_buffers() if n == "expert_bias"]
     if not tensors or any(t.is_meta or isinstance(t, DTensor) for t in tensors):
         return -1
-    acc = torch.zeros(2, dtype=torch.int64, device=tensors[0].device)
+    device = tensors[0].device
+    acc = torch.zeros(2, dtype=torch.int64, device=device)
+    at = 0
     for t in tensors:
-        bits = t.detach().contiguous().view(-1).view(_INT_VIEW[t.element_size()])
+        bits = t.detach().contiguous().view(-1).view(_INT_VIEW[t.element_size()]).to(device)
         for chunk in bits.split(1 << 22):
             c = chunk.to(torch.int64)
-            acc += torch.stack([c.sum(), (c * c).sum()]).to(acc.device)
+            where = torch.arange(at, at + c.numel(), dtype=torch.int64, device=device)
+            weight = (where * 2654435761 + 97531) & 0xFFFFFFFF
+            acc += torch.stack([c.sum(), (c * weight).sum()])
+            at += c.numel()
     a, b = to_host(acc)
     return (a * 1000003 + b + 2**63) % 2**64 - 2**63
 
@@ -105,7 +120,7 @@ def _axis(name: str, mesh: Optional[MeshLike], found: Found) -> Optional[MeshAxi
 
 def _plan_problems(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis],
                    sp_mode: Any, found: Found) -> None:
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = global_rank()
     if sp_mode not in _MODES:
         found.add("config", f"rank {rank}: sp_mode must be 'local' or 'gather', found {sp_mode!r}")
     if ep is not None and cfg.num_experts % ep.size:
@@ -128,9 +143,12 @@ def _plan_problems(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp:
 
 
 def agree_plan(moe: Any, sp_mesh: Optional[MeshLike], ep_mesh: Optional[MeshLike], dp_mesh: Optional[MeshLike],
-               sp_mode: Any, single_device_type: type) -> tuple[Optional[MeshAxis], Optional[MeshAxis], Optional[MeshAxis]]:
-    """The normalised ``(sp, ep, dp)`` axes, once every rank agrees on the layer (see the module docstring)."""
+               sp_mode: Any, single_device_type: type, agree_over: Optional[MeshLike] = None,
+               ) -> tuple[Optional[MeshAxis], Optional[MeshAxis], Optional[MeshAxis], Optional[MeshAxis]]:
+    """The normalised ``(sp, ep, dp, agree_over)`` axes, once every rank agrees on the layer (see the
+    module docstring); ``agree_over`` ``None`` means the world."""
     found = Found()
+    over = None if agree_over is None else mesh_axis(agree_over)
     sp, ep, dp = (_axis(n, m, found) for n, m in (("sp_mesh", sp_mesh), ("ep_mesh", ep_mesh), ("dp_mesh", dp_mesh)))
     if not isinstance(moe, single_device_type):
         found.add("config", f"parallelize_moe takes a single-device {single_device_type.__name__}, found "
@@ -141,10 +159,10 @@ def agree_plan(moe: Any, sp_mesh: Optional[MeshLike], ep_mesh: Optional[MeshLike
         _plan_problems(moe.config, sp, ep, dp, sp_mode, found)
         values = _values(moe, sp, ep, dp, sp_mode) if checks_enabled() else []
     if checks_enabled():
-        agree("parallelize_moe", None, found, list(zip(_FIELDS, values)))
-    elif found:
-        raise problems_error("parallelize_moe", [found.bits], found.details)  # type: ignore[misc]
-    return sp, ep, dp
+        agree("parallelize_moe", over, found, list(zip(_FIELDS, values)), global_ranks=True)
+    else:
+        raise_problems("parallelize_moe", [found.bits], found.details)
+    return sp, ep, dp, over
 
 
 def _values(moe: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis], sp_mode: Any) -> list[int]:

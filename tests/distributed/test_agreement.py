@@ -29,8 +29,8 @@ from spmdmoe import (
     SPMDShapeError,
     SPMDTensor,
 )
-from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
-from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
+from spmdmoe.moe import MoE, MoEConfig, parallelize_moe, replicate_grads
+from spmdmoe.testing import all_ranks_agree, assert_close_everywhere, assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
 
 D, F, E = 16, 16, 8
@@ -156,13 +156,116 @@ def test_input_without_grad_on_one_rank_matches_reference(world, device, request
     y = plan.layer(plan.wrap(leaf))
     ((y.local if isinstance(y, SPMDTensor) else y) * G[plan.rows]).sum().backward()
     want_x = ref_x.grad[plan.rows]
-    assert_close_everywhere(leaf.grad if dist.get_rank() != 0 else want_x, want_x, rtol=1e-5,
-                            atol=1e-5 * float(ref_x.grad.abs().max()), name="input gradient")
+    others = _others(world)  # every rank creates the group
+    if dist.get_rank() == 0:
+        assert leaf.grad is None
+    else:
+        assert_close_everywhere(leaf.grad, want_x, rtol=1e-5, atol=1e-5 * float(ref_x.grad.abs().max()),
+                                name="input gradient", mesh=others)
     ref = dict(moe.named_parameters())
     for name, p in plan.layer.named_parameters():
         want = expert_grad_slice(name, ref[name].grad, plan) if name.startswith("experts.") else ref[name].grad
         got = p.grad if name.startswith("experts.") else summed_over(p.grad, plan.dp_group)
         assert_close_everywhere(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), name=f"{name} gradient")
+
+
+def _others(world):
+    """The ranks but 0, as a group (every rank must call this, in the same order)."""
+    return dist.new_group(list(range(1, world.size())))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["plain", "width", "dtype", "inf"])
+@pytest.mark.parametrize("plan_name", ["sp", "sp_ep", "gather", "ep"])
+def test_bad_rank_runs_every_backward_upstream(world, device, request, plan_name, kind, self_groups):
+    """The bad input comes out of a replicated Linear (its gradient summed over the world in backward)
+    and a first MoE layer; the bad rank's stand-in output is linked to its input, so it runs those
+    backward collectives too (a stand-in linked to the layer only left the peers in them)."""
+    plan = _plan(plan_name, world, request, device)
+    second = _plan(plan_name, world, request, device).layer
+    lin = replicate_grads(torch.nn.Linear(D, D).to(device), world)
+    X = reference_tensor((23, D), 1, device=device)
+
+    def step():
+        h = lin(X[plan.rows].clone().requires_grad_())
+        y = plan.layer(plan.wrap(h))
+        y = y if dist.get_rank() != world.size() - 1 else _corrupt(y, kind, self_groups, device)
+        z = second(y)
+        (z.local if isinstance(z, SPMDTensor) else z).float().sum().backward()
+        plan.layer.update_expert_bias()
+        second.update_expert_bias()
+
+    err = ERRORS[kind]
+    assert_raises_everywhere(err, step, match=rf"\(rank {world.size() - 1}: {WHAT[err]}")
+    # where the error waited for the step boundary, every rank's backward reached the Linear (and so
+    # ran its all-reduce; gloo does not always notice a mismatched all-reduce, so this is checked
+    # directly); where the exchange raised at once, no rank ran a backward
+    reached = lin.weight.grad is not None and plan.layer.router.gate.weight.grad is not None
+    missing = all_ranks_agree(reached)
+    assert missing in ([], list(range(world.size()))), f"ranks {missing}' backward stopped at the stand-in"
+
+
+@pytest.mark.timeout(60)
+def test_whole_sp_group_without_token_count_beside_ep_peers(world, device, request, mesh2x2):
+    """Gather mode over sp with EP over dp: both ranks of one SP group pass plain rows (no T to
+    gather at); they stand in zero tokens, the EP peers go on, and every rank raises at the step boundary."""
+    plan = _plan("gather_ep", world, request, device)
+    X = reference_tensor((23, D), 1, device=device)
+    x = plan.wrap(X[plan.rows].clone().requires_grad_())
+    if mesh2x2["dp"].get_local_rank() == 0:
+        x = x.local
+    assert_raises_everywhere(SPMDLayoutError, lambda: _step(plan.layer, x), match=r"\(rank 0: input is not in")
+
+
+@pytest.mark.timeout(60)
+def test_bad_rank_in_eval_raises_at_check_errors(world, device, request, self_groups):
+    """Eval and no_grad forwards record too; check_errors (e.g. at the end of an eval pass) raises everywhere."""
+    plan = _plan("gather", world, request, device)
+    x = plan.wrap(reference_tensor((23, D), 1, device=device)[plan.rows].clone())
+    if dist.get_rank() == 1:
+        x = _corrupt(x, "width", self_groups, device)
+    plan.layer.eval()
+    with torch.no_grad():
+        plan.layer(x)
+    assert_raises_everywhere(SPMDShapeError, spmdmoe.check_errors, match=r"\(rank 1: input width")
+
+
+@pytest.mark.timeout(60)
+def test_check_errors_drops_the_failed_steps_counts(world, device, request):
+    plan = _plan("sp", world, request, device)
+    local = reference_tensor((23, D), 1, device=device)[plan.rows].clone()
+    if dist.get_rank() == 0:
+        local[0, 0] = float("nan")
+    _local = plan.layer(plan.wrap(local.requires_grad_()))
+    _local.local.sum().backward()
+    assert_raises_everywhere(SPMDRoutingError, spmdmoe.check_errors)
+    assert int(plan.layer.tokens_per_expert.sum()) == 0
+
+
+@pytest.mark.timeout(60)
+def test_plain_moe_in_a_job_of_several_processes(world, device):
+    """A single-device MoE (e.g. under torch DDP) has no peers it knows of: its forward and bias update
+    never raise alone; check_errors raises on every rank."""
+    moe = reference_moe(CFG, 0, device)
+    x = reference_tensor((7, D), 1, device=device)
+    if dist.get_rank() == 1:
+        x[2, 2] = float("inf")
+    moe(x).sum().backward()
+    moe.update_expert_bias()  # no raise on rank 1 alone: it drops the step's counts and keeps its bias
+    assert dist.get_rank() != 1 or (int(moe.expert_bias.abs().sum()) == 0 and int(moe.tokens_per_expert.sum()) == 0)
+    assert_raises_everywhere(SPMDRoutingError, spmdmoe.check_errors, match=r"\(rank 1: non-finite")
+
+
+@pytest.mark.timeout(60)
+def test_layers_that_differ_per_pipeline_stage(world, device, mesh2x2):
+    """Each dp row here plays a pipeline stage with its own layer: agreeing over the world rejects it
+    (the weights differ), agreeing over the stage's group accepts it; load_state_dict agrees there too."""
+    stage, sp = mesh2x2["dp"].get_local_rank(), mesh2x2["sp"]
+    moe = reference_moe(CFG, 10 + stage, device)
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(moe, sp_mesh=sp), match=r"weights")
+    layer = parallelize_moe(moe, sp_mesh=sp, agree_over=sp)
+    assert layer.agree_over == spmdmoe.mesh_axis(sp)
+    layer.load_state_dict(moe.state_dict())
 
 
 # ------------------------------------------------------------------ the layer itself differs

@@ -58,6 +58,8 @@ def test_bad_counts_on_one_rank(world, device):
     host_wrong = [1] + [0] * (n - 1) if r == 2 % n else counts
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, host_wrong, recv),
                              match=rf"\(rank {2 % n}: bad counts\)")
+    huge = [2**63] + [0] * (n - 1) if r == n - 1 else counts  # past int64: torch.tensor would raise on that rank
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, huge), match=rf"\(rank {n - 1}: bad counts\)")
     host_short = counts[:-1] if r == 0 else counts  # a host list of the wrong length, exchanged on device
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, host_short), match=r"\(rank 0: bad counts\)")
 

@@ -170,5 +170,9 @@ def test_eval_forward_counts_nothing_and_skips_the_aux_loss(world, device, reque
     plan.layer.train()
     with torch.no_grad():
         plan.layer(x)
-    assert calls == [1]  # only the no_grad training forward computed an aux loss (its all-reduce)
-    assert int(plan.layer.tokens_per_expert.sum()) == 0
+    assert plan.layer.aux_loss is None
+    assert calls == [] and int(plan.layer.tokens_per_expert.sum()) == 0
+    y = plan.layer(x)  # a training forward with grad: the aux all-reduce, and counts at its backward
+    assert calls == [1] and plan.layer.aux_loss is not None
+    (y.local if isinstance(y, SPMDTensor) else y).sum().backward()
+    assert int(plan.layer.expert_load().sum()) == 29 * 2
