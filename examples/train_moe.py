@@ -269,4 +269,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's teardown: with torch 2.13's gloo, a few percent of 4-process runs
+    # abort after the last Python frame ("terminate called without an active exception") while freeing
+    # process groups, after the job has finished and printed its verdict. Everything is flushed first.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -39,6 +39,7 @@ syncs twice on CUDA).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -60,13 +61,15 @@ class _CountOnBackward(torch.autograd.Function):
     def forward(ctx: Any, weights_TK: torch.Tensor, counts_E: torch.Tensor, layer: Any,  # type: ignore[override]
                 anchor: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(counts_E)
-        ctx.layer = layer
+        ctx.layer = weakref.ref(layer)  # no cycle layer -> aux_loss -> graph -> layer
         return weights_TK.view_as(weights_TK)
 
     @staticmethod
     def backward(ctx: Any, grad_TK: torch.Tensor) -> Any:  # type: ignore[override]
         (counts_E,) = ctx.saved_tensors
-        ctx.layer.tokens_per_expert.add_(counts_E)
+        layer = ctx.layer()
+        if layer is not None:
+            layer.tokens_per_expert.add_(counts_E)
         return grad_TK, None, None, None
 
 
