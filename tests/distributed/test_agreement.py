@@ -29,7 +29,7 @@ from spmdmoe import (
     SPMDShapeError,
     SPMDTensor,
 )
-from spmdmoe.moe import MoE, MoEConfig, parallelize_moe, replicate_grads
+from spmdmoe.moe import MoEConfig, parallelize_moe, replicate_grads
 from spmdmoe.testing import all_ranks_agree, assert_close_everywhere, assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
 

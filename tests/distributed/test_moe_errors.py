@@ -7,7 +7,7 @@ import spmdmoe
 from moe_plans import reference_moe
 from spmdmoe import MoEConfigError, Replicate, SPMDLayoutError, SPMDRoutingError, SPMDShapeError
 from spmdmoe.moe import MoEConfig, parallelize_moe
-from spmdmoe.testing import all_ranks_agree, assert_raises_everywhere, reference_tensor
+from spmdmoe.testing import assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
 
 D, F, E = 16, 16, 8
