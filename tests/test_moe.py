@@ -10,8 +10,10 @@ import spmdmoe
 from spmdmoe import MoEConfigError, SPMDShapeError
 from spmdmoe.moe import MoE, MoEConfig, route
 from spmdmoe.moe.balance import aux_loss
+from spmdmoe.moe.experts import grouped_swiglu
 from spmdmoe.moe.gemm import grouped_mm, native_grouped_mm_ok
-from spmdmoe.moe.permute import gather_rows, sort_by_expert
+from spmdmoe.moe.permute import gather_rows, sort_by_expert, weighted_combine
+from spmdmoe.types.routed import RoutedTokens
 
 CONFIGS = [
     dict(dim=16, hidden_dim=16, num_experts=8, top_k=2),
@@ -109,14 +111,38 @@ def test_routing_rules():
 def test_gather_rows_backward_is_the_index_select_gradient():
     src = torch.randn(5, 3, requires_grad=True)
     ids = torch.randint(0, 4, (5, 2))
-    order, pos, counts = sort_by_expert(ids, 4)
-    assert torch.equal(order[pos], torch.arange(10)) and counts.tolist() == torch.bincount(ids.flatten(), minlength=4).tolist()
+    pos, counts = sort_by_expert(ids, 4)
+    assert counts.tolist() == torch.bincount(ids.flatten(), minlength=4).tolist()
+    order = torch.empty(10, dtype=torch.int64).scatter_(0, pos.flatten(), torch.arange(10))
     assert torch.equal(ids.flatten()[order], ids.flatten().sort(stable=True).values)
-    out = gather_rows(src, order // 2, pos.view(5, 2))
+    out = gather_rows(src, pos)
+    torch.testing.assert_close(out, src[order // 2])
     g = torch.randn_like(out)
     (out * g).sum().backward()
     ref = torch.zeros_like(src).index_add_(0, order // 2, g)
     torch.testing.assert_close(src.grad, ref)
+
+
+def test_weighted_combine_matches_autograd_of_the_plain_formula():
+    T, K, D, R = 6, 3, 5, 22  # R > T*K: a capacity-sized y whose unnamed rows are NaN
+    pos = torch.randperm(R)[: T * K].view(T, K)
+    y = torch.randn(R, D, dtype=torch.float64)
+    unnamed = torch.ones(R, dtype=torch.bool)
+    unnamed[pos.flatten()] = False
+    y[unnamed] = float("nan")
+    y.requires_grad_()
+    w = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
+    out = weighted_combine(y, pos, w)
+    y_ok = y.detach()[pos].clone().requires_grad_()
+    w_ok = w.detach().clone().requires_grad_()
+    ref = (w_ok.unsqueeze(-1) * y_ok).sum(1)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(T, D, dtype=torch.float64)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(y.grad[pos], y_ok.grad)
+    assert (y.grad[unnamed] == 0).all()
+    torch.testing.assert_close(w.grad, w_ok.grad)
 
 
 @pytest.mark.parametrize("dims", [(16, 8), (6, 5)])
@@ -336,3 +362,38 @@ def test_oldest_orientation_is_never_guessed_when_dim_equals_hidden():
     assert torch.equal(dst.experts.w1, src.experts.w1) and torch.equal(dst.experts.w2, src.experts.w2)
     dst.load_state_dict(oldest)  # taken as ours, as documented: the caller must say "EDF"
     assert torch.equal(dst.experts.w1, src.experts.w1.transpose(1, 2))
+
+
+@pytest.mark.parametrize("dims", [(16, 8), (6, 5)])  # torch's grouped GEMM, the per-group fallback
+def test_experts_on_a_capacity_buffer_never_read_past_valid_rows(dims):
+    """SwiGLU and the GEMM seam on a capacity-sized buffer whose rows past ``valid_rows`` are NaN: the
+    valid rows and every gradient match the exact-size buffer; the NaN never reaches them."""
+    D, F_ = dims
+    sizes = [3, 0, 5, 1]
+    valid, cap = sum(sizes), sum(sizes) + 7
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    w = [torch.randn(4, F_, D), torch.randn(4, D, F_), torch.randn(4, F_, D)]
+    x = torch.randn(valid, D)
+    g = torch.randn(valid, D)
+
+    def run(rows: int, fill: float):
+        buf = torch.full((rows, D), fill)
+        buf[:valid] = x
+        buf.requires_grad_()
+        ws = [t.clone().requires_grad_() for t in w]
+        routed = RoutedTokens(buf, offs, rows, None, None)
+        assert routed.valid_rows is not None and routed.valid_rows.tolist() == [valid]
+        y = grouped_swiglu(routed, *ws)
+        assert y.shape == (rows, D)
+        gy = torch.zeros(rows, D)
+        gy[:valid] = g
+        y.backward(gy)
+        return y[:valid], buf.grad[:valid], [t.grad for t in ws]
+
+    y_cap, gx_cap, gw_cap = run(cap, float("nan"))
+    y_ref, gx_ref, gw_ref = run(valid, 0.0)
+    torch.testing.assert_close(y_cap, y_ref)
+    torch.testing.assert_close(gx_cap, gx_ref)
+    for a, b in zip(gw_cap, gw_ref):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b)

@@ -57,13 +57,14 @@ exchanged_op = collective_op(_AllToAll, exchanged)
 
 def exchange_with_codes(
     counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
-) -> tuple[list[int], list[int], list[int]]:
+) -> tuple[list[int], list[int], list[int], torch.Tensor]:
     """Agreement mode (a): one ``all_to_all_single`` of ``(n, W)`` counts plus a problem-bits column, one host read.
 
     ``W`` must be the same on every rank (a fact the caller has agreed). Returns
     this rank's flat send counts, the flat received counts (``W`` per source,
     source-major) and every rank's problem bits (the same list on every rank),
-    so callers raise together without another collective.
+    so callers raise together without another collective; and the received
+    counts still on the device, ``(n, W)`` (for device-side index building).
     """
     n, width = counts_nW.shape
     payload = torch.empty((n, width + 1), dtype=torch.int64, device=counts_nW.device)
@@ -73,7 +74,7 @@ def exchange_with_codes(
     all_to_all_single(received, payload, group=axis.group)
     mine, theirs = to_host(torch.stack([payload, received]))
     codes = [row[width] for row in theirs]
-    return [c for r in mine for c in r[:width]], [c for r in theirs for c in r[:width]], codes
+    return [c for r in mine for c in r[:width]], [c for r in theirs for c in r[:width]], codes, received[:, :width]
 
 
 def _exchange(send_counts: torch.Tensor, axis: MeshAxis, rows: Optional[int], width: int, op: str,
@@ -91,7 +92,7 @@ def _exchange(send_counts: torch.Tensor, axis: MeshAxis, rows: Optional[int], wi
         code: Union[int, torch.Tensor] = wrong.to(torch.int64) * BIT["counts"]
     else:
         flat, code = torch.zeros((n, width), dtype=torch.int64, device=counts.device), BIT["counts"]
-    send, recv, codes = exchange_with_codes(flat, code, axis)
+    send, recv, codes, _ = exchange_with_codes(flat, code, axis)
     if codes[axis.rank]:
         detail = (f"rank {axis.rank}: send counts {send} must be non-negative and sum to the rows sent ({rows})"
                   if shaped else bad or f"rank {axis.rank}: send counts of shape {tuple(send_counts.shape)}, "

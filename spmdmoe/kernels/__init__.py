@@ -1,5 +1,31 @@
-"""Triton kernels with a plain-torch reference beside each (docs/design.md §7).
+"""Triton kernels, each beside a plain-torch reference with the same signature (docs/design.md §7).
 
-Empty so far: the kernels (permute / un-permute, offset-aware SwiGLU, FP8
-quantizers) arrive with the MoE and FP8 issues.
+One module per kernel: the ``@triton.jit`` kernel, its launcher (a
+``torch.library.triton_op``, so ``torch.compile(fullgraph=True)`` traces it),
+the reference, and a dispatching function (Triton on CUDA, the reference
+elsewhere; :mod:`spmdmoe.kernels.backend`).
+
+* :func:`fan_out`: rows into ``J`` copies each (dispatch permute; combine backward);
+* :func:`gather_sum`: the fp32 sum of ``J`` rows each, optionally weighted (combine; permute backward);
+* :func:`swiglu_forward` / :func:`swiglu_backward`: offset-aware SwiGLU over the valid rows only.
 """
+
+from .backend import COMPILED, kernel_backend, set_kernel_backend, use_triton
+from .fan_out import fan_out, fan_out_reference, fan_out_triton
+from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
+from .swiglu import (
+    swiglu_backward,
+    swiglu_backward_reference,
+    swiglu_backward_triton,
+    swiglu_forward,
+    swiglu_forward_reference,
+    swiglu_forward_triton,
+)
+
+__all__ = [
+    "COMPILED", "kernel_backend", "set_kernel_backend", "use_triton",
+    "fan_out", "fan_out_reference", "fan_out_triton",
+    "gather_sum", "gather_sum_reference", "gather_sum_triton",
+    "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
+    "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
+]

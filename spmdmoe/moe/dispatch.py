@@ -56,18 +56,11 @@ class Problem:
             self.flag.record(bits, device, self.details)
 
 
-@dataclass(frozen=True)
-class _Sorted:
-    order_N: torch.Tensor
-    pos_N: torch.Tensor
-
-
-def _fan_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, _Sorted]:
-    """The ``N`` routed copies of the rows in stable expert order, and the per-expert counts."""
-    T, K = ids_TK.shape
-    order_N, pos_N, counts_E = sort_by_expert(ids_TK, num_experts)
-    x_ND = gather_rows(x_TD, torch.div(order_N, K, rounding_mode="floor"), pos_N.view(T, K))
-    return x_ND, counts_E, _Sorted(order_N, pos_N)
+def _fan_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_ND, counts_E, pos_TK)``: the ``N`` routed copies in stable expert order, the copies per
+    expert, and where copy ``(t, k)`` sits."""
+    pos_TK, counts_E = sort_by_expert(ids_TK, num_experts)
+    return gather_rows(x_TD, pos_TK), counts_E, pos_TK
 
 
 class LocalTransport:
@@ -82,18 +75,17 @@ class LocalTransport:
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None) -> RoutedTokens:
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
-        x_ND, counts_E, srt = _fan_out(x_TD, ids_TK, self.num_experts)
+        x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)
         offsets = counts_E.cumsum(0).to(torch.int32)
-        return RoutedTokens(x_ND, offsets, x_ND.shape[0], None, srt)
+        return RoutedTokens(x_ND, offsets, x_ND.shape[0], None, pos_TK)
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
-        srt: _Sorted = routed.handle
-        return weighted_combine(y_RD, srt.pos_N, srt.order_N, weights_TK)
+        return weighted_combine(y_RD, routed.handle, weights_TK)
 
 
 @dataclass(frozen=True)
 class _Exchange:
-    srt: _Sorted
+    pos_TK: torch.Tensor  # where each routed copy sits in the send buffer
     send: list[int]  # rows to each EP rank
     recv: list[int]  # rows from each EP rank
     perm_R: torch.Tensor  # expert-major row r reads source-major row perm_R[r]
@@ -125,9 +117,9 @@ class AllToAllTransport:
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None) -> RoutedTokens:
         problem = problem or Problem()
         n, e = self.axis.size, self.local_experts
-        x_ND, counts_E, srt = _fan_out(x_TD, ids_TK, self.num_experts)
+        x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)
         counts = counts_E.view(n, e).to(self.axis.metadata_device())
-        send_flat, recv_flat, codes = exchange_with_codes(counts, problem.bits, self.axis)
+        send_flat, recv_flat, codes, recv_ne = exchange_with_codes(counts, problem.bits, self.axis)
         if any(codes):
             mine = codes[self.axis.rank]
             if self.raises:
@@ -136,39 +128,32 @@ class AllToAllTransport:
         send = [sum(send_flat[r * e : (r + 1) * e]) for r in range(n)]
         recv = [sum(recv_flat[r * e : (r + 1) * e]) for r in range(n)]
         x_recv = exchanged_op(x_ND, send, recv, self.axis, 0)
-        perm_R, offsets, sizes = _expert_major(recv_flat, n, e, x_ND.device)
+        R = sum(recv)
+        perm_R, offsets = _expert_major(recv_ne.to(x_ND.device), R)
         inv_R = torch.empty_like(perm_R)
-        inv_R.scatter_(0, perm_R, torch.arange(perm_R.numel(), device=perm_R.device))
-        x_RD = gather_rows(x_recv, perm_R, inv_R.view(-1, 1))
-        return RoutedTokens(x_RD, offsets, x_RD.shape[0], sizes, _Exchange(srt, send, recv, perm_R, inv_R))
+        inv_R.scatter_(0, perm_R, torch.arange(R, device=perm_R.device))
+        x_RD = gather_rows(x_recv, inv_R.view(R, 1))
+        sizes = [sum(recv_flat[src * e + j] for src in range(n)) for j in range(e)]
+        return RoutedTokens(x_RD, offsets, R, sizes, _Exchange(pos_TK, send, recv, perm_R, inv_R))
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
         ex: _Exchange = routed.handle
-        y_recv = gather_rows(y_RD, ex.inv_R, ex.perm_R.view(-1, 1))
+        y_recv = gather_rows(y_RD, ex.perm_R.view(-1, 1))
         y_ND = exchanged_op(y_recv, ex.recv, ex.send, self.axis, 0)
-        return weighted_combine(y_ND, ex.srt.pos_N, ex.srt.order_N, weights_TK)
+        return weighted_combine(y_ND, ex.pos_TK, weights_TK)
 
 
-def _expert_major(recv_flat: list[int], n: int, e: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The gather index from source-major (src, expert) blocks to expert-major (expert, src) blocks,
-    the int32 group offsets and the host group sizes; one host-to-device copy."""
-    starts, at = {}, 0
-    for src in range(n):
-        for j in range(e):
-            starts[src, j] = at
-            at += recv_flat[src * e + j]
-    deltas, lengths, dst = [], [], 0
-    for j in range(e):
-        for src in range(n):
-            rows = recv_flat[src * e + j]
-            deltas.append(starts[src, j] - dst)
-            lengths.append(rows)
-            dst += rows
-    sizes = [sum(recv_flat[src * e + j] for src in range(n)) for j in range(e)]
-    ends = [sum(sizes[: j + 1]) for j in range(e)]
-    table = torch.tensor(deltas + lengths + ends, dtype=torch.int64).to(device)
-    segments = n * e
-    perm = torch.arange(at, device=device) + torch.repeat_interleave(
-        table[:segments], table[segments : 2 * segments], output_size=at
-    )
-    return perm, table[2 * segments :].to(torch.int32), sizes
+def _expert_major(recv_ne: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the received ``(n, e)`` counts on the device: the gather index from source-major
+    ``(src, expert)`` blocks to expert-major ``(expert, src)`` blocks (``perm_R[r]``: the received row
+    that expert-major row ``r`` reads) and the int32 group offsets. Device work only: no host sync,
+    no host-to-device copy (``R``, the received row count, is already on the host)."""
+    n, e = recv_ne.shape
+    lengths_ne = recv_ne.to(torch.int64)
+    src_start_ne = lengths_ne.reshape(-1).cumsum(0).view(n, e) - lengths_ne
+    lengths_en = lengths_ne.t().reshape(-1)
+    dst_start_en = lengths_en.cumsum(0) - lengths_en
+    shift_en = src_start_ne.t().reshape(-1) - dst_start_en
+    segment_R = torch.repeat_interleave(shift_en, lengths_en, output_size=R)
+    perm_R = torch.arange(R, device=recv_ne.device) + segment_R
+    return perm_R, lengths_ne.sum(0).cumsum(0).to(torch.int32)

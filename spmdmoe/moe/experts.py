@@ -14,18 +14,19 @@ layer's other dense weights.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import swiglu_backward, swiglu_forward
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
 from .gemm import grouped_mm
 from .grads import sync_grads
 
-__all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu"]
+__all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu", "swiglu_rows"]
 
 
 class GroupedExperts(nn.Module):
@@ -84,8 +85,33 @@ def grouped_swiglu(
         D = x_RD.shape[1]
         h_R0 = F.silu(x_RD @ w1_eFD.reshape(0, D).T) * (x_RD @ w3_eFD.reshape(0, D).T)
         return h_R0 @ w2_eDF.transpose(1, 2).reshape(0, D)
-    h_RF = F.silu(grouped_mm(x_RD, w1_eFD, offs, sizes)) * grouped_mm(x_RD, w3_eFD, offs, sizes)
-    return grouped_mm(h_RF, w2_eDF, offs, sizes)
+    h1_RF = grouped_mm(x_RD, w1_eFD, offs, sizes)
+    h3_RF = grouped_mm(x_RD, w3_eFD, offs, sizes)
+    valid = routed.valid_rows
+    assert valid is not None
+    return grouped_mm(swiglu_rows(h1_RF, h3_RF, valid), w2_eDF, offs, sizes)
+
+
+class _SwiGLURows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h1_RF: torch.Tensor, h3_RF: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(h1_RF, h3_RF, valid)
+        return swiglu_forward(h1_RF, h3_RF, valid)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_RF: torch.Tensor) -> Any:  # type: ignore[override]
+        h1_RF, h3_RF, valid = ctx.saved_tensors
+        dh1, dh3 = swiglu_backward(g_RF.contiguous(), h1_RF, h3_RF, valid)
+        return dh1, dh3, None
+
+
+def swiglu_rows(h1_RF: torch.Tensor, h3_RF: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``silu(h1) * h3`` on rows ``[0, valid)`` (a device count; :mod:`spmdmoe.kernels.swiglu`), fp32 math
+    rounded once. Rows past ``valid`` are unspecified and get unspecified gradients nobody reads."""
+    if torch.is_grad_enabled() and (h1_RF.requires_grad or h3_RF.requires_grad):
+        return _SwiGLURows.apply(h1_RF, h3_RF, valid)
+    return swiglu_forward(h1_RF, h3_RF, valid)
 
 
 def swiglu(x_TD: torch.Tensor, w1_FD: torch.Tensor, w2_DF: torch.Tensor, w3_FD: torch.Tensor) -> torch.Tensor:

@@ -60,9 +60,10 @@ def grouped_mm(
 ) -> torch.Tensor:
     """Rows ``[offsets[g-1], offsets[g])`` of ``x`` times ``w[g].T``; differentiable.
 
-    ``offsets_e`` is int32 on ``x``'s device and its last entry must equal
-    ``M`` (rows past it would be left uninitialised by torch's kernel).
-    ``sizes``: the group sizes on the host, if known (used by the fallback).
+    ``offsets_e`` is int32 on ``x``'s device; rows past its last entry (the
+    tail of a capacity-sized buffer) are never read, and their output rows are
+    unspecified (torch's kernel leaves them uninitialised; the fallback writes
+    zeros). ``sizes``: the group sizes on the host, if known (used by the fallback).
     """
     if native_grouped_mm_ok(x_MI, w_eOI):
         y_MO = _native(x_MI.contiguous(), w_eOI.transpose(-2, -1), offs=offsets_e)
@@ -74,6 +75,6 @@ def grouped_mm(
     for g, rows in enumerate(sizes):  # empty groups too: their weight gradient is a zero, not None
         parts.append(x_MI[start : start + rows] @ w_eOI[g].transpose(0, 1))
         start += rows
-    if not parts:
-        return x_MI.new_empty((0, w_eOI.shape[-2]))
+    if start < x_MI.shape[0] or not parts:  # a capacity-sized buffer: its tail stays out of the GEMMs
+        parts.append(x_MI.new_zeros((x_MI.shape[0] - start, w_eOI.shape[-2])))
     return torch.cat(parts)

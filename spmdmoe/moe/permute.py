@@ -1,49 +1,55 @@
-"""Row permutations of the MoE data flow, with gather-only backwards.
+"""Row moves of the MoE data flow: fan-out into expert-major copies, and the weighted gather-sum back.
 
-Legend: ``T`` tokens, ``K`` top-k, ``N = T*K`` routed copies, ``D`` model dim.
+Legend: ``T`` tokens, ``K`` top-k, ``N = T*K`` routed copies, ``D`` model dim,
+``R`` rows of a buffer (``R >= N``; more for a capacity-sized one), ``S`` / ``J``
+source rows and copies per source row of a generic move.
 
-Every move of rows is a gather ``out[m] = src[index[m]]`` whose backward is
-again a gather, by the inverse map, followed by a sum over the ``J`` copies
-each source row was read into (``J = K`` for the dispatch fan-out, ``J = 1``
-for pure permutations). No scatter-add, no atomics: deterministic, in the
-source dtype, summed in fp32 (fp64 for fp64). These are the plain-torch references that the
-Triton permute kernels (docs/design.md §7) will replace.
+Both moves are described by one map, ``index_SJ[s, j]``: the row where the
+``j``-th copy of source row ``s`` sits (for the dispatch, ``pos_TK``). The
+fan-out writes each source row into its ``J`` slots; its backward sums the
+``J`` slots back (fp32). The combine sums a token's ``K`` slots with the
+routing weights (fp32); its backward fans the gradient out with the weights
+and dots it with the rows for the weights' gradient. Every output row is
+written by exactly one program: no scatter-add, no atomics, deterministic.
+The work is done by :mod:`spmdmoe.kernels` (Triton on CUDA, the plain-torch
+references elsewhere).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ..autograd import differentiable
+from ..kernels import fan_out, gather_sum
 
 __all__ = ["gather_rows", "count_per_expert", "sort_by_expert", "weighted_combine"]
 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, src: torch.Tensor, index_M: torch.Tensor, inverse_SJ: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(inverse_SJ)
-        return src.index_select(0, index_M)
+    def forward(ctx: Any, src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index_SJ)
+        return fan_out(src_SD, index_SJ, rows)[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_M: torch.Tensor) -> Any:  # type: ignore[override]
-        (inverse_SJ,) = ctx.saved_tensors
-        S, J = inverse_SJ.shape
-        if J == 1:
-            return grad_M.index_select(0, inverse_SJ.view(-1)), None, None
-        picked = grad_M.index_select(0, inverse_SJ.reshape(-1)).view(S, J, *grad_M.shape[1:])
-        acc = torch.promote_types(grad_M.dtype, torch.float32)  # fp32 for bf16/fp16, fp64 stays fp64
-        return picked.sum(dim=1, dtype=acc).to(grad_M.dtype), None, None
+    def backward(ctx: Any, grad_RD: torch.Tensor) -> Any:  # type: ignore[override]
+        (index_SJ,) = ctx.saved_tensors
+        return gather_sum(grad_RD.contiguous(), index_SJ), None, None
 
 
-gather_rows = differentiable(_GatherRows, lambda src, index_M, inverse_SJ: src.index_select(0, index_M))
-gather_rows.__doc__ = """``src[index_M]``; ``inverse_SJ[s]`` lists the ``J`` output rows that read source row ``s``.
+_gather = differentiable(_GatherRows, lambda src_SD, index_SJ, rows: fan_out(src_SD, index_SJ, rows)[0])
 
-Every source row must be read exactly ``J`` times (a permutation has ``J = 1``).
-"""
+
+def gather_rows(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
+    """``out[index_SJ[s, j]] = src[s]``: each source row into its ``J`` slots of ``rows`` output rows.
+
+    ``rows`` defaults to ``S*J`` (a permutation when ``J = 1``); slots no index
+    names are zero. The backward sums each row's ``J`` slots in fp32.
+    """
+    return _gather(src_SD, index_SJ, index_SJ.numel() if rows is None else rows)
 
 
 def count_per_expert(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -54,50 +60,41 @@ def count_per_expert(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
 
 
-def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(order_N, pos_N, counts_E)``: a stable sort of the routed copies by expert.
+def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pos_TK, counts_E)``: where each routed copy sits in stable expert order, and the copies per expert.
 
-    ``order_N[i]`` is the flat ``(t, k)`` index of the i-th copy in expert
-    order; ``pos_N`` is its inverse (where copy ``t*K + k`` sits); ``counts_E``
-    the copies per expert. All on the ids' device, no host sync.
+    Copy ``(t, k)`` goes to row ``pos_TK[t, k]``; rows are grouped by expert,
+    and within an expert by ``t*K + k``. On the ids' device, no host sync.
     """
     ids_N = ids_TK.reshape(-1)
     order_N = torch.argsort(ids_N, stable=True)
     pos_N = torch.empty_like(order_N)
     pos_N.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
-    return order_N, pos_N, count_per_expert(ids_N, num_experts)
+    return pos_N.view(ids_TK.shape), count_per_expert(ids_N, num_experts)
 
 
-class _WeightedSum(torch.autograd.Function):
-    """``out[t] = sum_k w[t, k] * y[t, k]``: forward and weight-gradient as batched
-    matrix-vector products (fp32 accumulation), the row gradient as a broadcast multiply."""
-
+class _WeightedCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, y_TKD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(y_TKD, w_TK)
-        return torch.bmm(w_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+    def forward(ctx: Any, y_RD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(y_RD, pos_TK, weights_TK)
+        return gather_sum(y_RD, pos_TK, weights_TK)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g_TD: torch.Tensor) -> Any:  # type: ignore[override]
-        y_TKD, w_TK = ctx.saved_tensors
-        g_TD = g_TD.contiguous()
-        grad_y = g_TD.unsqueeze(1) * w_TK.to(g_TD.dtype).unsqueeze(-1) if ctx.needs_input_grad[0] else None
-        grad_w = torch.bmm(y_TKD, g_TD.unsqueeze(-1)).squeeze(-1).to(w_TK.dtype) if ctx.needs_input_grad[1] else None
-        return grad_y, grad_w
+        y_RD, pos_TK, weights_TK = ctx.saved_tensors
+        other = y_RD if ctx.needs_input_grad[2] else None
+        grad_y, grad_w = fan_out(g_TD.contiguous(), pos_TK, y_RD.shape[0], weights_TK, other)
+        return grad_y, None, (grad_w.to(weights_TK.dtype) if other is not None else None)
 
 
-def weighted_combine(y_ND: torch.Tensor, pos_N: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_k weights[t, k] * y[pos[t*K + k]]``, in ``y``'s dtype.
+def weighted_combine(y_RD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k weights[t, k] * y[pos[t, k]]``: fp32 products and sum, rounded once to ``y``'s dtype.
 
-    The sum over K is a batched ``(1, K) @ (K, D)`` product (fp32 accumulation,
-    no fp32 copy of the ``N x D`` rows); its backward is a broadcast multiply
-    for the rows and a batched matrix-vector product for the weights (no
-    scatter, no atomics). The fp32 routing weights are cast to ``y``'s dtype
-    (exact for fp32; for bf16 they carry bf16 precision, as the rows do).
+    Rows of ``y`` no position names (a capacity-sized buffer's tail) are never
+    read and get zero gradient. Backward: ``grad_y[pos[t, k]] = weights[t, k] *
+    g[t]`` and ``grad_weights[t, k] = <g[t], y[pos[t, k]]>`` (fp32), in one pass.
     """
-    T, K = weights_TK.shape
-    y_TKD = gather_rows(y_ND, pos_N, order_N.view(-1, 1)).view(T, K, y_ND.shape[-1])
-    if torch.is_grad_enabled() and (y_TKD.requires_grad or weights_TK.requires_grad):
-        return _WeightedSum.apply(y_TKD, weights_TK)
-    return torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+    if torch.is_grad_enabled() and (y_RD.requires_grad or weights_TK.requires_grad):
+        return _WeightedCombine.apply(y_RD, pos_TK, weights_TK)
+    return gather_sum(y_RD, pos_TK, weights_TK)

@@ -34,6 +34,11 @@ class RoutedTokens:
         group_sizes: per-local-expert row counts on the host when the transport
             already paid for them (the all-to-all sync); ``None`` otherwise.
         handle: the transport's private state needed by ``combine``.
+        valid_rows: a one-element int32 device tensor, the number of valid rows
+            (rows ``[0, valid_rows)`` of ``x_RD``; the rest of a capacity-sized
+            buffer may hold anything, NaN included). Defaults to the last group
+            offset (a view, no copy). Consumers (SwiGLU, the grouped GEMM, the
+            combine) never read a row past it, and read it only on the device.
     """
 
     x_RD: torch.Tensor
@@ -41,6 +46,11 @@ class RoutedTokens:
     capacity: int
     group_sizes: Optional[list[int]]
     handle: Any
+    valid_rows: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.valid_rows is None:
+            object.__setattr__(self, "valid_rows", self.group_offsets[-1:])
 
     @property
     def num_groups(self) -> int:

@@ -1,0 +1,53 @@
+"""Which implementation a kernel call takes: the Triton kernel or its plain-torch reference.
+
+``auto`` (the default): Triton on CUDA tensors, the reference elsewhere (CPU,
+meta). Under ``torch.compile`` on CUDA the choice per kernel is
+:data:`COMPILED`, measured (``benchmarks/kernels.py``): a user-defined Triton
+kernel is opaque to inductor, the reference may be fused with its neighbours.
+``set_kernel_backend("torch")`` forces the references (a debugging aid);
+``"triton"`` forces the kernels on CUDA tensors.
+
+The kernels are wrapped with ``torch.library.triton_op``, so Dynamo traces
+them (``fullgraph=True``) and inductor launches them from its own code.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["set_kernel_backend", "kernel_backend", "use_triton", "COMPILED"]
+
+Backend = Literal["auto", "triton", "torch"]
+_backend: list[Backend] = ["auto"]
+
+# kernel -> implementation under torch.compile on CUDA (measured, benchmarks/kernels.py)
+COMPILED: dict[str, Literal["triton", "torch"]] = {
+    "fan_out": "triton",
+    "gather_sum": "triton",
+    "swiglu": "triton",
+}
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def set_kernel_backend(backend: Backend) -> None:
+    """``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring)."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernel backend must be 'auto', 'triton' or 'torch', found {backend!r}")
+    _backend[0] = backend
+
+
+def kernel_backend() -> Backend:
+    return _backend[0]
+
+
+def use_triton(kernel: str, t: torch.Tensor) -> bool:
+    """Whether ``kernel`` runs as Triton for tensors like ``t`` (fp64 always takes the reference)."""
+    if not t.is_cuda or t.dtype not in _KERNEL_DTYPES or _backend[0] == "torch":
+        return False
+    if _backend[0] == "triton" or not torch.compiler.is_compiling():
+        return True
+    return COMPILED[kernel] == "triton"

@@ -1,0 +1,116 @@
+"""Fan-out of rows: ``out[index[s, j]] = w[s, j] * src[s]``, and optionally ``dots[s, j] = <src[s], other[index[s, j]]>``.
+
+Legend: ``S`` source rows, ``J`` copies per source row, ``R`` output rows
+(``R >= S*J``), ``D`` row width.
+
+``index_SJ`` must name ``S*J`` distinct output rows (a permutation when
+``R == S*J``): every output row is written by exactly one program, so the
+kernel is deterministic with no atomics. Output rows no index names (a
+capacity-sized ``out``, ``R > S*J``) are zero. The product is taken in fp32
+and rounded once to the output dtype (``src``'s); without weights the copy is
+exact. ``dots`` accumulate in fp32. (fp64 rows take the reference, in fp64.)
+
+Uses: the MoE dispatch permute (``x_TD`` into ``K`` expert-major copies,
+``J = K``, no weights), the EP source-major -> expert-major permutation
+(``J = 1``), and the weighted combine's backward (the gradient rows of ``y``
+with the routing weights, and the weights' gradient as the dots with ``y``).
+Its backward, a sum over the ``J`` copies, is :mod:`spmdmoe.kernels.gather_sum`.
+
+Measured (H200, bf16, D=2048, one program per source row): see
+``benchmarks/RESULTS.md`` (kernels), reported against the 4.2 TB/s copy ceiling.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from .backend import use_triton
+
+__all__ = ["fan_out", "fan_out_reference", "fan_out_triton"]
+
+
+@triton.jit
+def _fan_out_kernel(
+    src_ptr, index_ptr, w_ptr, other_ptr, out_ptr, dots_ptr, D, stride_src, stride_other, stride_out,
+    J: tl.constexpr, HAS_W: tl.constexpr, HAS_DOT: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    for j in tl.static_range(J):
+        r = tl.load(index_ptr + s * J + j).to(tl.int64)
+        if HAS_W:
+            w = tl.load(w_ptr + s * J + j).to(tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs = d0 + tl.arange(0, BLOCK_D)
+            m = offs < D
+            v = tl.load(src_ptr + s * stride_src + offs, mask=m, other=0.0)
+            if HAS_W:
+                tl.store(out_ptr + r * stride_out + offs, (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty), mask=m)
+            else:
+                tl.store(out_ptr + r * stride_out + offs, v, mask=m)
+            if HAS_DOT:
+                y = tl.load(other_ptr + r * stride_other + offs, mask=m, other=0.0)
+                acc += v.to(tl.float32) * y.to(tl.float32)
+        if HAS_DOT:
+            tl.store(dots_ptr + s * J + j, tl.sum(acc, axis=0))
+
+
+def _block_d(D: int) -> int:
+    return max(16, min(triton.next_power_of_2(max(D, 1)), 1024))
+
+
+@triton_op("spmdmoe::fan_out", mutates_args=())
+def fan_out_triton(
+    src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int,
+    weights_SJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton launcher (see the module docstring); ``dots`` is empty without ``other_RD``."""
+    S, J = index_SJ.shape
+    D = src_SD.shape[1]
+    src_SD = src_SD.contiguous()
+    index_SJ = index_SJ.contiguous()
+    make = torch.zeros if rows > S * J else torch.empty
+    out_RD = make((rows, D), dtype=src_SD.dtype, device=src_SD.device)
+    dots_SJ = torch.empty((S, J) if other_RD is not None else (0, J), dtype=torch.float32, device=src_SD.device)
+    w = weights_SJ.contiguous() if weights_SJ is not None else index_SJ
+    other = other_RD.contiguous() if other_RD is not None else src_SD
+    if S > 0 and D > 0:
+        wrap_triton(_fan_out_kernel)[(S,)](
+            src_SD, index_SJ, w, other, out_RD, dots_SJ, D, src_SD.stride(0), other.stride(0), out_RD.stride(0),
+            J=J, HAS_W=weights_SJ is not None, HAS_DOT=other_RD is not None, BLOCK_D=_block_d(D), num_warps=4,
+        )
+    return out_RD, dots_SJ
+
+
+def fan_out_reference(
+    src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int,
+    weights_SJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch, same signature and semantics as :func:`fan_out_triton`."""
+    S, J = index_SJ.shape
+    D = src_SD.shape[1]
+    acc = torch.promote_types(src_SD.dtype, torch.float32)  # fp32, fp64 for fp64
+    copies = src_SD.unsqueeze(1).expand(S, J, D)
+    if weights_SJ is not None:
+        copies = (copies.to(acc) * weights_SJ.to(acc).unsqueeze(-1)).to(src_SD.dtype)
+    make = torch.zeros if rows > S * J else torch.empty
+    out_RD = make((rows, D), dtype=src_SD.dtype, device=src_SD.device)
+    out_RD.index_copy_(0, index_SJ.reshape(-1), copies.reshape(S * J, D))
+    if other_RD is None:
+        return out_RD, torch.empty((0, J), dtype=acc, device=src_SD.device)
+    picked_SJD = other_RD.index_select(0, index_SJ.reshape(-1)).view(S, J, D)
+    return out_RD, torch.bmm(picked_SJD.to(acc), src_SD.to(acc).unsqueeze(-1)).squeeze(-1)
+
+
+def fan_out(
+    src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int,
+    weights_SJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
+    impl = fan_out_triton if use_triton("fan_out", src_SD) else fan_out_reference
+    return impl(src_SD, index_SJ, rows, weights_SJ, other_RD)

@@ -1,0 +1,88 @@
+"""Gather-sum of rows: ``out[s] = sum_j w[s, j] * src[index[s, j]]``, accumulated in fp32.
+
+Legend: ``S`` output rows, ``J`` rows summed into each, ``R`` source rows,
+``D`` row width.
+
+One program per (output row, block of ``D``): it reads its ``J`` source rows,
+sums them in fp32 in the order ``j = 0 .. J-1`` and rounds once to ``src``'s
+dtype (fp64 rows take the reference, in fp64). No atomics, deterministic. Rows of ``src`` no index names are never
+read (a capacity-sized ``src`` may hold anything there, NaN included).
+
+Uses: the weighted combine ``out[t] = sum_k w[t, k] * y[pos[t, k]]`` (the
+reverse permutation fused in), the dispatch permute's backward (the gradient
+of a row is the sum over its ``K`` copies, no weights), and the ``J = 1``
+permutations' backward. Its backward is :mod:`spmdmoe.kernels.fan_out`.
+
+Measured (H200, bf16, D=2048): see ``benchmarks/RESULTS.md`` (kernels),
+reported against the 4.2 TB/s copy ceiling.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from .backend import use_triton
+
+__all__ = ["gather_sum", "gather_sum_reference", "gather_sum_triton"]
+
+
+@triton.jit
+def _gather_sum_kernel(
+    src_ptr, index_ptr, w_ptr, out_ptr, D, stride_src, stride_out,
+    J: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = offs < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(J):
+        r = tl.load(index_ptr + s * J + j).to(tl.int64)
+        v = tl.load(src_ptr + r * stride_src + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w_ptr + s * J + j).to(tl.float32)
+        acc += v
+    tl.store(out_ptr + s * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _block_d(D: int) -> int:
+    return max(16, min(triton.next_power_of_2(max(D, 1)), 1024))
+
+
+@triton_op("spmdmoe::gather_sum", mutates_args=())
+def gather_sum_triton(src_RD: torch.Tensor, index_SJ: torch.Tensor, weights_SJ: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The Triton launcher (see the module docstring)."""
+    S, J = index_SJ.shape
+    D = src_RD.shape[1]
+    src_RD = src_RD.contiguous()
+    index_SJ = index_SJ.contiguous()
+    out_SD = torch.empty((S, D), dtype=src_RD.dtype, device=src_RD.device)
+    w = weights_SJ.contiguous() if weights_SJ is not None else index_SJ
+    if S > 0 and D > 0:
+        block = _block_d(D)
+        wrap_triton(_gather_sum_kernel)[(S, triton.cdiv(D, block))](
+            src_RD, index_SJ, w, out_SD, D, src_RD.stride(0), out_SD.stride(0),
+            J=J, HAS_W=weights_SJ is not None, BLOCK_D=block, num_warps=4,
+        )
+    return out_SD
+
+
+def gather_sum_reference(src_RD: torch.Tensor, index_SJ: torch.Tensor, weights_SJ: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain torch, same signature and semantics as :func:`gather_sum_triton`: a batched
+    ``(1, J) @ (J, D)`` product in fp32 (fp64 for fp64 rows)."""
+    S, J = index_SJ.shape
+    D = src_RD.shape[1]
+    acc = torch.promote_types(src_RD.dtype, torch.float32)
+    picked_SJD = src_RD.index_select(0, index_SJ.reshape(-1)).view(S, J, D).to(acc)
+    w_SJ = torch.ones((S, J), dtype=acc, device=src_RD.device) if weights_SJ is None else weights_SJ.to(acc)
+    return torch.bmm(w_SJ.unsqueeze(1), picked_SJD).squeeze(1).to(src_RD.dtype)
+
+
+def gather_sum(src_RD: torch.Tensor, index_SJ: torch.Tensor, weights_SJ: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
+    impl = gather_sum_triton if use_triton("gather_sum", src_RD) else gather_sum_reference
+    return impl(src_RD, index_SJ, weights_SJ)

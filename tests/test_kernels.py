@@ -1,0 +1,113 @@
+"""Each Triton kernel against its plain-torch reference, on fresh random data.
+
+On CPU the kernels run under ``TRITON_INTERPRET=1`` (set by ``conftest.py``),
+so the shapes are small; on a GPU the same tests run the compiled kernels,
+plus larger shapes. Exact where both round once from the same fp32 value
+(copies, weighted copies, SwiGLU up to the exp implementation: 1 ulp); sums
+of ``J`` rows to fp32 rounding (their order differs from torch's reduction).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmdmoe import kernels as K
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float32]
+# (S, J, D): odd sizes, one copy, wide rows past one block, empty
+SHAPES = [(7, 3, 33), (5, 1, 16), (3, 2, 1500), (0, 4, 8), (1, 6, 1)]
+if DEVICE == "cuda":
+    SHAPES += [(4099, 6, 2048), (333, 8, 1408)]
+
+
+def _ulp(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _perm(S: int, J: int, rows: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randperm(rows, generator=gen)[: S * J].view(S, J).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S,J,D", SHAPES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("extra_rows", [0, 5])
+def test_fan_out(S, J, D, dtype, weighted, extra_rows):
+    gen = torch.Generator().manual_seed(S * 1000 + J * 10 + D)
+    rows = S * J + extra_rows
+    src = torch.randn(S, D, generator=gen).to(DEVICE, dtype)
+    index = _perm(S, J, rows, gen)
+    w = torch.rand(S, J, generator=gen).to(DEVICE) if weighted else None
+    other = torch.randn(rows, D, generator=gen).to(DEVICE, dtype)
+    got, dots = K.fan_out_triton(src, index, rows, w, other)
+    want, want_dots = K.fan_out_reference(src, index, rows, w, other)
+    # unweighted: an exact copy; weighted: one rounding of the same fp32 product (the interpreter
+    # rounds fp32 -> bf16 its own way, so 1 bf16 ulp)
+    torch.testing.assert_close(got, want, **(_ulp(dtype) if weighted else {"rtol": 0, "atol": 0}))
+    torch.testing.assert_close(dots, want_dots, rtol=1e-4, atol=1e-4 * max(D, 1) ** 0.5)
+    if extra_rows:
+        unnamed = torch.ones(rows, dtype=torch.bool, device=DEVICE)
+        unnamed[index.reshape(-1)] = False
+        assert (got[unnamed] == 0).all()
+    plain, empty = K.fan_out_triton(src, index, rows)
+    assert empty.numel() == 0
+    torch.testing.assert_close(plain, K.fan_out_reference(src, index, rows)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S,J,D", SHAPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gather_sum_ignores_unnamed_rows(S, J, D, dtype, weighted):
+    gen = torch.Generator().manual_seed(S * 7 + J * 3 + D)
+    rows = S * J + 4
+    src = torch.randn(rows, D, generator=gen).to(DEVICE, dtype)
+    index = _perm(S, J, rows, gen)
+    unnamed = torch.ones(rows, dtype=torch.bool, device=DEVICE)
+    unnamed[index.reshape(-1)] = False
+    src[unnamed] = float("nan")  # a capacity buffer: rows past the valid ones hold anything
+    w = torch.rand(S, J, generator=gen).to(DEVICE) if weighted else None
+    got = K.gather_sum_triton(src, index, w)
+    want = K.gather_sum_reference(src, index, w)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **_ulp(dtype))
+    # against an fp64 sum: the kernel accumulates in fp32 and rounds once
+    exact = (src.double()[index] * (w.double() if weighted else torch.ones_like(index, dtype=torch.float64)).unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(got.double(), exact.to(dtype).double(), **_ulp(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,F,valid", [(9, 24, 6), (5, 7, 5), (4, 16, 0), (0, 8, 0), (17, 1408 if DEVICE == "cuda" else 40, 13)])
+def test_swiglu_valid_rows_only(R, F, valid, dtype):
+    gen = torch.Generator().manual_seed(R * 31 + F + valid)
+    h1, h3, g = (torch.randn(R, F, generator=gen).to(DEVICE, dtype) for _ in range(3))
+    for t in (h1, h3, g):
+        t[valid:] = float("nan")  # past the device-side count: never read
+    count = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
+    got = K.swiglu_forward_triton(h1, h3, count)[:valid]
+    want = K.swiglu_forward_reference(h1, h3, count)
+    assert torch.isfinite(want).all() and (want[valid:] == 0).all()
+    torch.testing.assert_close(got, want[:valid], **_ulp(dtype))
+    dh1, dh3 = K.swiglu_backward_triton(g, h1, h3, count)
+    rh1, rh3 = K.swiglu_backward_reference(g, h1, h3, count)
+    torch.testing.assert_close(dh1[:valid], rh1[:valid], **_ulp(dtype))
+    torch.testing.assert_close(dh3[:valid], rh3[:valid], **_ulp(dtype))
+    # the reference is torch's own SwiGLU and its autograd on the valid rows
+    a, b = h1[:valid].double().requires_grad_(), h3[:valid].double().requires_grad_()
+    out = torch.nn.functional.silu(a) * b
+    out.backward(g[:valid].double())
+    torch.testing.assert_close(want[:valid].double(), out.detach().to(dtype).double(), **_ulp(dtype))
+    torch.testing.assert_close(rh1[:valid].double(), a.grad.to(dtype).double(), **_ulp(dtype))
+    torch.testing.assert_close(rh3[:valid].double(), b.grad.to(dtype).double(), **_ulp(dtype))
+
+
+def test_dispatch_picks_reference_off_cuda():
+    assert not K.use_triton("fan_out", torch.zeros(1))
+    K.set_kernel_backend("torch")
+    try:
+        assert not K.use_triton("fan_out", torch.zeros(1, device=DEVICE))
+    finally:
+        K.set_kernel_backend("auto")
+    with pytest.raises(ValueError, match="kernel backend"):
+        K.set_kernel_backend("cuda")  # type: ignore[arg-type]
