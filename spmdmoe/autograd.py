@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ANCHOR", "differentiable", "collective_op"]
+__all__ = ["ANCHOR", "differentiable", "collective_op", "anchored"]
 
 ANCHOR = torch.zeros(0, requires_grad=True)
 
@@ -57,3 +57,25 @@ def collective_op(function: type[torch.autograd.Function], plain: Callable[..., 
         return plain(local, *args)
 
     return op
+
+
+class _Anchored(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        return grad, None
+
+
+def anchored(local: torch.Tensor) -> torch.Tensor:
+    """``local`` unchanged, but requiring grad whenever grad mode is on (through :data:`ANCHOR`).
+
+    For collectives whose backward is recorded by torch itself (the functional
+    collectives that ``torch.compile`` traces): feeding them an anchored input
+    records their backward on every rank alike, as :func:`collective_op` does.
+    """
+    if torch.is_grad_enabled() and (local.is_floating_point() or local.is_complex()):
+        return _Anchored.apply(local, ANCHOR)
+    return local

@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_to_all_single
 from ..agreement import BIT, Field, Found, agree, raise_problems
-from ..autograd import collective_op
+from ..autograd import anchored, collective_op
 from ..host import to_host
 from ..types.checks import checks_enabled
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
@@ -49,10 +50,20 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         send, recv, axis, dim = ctx.meta
-        return exchanged_op(grad, recv, send, axis, dim), None, None, None, None, None
+        return _exchanged_op(grad, recv, send, axis, dim), None, None, None, None, None
 
 
-exchanged_op = collective_op(_AllToAll, exchanged)
+_exchanged_op = collective_op(_AllToAll, exchanged)
+
+
+def exchanged_op(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int) -> torch.Tensor:
+    """:func:`exchanged` with its backward (the reverse exchange), recorded on every rank whenever grad
+    mode is on. Under ``torch.compile`` the split sizes are traced scalars (``capture_scalar_outputs``),
+    so the exchange is torch's functional ``all_to_all_single_autograd`` on an anchored input."""
+    if not torch.compiler.is_compiling():
+        return _exchanged_op(local, send, recv, axis, dim)
+    rows = anchored(rows_view(local, dim))
+    return restore_dim(funcol.all_to_all_single_autograd(rows, recv, send, axis.group), dim)
 
 
 def exchange_with_codes(

@@ -14,6 +14,10 @@ op                 per rank                                         padding
                    else the list form on row views of the input     list form (NCCL: grouped
                    (one view per rank's chunk)                      reduces), no copy
 =================  ===============================================  ==========================
+
+Under ``torch.compile`` the calls are traced as functional collectives; the
+list form has none, so an uneven ``reduce_scatter`` pads its input to ``p*n``
+rows (zeros) and a short rank's all-gather slot is a padded copy.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def gather_padded(local: torch.Tensor, buffer: Optional[torch.Tensor], axis: Mes
             send = buffer  # a producer wrote into the padded buffer: no copy
         elif rows.shape[0] == p:
             send = rows  # a full rank sends its rows as they are
-        elif rows.is_cuda:
+        elif rows.is_cuda and not torch.compiler.is_compiling():
             # the short rank writes its rows into its own slot and gathers in place (NCCL)
             send = out[axis.rank * p : (axis.rank + 1) * p]
             send[: rows.shape[0]].copy_(rows)
@@ -69,6 +73,8 @@ def scatter_block(local: torch.Tensor, axis: MeshAxis, total: int, dim: int) -> 
         pass
     elif p * n == total:
         reduce_scatter_single(block, rows, group=axis.group)
+    elif torch.compiler.is_compiling():  # traced collectives have no list form: pad to p*n rows (zeros)
+        reduce_scatter_single(block, padded_rows(rows, p * n), group=axis.group)
     else:
         counts = layout.chunk_counts(total, n)
         reduce_scatter_list(block[: counts[axis.rank]], list(rows.split(counts)), group=axis.group)

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
@@ -74,7 +75,7 @@ def fan_out_triton(
     D = src_SD.shape[1]
     src_SD = src_SD.contiguous()
     index_SJ = index_SJ.contiguous()
-    make = torch.zeros if rows > S * J else torch.empty
+    make = torch.zeros if guard_or_true(rows > S * J) else torch.empty  # unknown under compile: zeros
     out_RD = make((rows, D), dtype=src_SD.dtype, device=src_SD.device)
     dots_SJ = torch.empty((S, J) if other_RD is not None else (0, J), dtype=torch.float32, device=src_SD.device)
     w = weights_SJ.contiguous() if weights_SJ is not None else index_SJ
@@ -98,7 +99,7 @@ def fan_out_reference(
     copies = src_SD.unsqueeze(1).expand(S, J, D)
     if weights_SJ is not None:
         copies = (copies.to(acc) * weights_SJ.to(acc).unsqueeze(-1)).to(src_SD.dtype)
-    make = torch.zeros if rows > S * J else torch.empty
+    make = torch.zeros if guard_or_true(rows > S * J) else torch.empty  # unknown under compile: zeros
     out_RD = make((rows, D), dtype=src_SD.dtype, device=src_SD.device)
     out_RD.index_copy_(0, index_SJ.reshape(-1), copies.reshape(S * J, D))
     if other_RD is None:

@@ -18,7 +18,9 @@ a bad input, non-finite router logits). ``AllToAllTransport`` carries them in
 its count exchange (mode (a)): when its EP axis spans every rank the layer
 talks to, every rank raises right there; otherwise each rank records its own
 bits in the sticky flag (mode (c)) and the step goes on, so that no rank
-leaves a peer waiting, and the step boundary raises everywhere.
+leaves a peer waiting, and the step boundary raises everywhere. Under
+``torch.compile`` a graph cannot branch on the exchanged bits: every rank
+records its own (mode (c)) and the step boundary raises.
 ``LocalTransport`` has no exchange: it records (mode (c)).
 """
 
@@ -120,13 +122,19 @@ class AllToAllTransport:
         x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)
         counts = counts_E.view(n, e).to(self.axis.metadata_device())
         send_flat, recv_flat, codes, recv_ne = exchange_with_codes(counts, problem.bits, self.axis)
-        if any(codes):
+        if torch.compiler.is_compiling():  # no data-dependent raise in a graph: the step boundary raises
+            problem.record(problem.bits, x_TD.device)
+        elif any(codes):
             mine = codes[self.axis.rank]
             if self.raises:
                 raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
             problem.record(mine, x_TD.device)
         send = [sum(send_flat[r * e : (r + 1) * e]) for r in range(n)]
         recv = [sum(recv_flat[r * e : (r + 1) * e]) for r in range(n)]
+        if torch.compiler.is_compiling():  # facts about the traced counts that the tracer cannot see
+            for c in send_flat + recv_flat:
+                torch._check(c >= 0)
+            torch._check(sum(send) == x_ND.shape[0])
         x_recv = exchanged_op(x_ND, send, recv, self.axis, 0)
         R = sum(recv)
         perm_R, offsets = _expert_major(recv_ne.to(x_ND.device), R)

@@ -9,7 +9,12 @@ token-group padding (bf16 needs none: measured on H200, padding groups to 16 row
 row stride to be a multiple of 16 bytes; other shapes (toy dims) take a
 per-group ``mm`` loop that needs the group sizes on the host: free when the
 dispatcher already has them (the all-to-all's one sync), otherwise one
-counted device-to-host copy. The FP8 and Triton paths plug in here later.
+counted device-to-host copy. Under ``torch.compile`` torch's grouped GEMM
+traces in bf16 only (its meta function refuses other dtypes), and host sizes
+would be data-dependent, so other dtypes and shapes take a masked loop: one
+dense GEMM per group over rows zeroed outside the group (``e`` times the
+FLOPs; meant for fp32 debugging and CPU tests, not for speed).
+The FP8 path plugs in here later.
 """
 
 from __future__ import annotations
@@ -65,9 +70,12 @@ def grouped_mm(
     unspecified (torch's kernel leaves them uninitialised; the fallback writes
     zeros). ``sizes``: the group sizes on the host, if known (used by the fallback).
     """
-    if native_grouped_mm_ok(x_MI, w_eOI):
+    compiling = torch.compiler.is_compiling()
+    if native_grouped_mm_ok(x_MI, w_eOI) and (x_MI.dtype == torch.bfloat16 or not compiling):
         y_MO = _native(x_MI.contiguous(), w_eOI.transpose(-2, -1), offs=offsets_e)
         return _ContiguousGrad.apply(y_MO) if y_MO.requires_grad else y_MO
+    if compiling:
+        return _masked_loop(x_MI, w_eOI, offsets_e)
     if sizes is None:
         ends = to_host(offsets_e)
         sizes = [b - a for a, b in zip([0, *ends[:-1]], ends)]
@@ -78,3 +86,14 @@ def grouped_mm(
     if start < x_MI.shape[0] or not parts:  # a capacity-sized buffer: its tail stays out of the GEMMs
         parts.append(x_MI.new_zeros((x_MI.shape[0] - start, w_eOI.shape[-2])))
     return torch.cat(parts)
+
+
+def _masked_loop(x_MI: torch.Tensor, w_eOI: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
+    """Sync-free, shape-static grouped GEMM: ``sum_g mask_g(x) @ w[g].T`` (rows past the last offset: zero).
+    Rows are zeroed before the GEMM, so a capacity buffer's tail (NaN) reaches no gradient."""
+    group_M = torch.searchsorted(offsets_e, torch.arange(x_MI.shape[0], device=x_MI.device, dtype=offsets_e.dtype),
+                                 right=True).unsqueeze(1)
+    y_MO = x_MI.new_zeros((x_MI.shape[0], w_eOI.shape[-2]))
+    for g in range(w_eOI.shape[0]):
+        y_MO = y_MO + torch.where(group_M == g, x_MI, 0.0) @ w_eOI[g].transpose(0, 1)
+    return y_MO
