@@ -281,18 +281,26 @@ class ProblemFlag:
     flag is cleared after a raise (a layer drops the step's load counts).
     """
 
-    def __init__(self, on_clear: Optional[Callable[[], object]] = None) -> None:
-        self._bits: dict[torch.device, torch.Tensor] = {}  # one int64 scalar per device used
+    def __init__(self, on_clear: Optional[Callable[[], object]] = None,
+                 home: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> None:
+        self._bits: dict[torch.device, torch.Tensor] = {}  # one int64 scalar per other device used
         self.details: list[str] = []
         self.on_clear = on_clear
+        self.home = home  # the owner's int64 scalar buffer (moves with it): recorded into with no new tensor
         _flags.add(self)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        home = self.home() if self.home is not None else None
+        return ([home] if home is not None else []) + list(self._bits.values())
 
     def record(self, bits: Union[int, torch.Tensor], device: torch.device, details: Sequence[str] = ()) -> None:
         """OR ``bits`` (a host int, or a device int64 scalar: no sync) into this rank's flag."""
         if isinstance(bits, int) and not bits:
             return
         device = torch.device(device)
-        own = self._bits.get(device)
+        home = self.home() if self.home is not None else None
+        # the home buffer first: a compiled forward records into it with no side effect on this object
+        own = home if home is not None and home.device == device else self._bits.get(device)
         if own is None:
             own = self._bits[device] = torch.zeros((), dtype=torch.int64, device=device)
         own.bitwise_or_(bits)
@@ -306,7 +314,7 @@ class ProblemFlag:
         """
         world, me = _world()
         slots = torch.zeros(world, dtype=torch.int64, device=device)
-        for own in self._bits.values():
+        for own in self._tensors():
             slots[me].bitwise_or_(own.to(device))
         return slots
 
@@ -315,7 +323,7 @@ class ProblemFlag:
         _raise_and_clear(op, slots, [self])
 
     def clear(self) -> None:
-        for own in self._bits.values():
+        for own in self._tensors():
             own.zero_()
         self.details.clear()
         if self.on_clear is not None:

@@ -27,6 +27,12 @@ def restore_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t if dim == 0 else t.movedim(0, dim)
 
 
+def zero_padded(rows: torch.Tensor, padded: int) -> torch.Tensor:
+    """``rows`` followed by zero rows up to ``padded``, for ``torch.compile``: written into a zero buffer,
+    so no tensor's size is the pad count (a pad of 0 rows would specialise the traced graph on it)."""
+    return rows.new_zeros((padded, *rows.shape[1:])).slice_scatter(rows, 0, 0, rows.shape[0])
+
+
 def padded_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
     """``rows`` as a contiguous block of ``padded`` rows: no copy when already full.
 

@@ -15,9 +15,11 @@ op                 per rank                                         padding
                    (one view per rank's chunk)                      reduces), no copy
 =================  ===============================================  ==========================
 
-Under ``torch.compile`` the calls are traced as functional collectives; the
-list form has none, so an uneven ``reduce_scatter`` pads its input to ``p*n``
-rows (zeros) and a short rank's all-gather slot is a padded copy.
+Under ``torch.compile`` the calls are traced as functional collectives, and
+the graph must not depend on ``T`` (no recompilation from step to step): both
+always take the padded tensor form, ``all_gather`` sending ``p`` rows (zeros
+appended on a short rank) and ``reduce_scatter`` summing ``p*n`` rows (zeros
+appended when ``T % n != 0``; the traced collectives have no list form).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..types import layout
 from ..types.mesh import MeshAxis, MeshLike
 from ..types.placement import Partial, Replicate, Shard
 from ..types.tensor import SPMDTensor
-from ._common import expect, padded_rows, restore_dim, result, rows_view
+from ._common import expect, padded_rows, restore_dim, result, rows_view, zero_padded
 
 __all__ = ["all_gather", "reduce_scatter", "gather_padded", "scatter_block"]
 
@@ -42,7 +44,9 @@ def gather_padded(local: torch.Tensor, buffer: Optional[torch.Tensor], axis: Mes
     p, n = layout.padded_local_tokens(total, axis.size), axis.size
     rows = rows_view(local, dim)
     out = rows.new_empty((p * n, *rows.shape[1:]))
-    if p:
+    if torch.compiler.is_compiling():  # one traced graph for every T: always pad (a no-op pad when full)
+        all_gather_single(out, zero_padded(rows, p), group=axis.group)
+    elif p:
         if buffer is not None and dim == 0:
             send = buffer  # a producer wrote into the padded buffer: no copy
         elif rows.shape[0] == p:
@@ -69,12 +73,12 @@ def scatter_block(local: torch.Tensor, axis: MeshAxis, total: int, dim: int) -> 
     p = layout.padded_local_tokens(total, n)
     rows = rows_view(local, dim)
     block = rows.new_empty((p, *rows.shape[1:]))
-    if p == 0:
+    if torch.compiler.is_compiling():  # one traced graph for every T (module docstring)
+        reduce_scatter_single(block, zero_padded(rows, p * n), group=axis.group)
+    elif p == 0:
         pass
     elif p * n == total:
         reduce_scatter_single(block, rows, group=axis.group)
-    elif torch.compiler.is_compiling():  # traced collectives have no list form: pad to p*n rows (zeros)
-        reduce_scatter_single(block, padded_rows(rows, p * n), group=axis.group)
     else:
         counts = layout.chunk_counts(total, n)
         reduce_scatter_list(block[: counts[axis.rank]], list(rows.split(counts)), group=axis.group)
@@ -146,7 +150,7 @@ def all_gather(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
     expect(x, "all_gather", (Shard,), mesh)
     total, dim = x.global_tokens, x.token_dim
     out = gather_padded_op(x.local, x.buffer, x.axis, total, dim)
-    if out.shape[dim] != total:
+    if torch.compiler.is_compiling() or out.shape[dim] != total:  # traced: no guard on T
         out = out.narrow(dim, 0, total)
     return result(x, out, Replicate())
 
@@ -179,5 +183,5 @@ def reduce_scatter(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTen
     total, dim = x.global_tokens, x.token_dim
     block = scatter_block_op(x.local, x.axis, total, dim)
     rows = layout.local_tokens(total, x.axis.size, x.axis.rank)
-    local = block if block.shape[dim] == rows else block.narrow(dim, 0, rows)
+    local = block if not torch.compiler.is_compiling() and block.shape[dim] == rows else block.narrow(dim, 0, rows)
     return result(x, local, Shard(dim), block if dim == 0 else None)

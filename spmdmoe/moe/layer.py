@@ -68,8 +68,11 @@ class _Layer(nn.Module):
         self.register_buffer("tokens_per_expert", counts, persistent=False)
         self.aux_loss: Optional[torch.Tensor] = None
         # problems recorded for the step boundary (spmdmoe.agreement); a failed step's load counts are dropped
+        self.register_buffer("problem_bits", torch.zeros((), dtype=torch.int64, device=expert_bias.device),
+                             persistent=False)  # the sticky flag's storage on the layer's device
         counter = weakref.ref(self)
-        self.problems = ProblemFlag(lambda: (layer := counter()) is not None and layer.tokens_per_expert.zero_())
+        self.problems = ProblemFlag(lambda: (layer := counter()) is not None and layer.tokens_per_expert.zero_(),
+                                    home=lambda: (layer := counter()) and layer.problem_bits)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """``expert_bias`` stays fp32 whatever ``.to()`` / ``.half()`` does (its ±coeff steps would round away)."""
@@ -115,10 +118,12 @@ class _Layer(nn.Module):
         return balance.reduce_counts(self.tokens_per_expert, self.load_axes)
 
     def _pipeline(
-        self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Transport, own: Optional[slice] = None,
+        self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Transport, own: Optional[torch.Tensor] = None,
         problem: Optional[Problem] = None,
     ) -> torch.Tensor:
-        """Route, count, dispatch, experts, combine. ``own``: the rows this rank holds (load counting).
+        """Route, count, dispatch, experts, combine. ``own``: a bool mask of the rows this rank holds
+        (load counting, aux loss, the non-finite check; ``None``: all). A mask, not a slice: its bounds
+        would make a compiled graph depend on the token count.
 
         ``problem``: this rank's problem bits so far; the router adds non-finite
         logits of its own rows (checks on) and the transport carries or records them.
@@ -128,18 +133,19 @@ class _Layer(nn.Module):
         weights_TK = r.weights_TK
         self.aux_loss = None
         if self.training and torch.is_grad_enabled():  # a forward whose backward can run (balance.py)
-            own_ids = r.ids_TK if own is None else r.ids_TK[own]
-            counts_E = count_per_expert(own_ids, cfg.num_experts)
+            counts_E = count_per_expert(r.ids_TK, cfg.num_experts, own)
             weights_TK = balance.count_on_backward(weights_TK, counts_E, self)
             if cfg.aux_loss_coeff is not None:
                 total_E = balance.reduce_counts(counts_E, self.aux_axes)
-                own_scores = r.scores_TE if own is None else r.scores_TE[own]
+                own_scores = r.scores_TE if own is None else r.scores_TE * own.unsqueeze(1)
                 self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff)
         problem = problem or Problem()
         problem.flag = self.problems
         if checks_enabled():
-            own_logits = r.logits_TE if own is None else r.logits_TE[own]
-            problem.bits = problem.bits | (~torch.isfinite(own_logits).all()).to(torch.int64) * BIT["nonfinite"]
+            finite_TE = torch.isfinite(r.logits_TE)
+            if own is not None:
+                finite_TE = finite_TE | ~own.unsqueeze(1)
+            problem.bits = problem.bits | (~finite_TE.all()).to(torch.int64) * BIT["nonfinite"]
         routed = transport.dispatch(h_TD, r.ids_TK, problem=problem)
         y_RD = self.experts(routed)
         return transport.combine(y_RD, routed, weights_TK)

@@ -239,7 +239,9 @@ class ParallelMoE(_Layer):
         assert isinstance(x, SPMDTensor)
         start = layout.chunk_offset(T, sp.size, sp.rank)
         h_TD = all_gather(x).local
-        partial_TD = self._pipeline(h_TD, w, self.transport, own=slice(start, start + x.local_tokens), problem=problem)
+        rows_T = torch.arange(h_TD.shape[0], device=h_TD.device)
+        own_T = (rows_T >= start) & (rows_T < start + x.local_tokens)
+        partial_TD = self._pipeline(h_TD, w, self.transport, own=own_T, problem=problem)
         out_TD = reduce_scatter(SPMDTensor._new(partial_TD, sp, Partial(), T, 0)).local
         return self._plus_shared(out_TD, x.local, w)
 

@@ -1,0 +1,70 @@
+"""``torch.compile(fullgraph=True)`` of the parallel MoE layer on every plan, against the same layer eager.
+
+Each plan's layer is built twice from the same weights; one runs eager, the
+other compiled (``aot_eager`` on CPU: inductor on 2 cores is too slow for CI;
+the GPU run uses inductor, ``benchmarks/``). For a sequence of token counts
+(every rank holding at least 2 rows) the compiled layer must give the eager
+outputs, input and parameter gradients, aux loss and load counts (fp32,
+``rtol = 1e-5``, ``atol = 1e-5 * max|eager|``: the compiled grouped GEMM of
+fp32 rows is a masked loop, ``spmdmoe.moe.gemm``), compile ONE graph for all
+of them (``dynamic=True``: the token counts, the local rows and the global
+``T``, are symbolic from the first call; with torch's default automatic
+dynamic shapes a rank compiles at most twice more, when it first sees its rows
+and ``T`` change), and the bias
+update after the steps must give the same ``expert_bias`` bitwise.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from moe_plans import PLANS, build_plan, reference_moe
+from spmdmoe import SPMDTensor
+from spmdmoe.moe import MoEConfig
+from spmdmoe.testing import reference_tensor
+from test_moe_parity import close
+
+STEPS = [12, 11, 14, 15, 18, 20]  # on 4 ranks every rank holds >= 2 rows in every plan
+D = 16
+
+
+def _step(plan, layer, X, G):
+    leaf = X[plan.rows].clone().requires_grad_()
+    y = layer(plan.wrap(leaf))
+    y_local = y.local if isinstance(y, SPMDTensor) else y
+    loss = (y_local * G[plan.rows]).sum()
+    if plan.layer.aux_loss is not None:
+        loss = loss + plan.layer.aux_loss
+    loss.backward()
+    return y_local.detach(), leaf.grad, plan.layer.aux_loss
+
+
+@pytest.mark.parametrize("plan_name", PLANS)
+def test_compiled_layer_matches_eager_with_one_graph(world, device, request, plan_name):
+    torch._dynamo.reset()
+    torch._dynamo.config.capture_scalar_outputs = True  # the EP split sizes
+    cfg = MoEConfig(dim=D, hidden_dim=16, num_experts=8, top_k=2, num_shared_experts=1, aux_loss_coeff=0.01,
+                    load_balance_coeff=1e-3)
+    moe = reference_moe(cfg, 3, device)
+    eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
+    compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
+    run = torch.compile(compiled, backend="aot_eager", fullgraph=True, dynamic=True)
+    for i, total in enumerate(STEPS):
+        X = reference_tensor((total, D), 100 + i, device=device)
+        G = reference_tensor((total, D), 200 + i, device=device)
+        for layer in (eager, compiled):
+            layer.zero_grad(set_to_none=True)
+        want = _step(build_plan(plan_name, moe, total, world, request, layer=eager), eager, X, G)
+        got = _step(build_plan(plan_name, moe, total, world, request, layer=compiled), run, X, G)
+        for name, a, b in zip(("output", "input gradient", "aux loss"), got, want):
+            close(a.reshape(-1), b.reshape(-1), f"step {i} (T={total}) {name}")
+        for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+            close(p.grad, q.grad, f"step {i} {name} gradient")
+        close(compiled.tokens_per_expert, eager.tokens_per_expert, f"step {i} load counts", 0)
+        graphs = len(_debug_get_cache_entry_list(type(compiled).forward.__code__))
+        assert graphs == 1, f"step {i} (T={total}): {graphs} graphs compiled"
+    eager.update_expert_bias()
+    compiled.update_expert_bias()
+    assert torch.equal(compiled.expert_bias, eager.expert_bias)
