@@ -9,8 +9,10 @@ each rank with its own T tokens (EP = N). Rows:
 * layer fwd+bwd: the whole layer (router, sort, dispatch incl. the one
   count sync, experts, combine, backward), CUDA events, median of reps,
   max over ranks;
+* compiled: the same layer under ``torch.compile(fullgraph=True)`` (inductor);
 * grouped GEMMs alone: the same 3 forward + 6 backward grouped GEMMs with
-  the same group offsets on the same rows (what the layer cannot avoid);
+  the same group offsets on the same rows, without SwiGLU (what the layer
+  cannot avoid); experts: the GEMMs with the SwiGLU kernels between them;
 * overhead = 1 - GEMM time / layer time: routing, sorting, gathers,
   all-to-alls, syncs, SwiGLU elementwise work.
 
@@ -39,6 +41,7 @@ import torch.distributed as dist
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.experts import grouped_swiglu
+from spmdmoe.moe.gemm import grouped_mm
 from timing import report, timed
 
 
@@ -55,6 +58,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="write rank 0's top CUDA kernels of one step here")
     args = ap.parse_args()
 
+    torch._dynamo.config.capture_scalar_outputs = True  # the EP split sizes, when compiled
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -98,14 +102,27 @@ def main() -> None:
     routed_leaf = type(routed)(rows, routed.group_offsets, routed.capacity, routed.group_sizes, None)
     w = [p.detach().clone().requires_grad_() for p in (layer.experts.w1, layer.experts.w2, layer.experts.w3)]
     gy = torch.randn(rows.shape, device="cuda", dtype=rows.dtype, generator=gen)
+    h_leaf = torch.randn(rows.shape[0], w[0].shape[1], device="cuda", dtype=rows.dtype, generator=gen).requires_grad_()
+    gh = torch.randn(h_leaf.shape, device="cuda", dtype=rows.dtype, generator=gen)
+    offs = routed.group_offsets
 
-    def gemm_step() -> None:
+    def gemm_step() -> None:  # the three grouped GEMMs, forward and backward, on the same rows; no SwiGLU
+        for p in (rows, h_leaf, *w):
+            p.grad = None
+        h1, h3, y = grouped_mm(rows, w[0], offs), grouped_mm(rows, w[2], offs), grouped_mm(h_leaf, w[1], offs)
+        torch.autograd.backward([h1, h3, y], [gh, gh, gy])
+
+    def swiglu_step() -> None:  # the experts as the layer runs them (with SwiGLU)
         rows.grad = None
         for p in w:
             p.grad = None
         grouped_swiglu(routed_leaf, *w).backward(gy)
 
+    compiled = torch.compile(layer, fullgraph=True)
+    compiled_step = step_of(compiled, True)
     t = timed({"layer": layer_step, "gemm": gemm_step}, args.iters, args.reps)
+    t.update(timed({"experts": swiglu_step, "gemm": gemm_step}, args.iters, args.reps))
+    t.update(timed({"layer": layer_step, "compiled": compiled_step}, args.iters, args.reps))
     # each comparison in a pair of its own (a third candidate in the rotation skewed the pair by up to 7 %)
     t.update(timed({"on": layer_step, "off": step_of(layer, False)}, args.iters, args.reps))
     t.update(timed({"fp32 gate": layer_step, "bf16 gate": step_of(layer_bf16_gate, True)}, args.iters, args.reps))
@@ -122,10 +139,13 @@ def main() -> None:
                 f"D={args.dim} F={args.hidden} E={args.experts} K={args.top_k} T/rank={args.tokens}, EP={world}")
         lines = [
             head, "",
-            "| GPUs | layer fwd+bwd ms | tokens/s per GPU | grouped GEMMs alone ms | non-GEMM overhead | GEMM TFLOP/s in layer | GEMM TFLOP/s alone |",
-            "|---|---|---|---|---|---|---|",
-            f"| {world} | {t_layer:.3f} | {args.tokens / t_layer * 1e3:,.0f} | {t_gemm:.3f} | {1 - t_gemm / t_layer:.1%} | "
-            f"{flops / t_layer / 1e9:.0f} | {flops / t_gemm / 1e9:.0f} |",
+            "| GPUs | layer fwd+bwd ms | compiled (fullgraph) ms | tokens/s per GPU (eager / compiled) | "
+            "3 grouped GEMMs alone ms | experts (GEMMs + SwiGLU) ms | layer / GEMMs | non-GEMM overhead | "
+            "GEMM TFLOP/s in layer | GEMM TFLOP/s alone |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {world} | {t_layer:.3f} | {t['compiled']:.3f} | {args.tokens / t_layer * 1e3:,.0f} / "
+            f"{args.tokens / t['compiled'] * 1e3:,.0f} | {t_gemm:.3f} | {t['experts']:.3f} | {t_layer / t_gemm:.3f} | "
+            f"{1 - t_gemm / t_layer:.1%} | {flops / t_layer / 1e9:.0f} | {flops / t_gemm / 1e9:.0f} |",
             "",
             "| GPUs | layer, checks off ms | checks on / off | layer, bf16 gate ms | fp32 gate / bf16 gate | "
             "update_expert_bias ms | syncs fwd / bwd / update, checks on | checks off |",

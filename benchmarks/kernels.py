@@ -1,0 +1,95 @@
+"""Each Triton kernel of spmdmoe.kernels against its torch reference (eager and compiled), in TB/s.
+
+    python benchmarks/kernels.py [--tokens 16384] [--out FILE] [--sweep]
+
+MoE shapes (bf16): T tokens, K=6 copies, D=2048; SwiGLU over R = T*K rows of
+F=1408. Bytes = what a kernel must read and write at least (each row once);
+TB/s against the 4.2 TB/s device-to-device copy ceiling (H200, REFERENCE.md).
+Rows: the dispatch fan-out (x_TD into N expert-major rows), its backward (the
+sum over K copies), the combine (weighted sum over K rows, fp32) and its
+backward (weighted fan-out + the weights' gradient dots), SwiGLU forward and
+backward. Candidates interleaved (benchmarks/timing.py), median. ``--sweep``
+first times every launch configuration of each kernel and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from spmdmoe.kernels import fan_out as fo, gather_sum as gs, swiglu as sw
+from timing import report, timed
+
+CEILING = 4.2e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=1408)
+    ap.add_argument("--top-k", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    T, K, D, F = args.tokens, args.top_k, args.dim, args.hidden
+    N = T * K
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(T, D, device=dev, dtype=bf)
+    pos = torch.randperm(N, device=dev).view(T, K)
+    w = torch.rand(T, K, device=dev)
+    y = torch.randn(N, D, device=dev, dtype=bf)
+    g = torch.randn(T, D, device=dev, dtype=bf)
+    h1, h3, gh = (torch.randn(N, F, device=dev, dtype=bf) for _ in range(3))
+    valid = torch.tensor([N], device=dev, dtype=torch.int32)
+    e = 2  # bytes per bf16 element
+    cases = {  # name: (triton, reference, bytes)
+        "dispatch fan-out": (lambda: fo.fan_out_triton(x, pos, N), lambda: fo.fan_out_reference(x, pos, N), (T + N) * D * e),
+        "fan-out backward (sum of K)": (lambda: gs.gather_sum_triton(y, pos), lambda: gs.gather_sum_reference(y, pos), (N + T) * D * e),
+        "combine (weighted sum of K)": (lambda: gs.gather_sum_triton(y, pos, w), lambda: gs.gather_sum_reference(y, pos, w), (N + T) * D * e),
+        "combine backward (+ weight dots)": (lambda: fo.fan_out_triton(g, pos, N, w, y), lambda: fo.fan_out_reference(g, pos, N, w, y),
+                                             (T + 2 * N) * D * e),
+        "SwiGLU forward": (lambda: sw.swiglu_forward_triton(h1, h3, valid), lambda: sw.swiglu_forward_reference(h1, h3, valid), 3 * N * F * e),
+        "SwiGLU backward": (lambda: sw.swiglu_backward_triton(gh, h1, h3, valid),
+                            lambda: sw.swiglu_backward_reference(gh, h1, h3, valid), 5 * N * F * e),
+    }
+    if args.sweep:
+        sweep(cases, args)
+    lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, T={T} K={K} D={D} F={F}; "
+             f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}", "",
+             "| kernel | Triton ms | TB/s | % of 4.2 | torch eager ms | torch compiled ms | Triton vs compiled |",
+             "|---|---|---|---|---|---|---|"]
+    for name, (tri, ref, nbytes) in cases.items():
+        comp = torch.compile(ref)
+        t = timed({"triton": tri, "eager": ref, "compiled": comp}, args.iters, args.reps)
+        tbs = nbytes / (t["triton"] * 1e-3) / 1e12
+        lines.append(f"| {name} | {t['triton']:.3f} | {tbs:.2f} | {tbs * 1e12 / CEILING:.0%} | {t['eager']:.3f} | "
+                     f"{t['compiled']:.3f} | {t['compiled'] / t['triton']:.2f}x |")
+    report("\n".join(lines), args.out)
+
+
+def sweep(cases, args) -> None:
+    """Time every launch configuration; keep the fastest in each module's CONFIG (printed)."""
+    grids = {
+        fo: ("dispatch fan-out", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
+        gs: ("combine (weighted sum of K)", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
+        sw: ("SwiGLU backward", {"block": [1024, 2048, 4096, 8192], "num_warps": [4, 8, 16]}),
+    }
+    for module, (case, grid) in grids.items():
+        fn = cases[case][0]
+        results = {}
+        for values in itertools.product(*grid.values()):
+            module.CONFIG.update(zip(grid, values))
+            results[values] = timed({"k": fn}, args.iters, 5)["k"]
+        best = min(results, key=results.get)
+        module.CONFIG.update(zip(grid, best))
+        table = ", ".join(f"{v}: {ms:.3f}" for v, ms in sorted(results.items(), key=lambda kv: kv[1])[:6])
+        print(f"sweep {module.__name__} ({case}), ms, fastest first: {table}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

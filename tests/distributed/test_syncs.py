@@ -1,0 +1,55 @@
+"""No hidden host syncs on CUDA: every plan's forward and backward under ``set_sync_debug_mode("error")``.
+
+CUDA's sync debug mode raises on any synchronizing call (``.item()``,
+``.tolist()``, ``bincount``, a pageable host-to-device copy, ``nonzero``...),
+so this sees what a counter kept by the library could not. The one
+documented transfer, the EP split sizes of sync mode, goes through
+``spmdmoe.host.to_host``, which lifts the mode for itself and is counted:
+exactly one per forward with EP, none without, none in any backward.
+NCCL only (skipped on gloo/CPU).
+"""
+
+import pytest
+import torch
+
+from moe_plans import build_plan, reference_moe
+from spmdmoe import SPMDTensor
+from spmdmoe.host import host_sync_count
+from spmdmoe.moe import MoEConfig
+from spmdmoe.testing import reference_tensor
+
+# plan -> documented syncs per forward (the EP split sizes)
+PLANS = {"sp": 0, "gather": 0, "ep": 1, "sp_ep": 1, "sp_x_ep": 1, "gather_ep": 1}
+
+
+def _error_mode(fn):
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_no_hidden_sync(world, device, request, plan_name):
+    if device.type != "cuda":
+        pytest.skip("CUDA's sync debug mode needs NCCL on GPUs")
+    cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=2, num_shared_experts=1, aux_loss_coeff=0.01,
+                    load_balance_coeff=1e-3)
+    moe = reference_moe(cfg, 0, device, torch.bfloat16)
+    total = 301
+    plan = build_plan(plan_name, moe, total, world, request)
+    X = reference_tensor((total, 64), 7, dtype=torch.bfloat16, device=device)
+    for step in range(2):  # the first step warms up allocations; the second is checked
+        leaf = X[plan.rows].clone().requires_grad_()
+        x = plan.wrap(leaf)  # from_local's agreement (a documented read) stays outside
+        torch.cuda.synchronize()
+        before = host_sync_count()
+        run = _error_mode if step else (lambda fn: fn())
+        y = run(lambda: plan.layer(x))
+        y_local = y.local if isinstance(y, SPMDTensor) else y
+        forward = host_sync_count() - before
+        run(lambda: (y_local.float().square().sum() + plan.layer.aux_loss).backward())
+        backward = host_sync_count() - before - forward
+        assert (forward, backward) == (PLANS[plan_name], 0), (plan_name, forward, backward)
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
