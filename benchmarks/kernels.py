@@ -19,7 +19,9 @@ import itertools
 
 import torch
 
-from spmdmoe.kernels import fan_out as fo, gather_sum as gs, swiglu as sw
+import importlib
+
+fo, gs, sw = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in ("fan_out", "gather_sum", "swiglu"))
 from timing import report, timed
 
 CEILING = 4.2e12
@@ -44,7 +46,8 @@ def main() -> None:
     w = torch.rand(T, K, device=dev)
     y = torch.randn(N, D, device=dev, dtype=bf)
     g = torch.randn(T, D, device=dev, dtype=bf)
-    h1, h3, gh = (torch.randn(N, F, device=dev, dtype=bf) for _ in range(3))
+    h13 = torch.randn(N, 2 * F, device=dev, dtype=bf)
+    gh = torch.randn(N, F, device=dev, dtype=bf)
     valid = torch.tensor([N], device=dev, dtype=torch.int32)
     e = 2  # bytes per bf16 element
     cases = {  # name: (triton, reference, bytes)
@@ -53,9 +56,9 @@ def main() -> None:
         "combine (weighted sum of K)": (lambda: gs.gather_sum_triton(y, pos, w), lambda: gs.gather_sum_reference(y, pos, w), (N + T) * D * e),
         "combine backward (+ weight dots)": (lambda: fo.fan_out_triton(g, pos, N, w, y), lambda: fo.fan_out_reference(g, pos, N, w, y),
                                              (T + 2 * N) * D * e),
-        "SwiGLU forward": (lambda: sw.swiglu_forward_triton(h1, h3, valid), lambda: sw.swiglu_forward_reference(h1, h3, valid), 3 * N * F * e),
-        "SwiGLU backward": (lambda: sw.swiglu_backward_triton(gh, h1, h3, valid),
-                            lambda: sw.swiglu_backward_reference(gh, h1, h3, valid), 5 * N * F * e),
+        "SwiGLU forward": (lambda: sw.swiglu_forward_triton(h13, valid), lambda: sw.swiglu_forward_reference(h13, valid), 3 * N * F * e),
+        "SwiGLU backward": (lambda: sw.swiglu_backward_triton(gh, h13, valid),
+                            lambda: sw.swiglu_backward_reference(gh, h13, valid), 5 * N * F * e),
     }
     if args.sweep:
         sweep(cases, args)
@@ -77,7 +80,7 @@ def sweep(cases, args) -> None:
     grids = {
         fo: ("dispatch fan-out", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         gs: ("combine (weighted sum of K)", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
-        sw: ("SwiGLU backward", {"block": [1024, 2048, 4096, 8192], "num_warps": [4, 8, 16]}),
+        sw: ("SwiGLU backward", {"block_r": [1, 2, 4, 8], "block_f": [256, 512, 1024], "num_warps": [4, 8]}),
     }
     for module, (case, grid) in grids.items():
         fn = cases[case][0]

@@ -81,25 +81,24 @@ def test_gather_sum_ignores_unnamed_rows(S, J, D, dtype, weighted):
 @pytest.mark.parametrize("R,F,valid", [(9, 24, 6), (5, 7, 5), (4, 16, 0), (0, 8, 0), (17, 1408 if DEVICE == "cuda" else 40, 13)])
 def test_swiglu_valid_rows_only(R, F, valid, dtype):
     gen = torch.Generator().manual_seed(R * 31 + F + valid)
-    h1, h3, g = (torch.randn(R, F, generator=gen).to(DEVICE, dtype) for _ in range(3))
-    for t in (h1, h3, g):
-        t[valid:] = float("nan")  # past the device-side count: never read
+    h13 = torch.randn(R, 2 * F, generator=gen).to(DEVICE, dtype)
+    g = torch.randn(R, F, generator=gen).to(DEVICE, dtype)
+    h13[valid:] = float("nan")  # past the device-side count: never read
+    g[valid:] = float("nan")
     count = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
-    got = K.swiglu_forward_triton(h1, h3, count)[:valid]
-    want = K.swiglu_forward_reference(h1, h3, count)
+    got = K.swiglu_forward_triton(h13, count)[:valid]
+    want = K.swiglu_forward_reference(h13, count)
     assert torch.isfinite(want).all() and (want[valid:] == 0).all()
     torch.testing.assert_close(got, want[:valid], **_ulp(dtype))
-    dh1, dh3 = K.swiglu_backward_triton(g, h1, h3, count)
-    rh1, rh3 = K.swiglu_backward_reference(g, h1, h3, count)
-    torch.testing.assert_close(dh1[:valid], rh1[:valid], **_ulp(dtype))
-    torch.testing.assert_close(dh3[:valid], rh3[:valid], **_ulp(dtype))
+    d13 = K.swiglu_backward_triton(g, h13, count)
+    r13 = K.swiglu_backward_reference(g, h13, count)
+    torch.testing.assert_close(d13[:valid], r13[:valid], **_ulp(dtype))
     # the reference is torch's own SwiGLU and its autograd on the valid rows
-    a, b = h1[:valid].double().requires_grad_(), h3[:valid].double().requires_grad_()
+    a, b = (t.double().requires_grad_() for t in h13[:valid].chunk(2, dim=1))
     out = torch.nn.functional.silu(a) * b
     out.backward(g[:valid].double())
     torch.testing.assert_close(want[:valid].double(), out.detach().to(dtype).double(), **_ulp(dtype))
-    torch.testing.assert_close(rh1[:valid].double(), a.grad.to(dtype).double(), **_ulp(dtype))
-    torch.testing.assert_close(rh3[:valid].double(), b.grad.to(dtype).double(), **_ulp(dtype))
+    torch.testing.assert_close(r13[:valid].double(), torch.cat([a.grad, b.grad], 1).to(dtype).double(), **_ulp(dtype))
 
 
 def test_dispatch_picks_reference_off_cuda():

@@ -61,8 +61,12 @@ def _fan_out_kernel(
             tl.store(dots_ptr + s * J + j, tl.sum(acc, axis=0))
 
 
+# launch configuration (benchmarks/kernels.py sweeps it on the GPU)
+CONFIG = {"block_d": 1024, "num_warps": 4}
+
+
 def _block_d(D: int) -> int:
-    return max(16, min(triton.next_power_of_2(max(D, 1)), 1024))
+    return max(16, min(triton.next_power_of_2(max(D, 1)), CONFIG["block_d"]))
 
 
 @triton_op("spmdmoe::fan_out", mutates_args=())
@@ -83,7 +87,7 @@ def fan_out_triton(
     if S > 0 and D > 0:
         wrap_triton(_fan_out_kernel)[(S,)](
             src_SD, index_SJ, w, other, out_RD, dots_SJ, D, src_SD.stride(0), other.stride(0), out_RD.stride(0),
-            J=J, HAS_W=weights_SJ is not None, HAS_DOT=other_RD is not None, BLOCK_D=_block_d(D), num_warps=4,
+            J=J, HAS_W=weights_SJ is not None, HAS_DOT=other_RD is not None, BLOCK_D=_block_d(D), num_warps=CONFIG["num_warps"],
         )
     return out_RD, dots_SJ
 

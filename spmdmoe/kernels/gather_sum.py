@@ -49,8 +49,12 @@ def _gather_sum_kernel(
     tl.store(out_ptr + s * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
+# launch configuration (benchmarks/kernels.py sweeps it on the GPU)
+CONFIG = {"block_d": 1024, "num_warps": 4}
+
+
 def _block_d(D: int) -> int:
-    return max(16, min(triton.next_power_of_2(max(D, 1)), 1024))
+    return max(16, min(triton.next_power_of_2(max(D, 1)), CONFIG["block_d"]))
 
 
 @triton_op("spmdmoe::gather_sum", mutates_args=())
@@ -66,7 +70,7 @@ def gather_sum_triton(src_RD: torch.Tensor, index_SJ: torch.Tensor, weights_SJ: 
         block = _block_d(D)
         wrap_triton(_gather_sum_kernel)[(S, triton.cdiv(D, block))](
             src_RD, index_SJ, w, out_SD, D, src_RD.stride(0), out_SD.stride(0),
-            J=J, HAS_W=weights_SJ is not None, BLOCK_D=block, num_warps=4,
+            J=J, HAS_W=weights_SJ is not None, BLOCK_D=block, num_warps=CONFIG["num_warps"],
         )
     return out_SD
 

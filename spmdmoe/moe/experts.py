@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..kernels import swiglu_backward, swiglu_forward
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
-from .gemm import grouped_mm
+from .gemm import grouped_mm, grouped_mm_pair, joined
 from .grads import sync_grads
 
 __all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu", "swiglu_rows"]
@@ -37,12 +37,46 @@ class GroupedExperts(nn.Module):
     """
 
     grad_axis: Optional[MeshAxis] = None
+    packing: bool = True  # keep w1 and w3 packed side by side (see pack)
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.pack()
+
+    def pack(self) -> None:
+        """Put ``w1`` and ``w3`` side by side in one storage (``w3`` right after ``w1`` for each expert),
+        so the up-projection reads ``[w1 | w3]`` as a view: one grouped GEMM instead of two
+        (``spmdmoe.moe.gemm.grouped_mm_pair``). Runs at construction and after every ``.to()`` /
+        ``.cuda()`` / ``to_empty``; the parameters keep their identity (``.data`` is re-pointed), their
+        values, names and shapes. ``w1`` and ``w3`` are then non-contiguous views: FSDP2 refuses those,
+        so shard with ``spmdmoe.moe.fully_shard_moe`` (or call :meth:`unpack` before ``fully_shard``);
+        the GEMM then joins the two with a copy per step."""
+        w1, w3 = self.w1.data, self.w3.data
+        if type(w1) is not torch.Tensor or type(w3) is not torch.Tensor or w1.shape != w3.shape:
+            return
+        if w1.dtype != w3.dtype or w1.device != w3.device or joined(w1, w3) is not None:
+            return
+        e, F, D = w1.shape
+        both = torch.empty((e, 2 * F, D), dtype=w1.dtype, device=w1.device)
+        if w1.device.type != "meta":
+            both[:, :F].copy_(w1)
+            both[:, F:].copy_(w3)
+        self.w1.data, self.w3.data = both[:, :F], both[:, F:]
+
+    def unpack(self) -> None:
+        """Give ``w1`` and ``w3`` storages of their own (contiguous), and stop packing them: FSDP2's
+        ``fully_shard`` takes contiguous parameters only (``fully_shard_moe`` calls this first)."""
+        self.packing = False
+        self.w1.data, self.w3.data = self.w1.data.contiguous(), self.w3.data.contiguous()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, recurse)
+        if self.packing:
+            self.pack()
+        return out
 
     @property
     def num_experts(self) -> int:
@@ -85,33 +119,32 @@ def grouped_swiglu(
         D = x_RD.shape[1]
         h_R0 = F.silu(x_RD @ w1_eFD.reshape(0, D).T) * (x_RD @ w3_eFD.reshape(0, D).T)
         return h_R0 @ w2_eDF.transpose(1, 2).reshape(0, D)
-    h1_RF = grouped_mm(x_RD, w1_eFD, offs, sizes)
-    h3_RF = grouped_mm(x_RD, w3_eFD, offs, sizes)
+    h13_R2F = grouped_mm_pair(x_RD, w1_eFD, w3_eFD, offs, sizes)
     valid = routed.valid_rows
     assert valid is not None
-    return grouped_mm(swiglu_rows(h1_RF, h3_RF, valid), w2_eDF, offs, sizes)
+    return grouped_mm(swiglu_rows(h13_R2F, valid), w2_eDF, offs, sizes)
 
 
 class _SwiGLURows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h1_RF: torch.Tensor, h3_RF: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(h1_RF, h3_RF, valid)
-        return swiglu_forward(h1_RF, h3_RF, valid)
+    def forward(ctx: Any, h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(h13_R2F, valid)
+        return swiglu_forward(h13_R2F, valid)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g_RF: torch.Tensor) -> Any:  # type: ignore[override]
-        h1_RF, h3_RF, valid = ctx.saved_tensors
-        dh1, dh3 = swiglu_backward(g_RF.contiguous(), h1_RF, h3_RF, valid)
-        return dh1, dh3, None
+        h13_R2F, valid = ctx.saved_tensors
+        return swiglu_backward(g_RF.contiguous(), h13_R2F, valid), None
 
 
-def swiglu_rows(h1_RF: torch.Tensor, h3_RF: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``silu(h1) * h3`` on rows ``[0, valid)`` (a device count; :mod:`spmdmoe.kernels.swiglu`), fp32 math
-    rounded once. Rows past ``valid`` are unspecified and get unspecified gradients nobody reads."""
-    if torch.is_grad_enabled() and (h1_RF.requires_grad or h3_RF.requires_grad):
-        return _SwiGLURows.apply(h1_RF, h3_RF, valid)
-    return swiglu_forward(h1_RF, h3_RF, valid)
+def swiglu_rows(h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``silu(h1) * h3`` from ``h13 = [h1 | h3]`` on rows ``[0, valid)`` (a device count;
+    :mod:`spmdmoe.kernels.swiglu`), fp32 math rounded once. Rows past ``valid`` are unspecified and get
+    unspecified gradients nobody reads."""
+    if torch.is_grad_enabled() and h13_R2F.requires_grad:
+        return _SwiGLURows.apply(h13_R2F, valid)
+    return swiglu_forward(h13_R2F, valid)
 
 
 def swiglu(x_TD: torch.Tensor, w1_FD: torch.Tensor, w2_DF: torch.Tensor, w3_FD: torch.Tensor) -> torch.Tensor:

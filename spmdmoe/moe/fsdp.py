@@ -60,6 +60,8 @@ def fully_shard_moe(model: ModuleT, *, blocks: Iterable[nn.Module] = (), **kwarg
             "parameters have none (no dp_mesh); pass dp_mesh to parallelize_moe, or use ddp / reduce_grads"
         )
     layers = [m for m in model.modules() if isinstance(m, ParallelMoE)]
+    for layer in layers:
+        layer.experts.unpack()  # FSDP2 takes contiguous parameters only
     dense = layers[0].batch_reductions()[0]
     units: list[tuple[nn.Module, Optional[DeviceMesh]]] = []
     for layer in layers:
