@@ -11,7 +11,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
   echo "== single-process GPU tests (kernels, compile, the MoE layer, cuda-marked)"
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_moe.py tests/test_agreement.py tests/test_compile_moe.py 2>&1 | tail -15 | tee "$OUT/tests_single.txt"
-  echo "== distributed tests on NCCL, $NGPU ranks"
+  [ "$NGPU" -gt 1 ] && echo "== distributed tests on NCCL, $NGPU ranks"
+  [ "$NGPU" -gt 1 ] &&
   timeout 360 torchrun --nproc-per-node "$NGPU" -m pytest -q -p no:cacheprovider tests/distributed 2>&1 | grep -v "^W1" > "$OUT/tests_nccl.txt"; tail -6 "$OUT/tests_nccl.txt"
   echo "== main job on NCCL"
   timeout 200 torchrun --nproc-per-node "$NGPU" examples/train_moe.py --device cuda 2>&1 | grep -v "^W1" > "$OUT/train_moe_cuda.txt"; tail -3 "$OUT/train_moe_cuda.txt"
@@ -24,7 +25,7 @@ if [ "$PART" = bench ] || [ "$PART" = all ]; then
 fi
 if [ "$PART" = peer ] || [ "$PART" = all ]; then
   echo "== side by side with torchtitan"
-  pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
+  python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
   for T in 16384 65536; do
     timeout 240 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --tokens $T --out "$OUT/bench_peer.md" 2>&1 | grep -v "^W1" | tail -4
     [ "$NGPU" -gt 1 ] && timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/vs_torchtitan.py --tokens $T --out "$OUT/bench_peer.md" 2>&1 | grep -v "^W1" | tail -4

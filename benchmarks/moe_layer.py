@@ -41,7 +41,7 @@ import torch.distributed as dist
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.experts import grouped_swiglu
-from spmdmoe.moe.gemm import grouped_mm
+from spmdmoe.moe.gemm import grouped_mm, grouped_mm_pair
 from timing import report, timed
 
 
@@ -112,16 +112,24 @@ def main() -> None:
         h1, h3, y = grouped_mm(rows, w[0], offs), grouped_mm(rows, w[2], offs), grouped_mm(h_leaf, w[1], offs)
         torch.autograd.backward([h1, h3, y], [gh, gh, gy])
 
-    def swiglu_step() -> None:  # the experts as the layer runs them (with SwiGLU)
-        rows.grad = None
-        for p in w:
+    F_ = w[0].shape[1]
+    w13 = torch.cat([w[0], w[2]], dim=1).detach().requires_grad_()  # packed as GroupedExperts packs them
+
+    def fused_step() -> None:  # the same GEMMs with the up-projections as one GEMM on [w1 | w3], as the layer runs
+        for p in (rows, h_leaf, w13, w[1]):
             p.grad = None
-        grouped_swiglu(routed_leaf, *w).backward(gy)
+        h13, y = grouped_mm_pair(rows, w13[:, :F_], w13[:, F_:], offs), grouped_mm(h_leaf, w[1], offs)
+        torch.autograd.backward([h13, y], [torch.cat([gh, gh], 1), gy])
+
+    def swiglu_step() -> None:  # the experts as the layer runs them (with SwiGLU)
+        for p in (rows, w13, w[1]):
+            p.grad = None
+        grouped_swiglu(routed_leaf, w13[:, :F_], w[1], w13[:, F_:]).backward(gy)
 
     compiled = torch.compile(layer, fullgraph=True)
     compiled_step = step_of(compiled, True)
     t = timed({"layer": layer_step, "gemm": gemm_step}, args.iters, args.reps)
-    t.update(timed({"experts": swiglu_step, "gemm": gemm_step}, args.iters, args.reps))
+    t.update(timed({"experts": swiglu_step, "fused": fused_step}, args.iters, args.reps))
     t.update(timed({"layer": layer_step, "compiled": compiled_step}, args.iters, args.reps))
     # each comparison in a pair of its own (a third candidate in the rotation skewed the pair by up to 7 %)
     t.update(timed({"on": layer_step, "off": step_of(layer, False)}, args.iters, args.reps))
@@ -140,11 +148,12 @@ def main() -> None:
         lines = [
             head, "",
             "| GPUs | layer fwd+bwd ms | compiled (fullgraph) ms | tokens/s per GPU (eager / compiled) | "
-            "3 grouped GEMMs alone ms | experts (GEMMs + SwiGLU) ms | layer / GEMMs | non-GEMM overhead | "
-            "GEMM TFLOP/s in layer | GEMM TFLOP/s alone |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "3 grouped GEMMs alone ms | same, up-projections fused ms | experts (fused GEMMs + SwiGLU) ms | "
+            "layer / 3 GEMMs | non-GEMM overhead | GEMM TFLOP/s in layer | GEMM TFLOP/s alone |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             f"| {world} | {t_layer:.3f} | {t['compiled']:.3f} | {args.tokens / t_layer * 1e3:,.0f} / "
-            f"{args.tokens / t['compiled'] * 1e3:,.0f} | {t_gemm:.3f} | {t['experts']:.3f} | {t_layer / t_gemm:.3f} | "
+            f"{args.tokens / t['compiled'] * 1e3:,.0f} | {t_gemm:.3f} | {t['fused']:.3f} | {t['experts']:.3f} | "
+            f"{t_layer / t_gemm:.3f} | "
             f"{1 - t_gemm / t_layer:.1%} | {flops / t_layer / 1e9:.0f} | {flops / t_gemm / 1e9:.0f} |",
             "",
             "| GPUs | layer, checks off ms | checks on / off | layer, bf16 gate ms | fp32 gate / bf16 gate | "

@@ -1,6 +1,6 @@
 """``torch.compile(fullgraph=True)`` of a block holding the MoE layer (one process), against eager.
 
-A pre-norm residual block (``x + moe(norm(x))``) is built twice with the same
+A residual block (``x + moe(proj(x))``) is built twice with the same
 weights; one copy runs eager, the other compiled (inductor, and ``aot_eager``).
 Over token counts that change from step to step the compiled block must give
 the eager outputs and gradients (fp32: ``rtol = atol = 1e-5``, the compiled
@@ -30,7 +30,7 @@ D = 16
 class Block(nn.Module):
     def __init__(self, checkpointed: bool = False):
         super().__init__()
-        self.norm = nn.RMSNorm(D)
+        self.norm = nn.Linear(D, D, bias=False)  # a dense op before the layer (its gradient crosses it)
         self.moe = MoE(MoEConfig(dim=D, hidden_dim=8, num_experts=4, top_k=2, num_shared_experts=1,
                                  aux_loss_coeff=0.01, load_balance_coeff=1e-3))
         self.checkpointed = checkpointed
