@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
-from spmdmoe.moe.experts import grouped_swiglu
+from spmdmoe.moe.experts import GroupedExperts, grouped_swiglu
 from spmdmoe.moe.gemm import grouped_mm, grouped_mm_pair
 from timing import report, timed
 
@@ -113,18 +113,19 @@ def main() -> None:
         torch.autograd.backward([h1, h3, y], [gh, gh, gy])
 
     F_ = w[0].shape[1]
-    w13 = torch.cat([w[0], w[2]], dim=1).detach().requires_grad_()  # packed as GroupedExperts packs them
+    packed = GroupedExperts(w[0].shape[0], w[0].shape[2], F_).to(device="cuda", dtype=rows.dtype)  # w1, w3 packed
+    gh13 = torch.cat([gh, gh], 1)
 
     def fused_step() -> None:  # the same GEMMs with the up-projections as one GEMM on [w1 | w3], as the layer runs
-        for p in (rows, h_leaf, w13, w[1]):
+        for p in (rows, h_leaf, *packed.parameters()):
             p.grad = None
-        h13, y = grouped_mm_pair(rows, w13[:, :F_], w13[:, F_:], offs), grouped_mm(h_leaf, w[1], offs)
-        torch.autograd.backward([h13, y], [torch.cat([gh, gh], 1), gy])
+        h13, y = grouped_mm_pair(rows, packed.w1, packed.w3, offs), grouped_mm(h_leaf, packed.w2, offs)
+        torch.autograd.backward([h13, y], [gh13, gy])
 
     def swiglu_step() -> None:  # the experts as the layer runs them (with SwiGLU)
-        for p in (rows, w13, w[1]):
+        for p in (rows, *packed.parameters()):
             p.grad = None
-        grouped_swiglu(routed_leaf, w13[:, :F_], w[1], w13[:, F_:]).backward(gy)
+        grouped_swiglu(routed_leaf, packed.w1, packed.w2, packed.w3).backward(gy)
 
     compiled = torch.compile(layer, fullgraph=True)
     compiled_step = step_of(compiled, True)

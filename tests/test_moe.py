@@ -397,3 +397,22 @@ def test_experts_on_a_capacity_buffer_never_read_past_valid_rows(dims):
     for a, b in zip(gw_cap, gw_ref):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b)
+
+
+def test_experts_pack_w1_w3_side_by_side():
+    """w1 and w3 share one storage after construction and after .to(), so the up-projection is one GEMM
+    on a view; their gradients are contiguous (no copy by autograd); unpack() gives each its own."""
+    from spmdmoe.moe.gemm import joined
+
+    moe = MoE(MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2)).to(torch.float64)
+    ex = moe.experts
+    assert joined(ex.w1, ex.w3) is not None
+    moe.to(torch.float32)  # fp32: the fused GEMM path (torch's grouped GEMM) on CPU
+    assert joined(ex.w1, ex.w3) is not None
+    w1 = ex.w1.detach().clone()
+    moe(torch.randn(7, 16)).sum().backward()
+    assert ex.w1.grad.is_contiguous() and ex.w3.grad.is_contiguous()
+    ex.unpack()
+    assert joined(ex.w1, ex.w3) is None and ex.w1.is_contiguous() and torch.equal(ex.w1, w1)
+    ex.to(torch.float64)
+    assert joined(ex.w1, ex.w3) is None  # unpacked stays unpacked (FSDP2)

@@ -120,7 +120,7 @@ def joined(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[torch.Tensor]
 
 class _UpProjection(torch.autograd.Function):
     """``[x @ w1[g].T | x @ w3[g].T]`` per group as ONE grouped GEMM on ``[w1 | w3]``: the backward's input
-    gradient is one GEMM too (no sum of two), the weights' one GEMM split into views."""
+    gradient is one GEMM too (no sum of two GEMMs' outputs); the weights' gradients are two."""
 
     @staticmethod
     def forward(ctx: Any, x_MI: torch.Tensor, w1_eFI: torch.Tensor, w3_eFI: torch.Tensor,  # type: ignore[override]
@@ -139,10 +139,10 @@ class _UpProjection(torch.autograd.Function):
         g_M2F = g_M2F.contiguous()
         F = w13.shape[1] // 2
         dx = _native(g_M2F, w13, offs=offsets_e) if ctx.needs_input_grad[0] else None
-        dw1 = dw3 = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dw13 = _native(g_M2F.transpose(-2, -1), x_MI, offs=offsets_e)
-            dw1, dw3 = dw13[:, :F], dw13[:, F:]
+        # the weight gradients as two GEMMs on column slices of g: each contiguous, as autograd wants
+        # a gradient of a non-dense (packed) parameter; a view of one [dw1 | dw3] would be copied
+        dw1 = _native(g_M2F[:, :F].transpose(-2, -1), x_MI, offs=offsets_e) if ctx.needs_input_grad[1] else None
+        dw3 = _native(g_M2F[:, F:].transpose(-2, -1), x_MI, offs=offsets_e) if ctx.needs_input_grad[2] else None
         return dx, dw1, dw3, None
 
 
