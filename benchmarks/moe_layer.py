@@ -114,6 +114,9 @@ def main() -> None:
 
     F_ = w[0].shape[1]
     packed = GroupedExperts(w[0].shape[0], w[0].shape[2], F_).to(device="cuda", dtype=rows.dtype)  # w1, w3 packed
+    with torch.no_grad():  # the layer's weights (values matter: zeros would run the GEMMs at other clocks)
+        for p, src in zip((packed.w1, packed.w2, packed.w3), w):
+            p.copy_(src)
     gh13 = torch.cat([gh, gh], 1)
 
     def fused_step() -> None:  # the same GEMMs with the up-projections as one GEMM on [w1 | w3], as the layer runs
