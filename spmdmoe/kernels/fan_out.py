@@ -62,7 +62,7 @@ def _fan_out_kernel(
 
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
-CONFIG = {"block_d": 1024, "num_warps": 4}
+CONFIG = {"block_d": 2048, "num_warps": 8}
 
 
 def _block_d(D: int) -> int:

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
-CONFIG = {"block_r": 4, "block_f": 512, "num_warps": 4}
+CONFIG = {"block_r": 8, "block_f": 512, "num_warps": 8}
 
 
 @triton.jit
