@@ -22,7 +22,9 @@ __all__ = ["set_kernel_backend", "kernel_backend", "use_triton", "COMPILED"]
 Backend = Literal["auto", "triton", "torch"]
 _backend: list[Backend] = ["auto"]
 
-# kernel -> implementation under torch.compile on CUDA (measured, benchmarks/kernels.py)
+# kernel -> implementation under torch.compile on CUDA. Measured (H200, benchmarks/kernels.py), Triton
+# vs inductor's compiled reference: fan-out 1.00x, gather-sum 6.6-6.8x, combine backward 2.9x, SwiGLU
+# forward 0.96x, backward 1.46x faster; Triton everywhere (the 4 % of the SwiGLU forward is within noise)
 COMPILED: dict[str, Literal["triton", "torch"]] = {
     "fan_out": "triton",
     "gather_sum": "triton",

@@ -16,8 +16,9 @@ Uses: the MoE dispatch permute (``x_TD`` into ``K`` expert-major copies,
 with the routing weights, and the weights' gradient as the dots with ``y``).
 Its backward, a sum over the ``J`` copies, is :mod:`spmdmoe.kernels.gather_sum`.
 
-Measured (H200, bf16, D=2048, one program per source row): see
-``benchmarks/RESULTS.md`` (kernels), reported against the 4.2 TB/s copy ceiling.
+Measured (H200, torch 2.11, Triton 3.6, bf16, T=16,384, K=6, D=2048; ``benchmarks/kernels.py``):
+the dispatch fan-out 0.139 ms, 3.38 TB/s (80 % of the 4.2 TB/s copy ceiling); the combine
+backward with dots 0.275 ms, 3.18 TB/s (76 %).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ reverse permutation fused in), the dispatch permute's backward (the gradient
 of a row is the sum over its ``K`` copies, no weights), and the ``J = 1``
 permutations' backward. Its backward is :mod:`spmdmoe.kernels.fan_out`.
 
-Measured (H200, bf16, D=2048): see ``benchmarks/RESULTS.md`` (kernels),
-reported against the 4.2 TB/s copy ceiling.
+Measured (H200, torch 2.11, Triton 3.6, bf16, T=16,384, K=6, D=2048; ``benchmarks/kernels.py``):
+the combine 0.131 ms, 3.59 TB/s (85 % of the 4.2 TB/s copy ceiling); the permute backward
+0.128 ms, 3.67 TB/s (87 %).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ forward ``h = h1 * sigmoid(h1) * h3``; backward ``dh3 = g * silu(h1)``,
 block of ``BLOCK_R`` rows x ``BLOCK_F`` columns; a block past ``valid`` exits
 at once.
 
-Measured (H200, bf16, R = 98,304 rows, F = 1408): ``benchmarks/RESULTS.md`` (kernels),
-against the 4.2 TB/s copy ceiling.
+Measured (H200, torch 2.11, Triton 3.6, bf16, R = 98,304 rows, F = 1408; ``benchmarks/kernels.py``):
+forward 0.220 ms, 3.77 TB/s (90 % of the 4.2 TB/s copy ceiling); backward 0.352 ms, 3.94 TB/s (94 %).
 """
 
 from __future__ import annotations
