@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..kernels import swiglu_backward, swiglu_forward
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
-from .gemm import _plain, grouped_mm, grouped_mm_pair, joined
+from .gemm import plain_tensor, grouped_mm, grouped_mm_pair, joined
 from .grads import sync_grads
 
 __all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu", "swiglu_rows"]
@@ -55,7 +55,7 @@ class GroupedExperts(nn.Module):
         so shard with ``spmdmoe.moe.fully_shard_moe`` (or call :meth:`unpack` before ``fully_shard``);
         the GEMM then joins the two with a copy per step."""
         w1, w3 = self.w1.data, self.w3.data
-        if not (_plain(w1) and _plain(w3)) or w1.shape != w3.shape:
+        if not (plain_tensor(w1) and plain_tensor(w3)) or w1.shape != w3.shape:
             return
         if w1.dtype != w3.dtype or w1.device != w3.device or joined(w1, w3) is not None:
             return

@@ -99,7 +99,7 @@ def _masked_loop(x_MI: torch.Tensor, w_eOI: torch.Tensor, offsets_e: torch.Tenso
     return y_MO
 
 
-def _plain(t: torch.Tensor) -> bool:
+def plain_tensor(t: torch.Tensor) -> bool:
     """A tensor or parameter with its own strided storage (not a DTensor or another subclass)."""
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
@@ -107,7 +107,7 @@ def _plain(t: torch.Tensor) -> bool:
 def joined(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[torch.Tensor]:
     """``[w1 | w3]`` along the output dim as a view, when ``w3`` sits right after ``w1`` in one storage
     (``GroupedExperts`` allocates them so); ``None`` otherwise (or under ``torch.compile``)."""
-    if torch.compiler.is_compiling() or not (_plain(w1_eFI) and _plain(w3_eFI)):
+    if torch.compiler.is_compiling() or not (plain_tensor(w1_eFI) and plain_tensor(w3_eFI)):
         return None
     e, F, I = w1_eFI.shape
     stride = (2 * F * I, I, 1)
