@@ -289,8 +289,11 @@ class ProblemFlag:
         self.home = home  # the owner's int64 scalar buffer (moves with it): recorded into with no new tensor
         _flags.add(self)
 
+    def _home(self) -> Optional[torch.Tensor]:
+        return self.home() if self.home is not None else None
+
     def _tensors(self) -> list[torch.Tensor]:
-        home = self.home() if self.home is not None else None
+        home = self._home()
         return ([home] if home is not None else []) + list(self._bits.values())
 
     def record(self, bits: Union[int, torch.Tensor], device: torch.device, details: Sequence[str] = ()) -> None:
@@ -298,7 +301,7 @@ class ProblemFlag:
         if isinstance(bits, int) and not bits:
             return
         device = torch.device(device)
-        home = self.home() if self.home is not None else None
+        home = self._home()
         # the home buffer first: a compiled forward records into it with no side effect on this object
         own = home if home is not None and home.device == device else self._bits.get(device)
         if own is None:

@@ -37,6 +37,7 @@ __all__ = [
     "all_ranks_agree",
     "check_layout",
     "single_process_group",
+    "sync_error_mode",
 ]
 
 
@@ -146,3 +147,14 @@ def seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+def sync_error_mode(fn: Callable[[], Any]) -> Any:
+    """``fn()`` under ``torch.cuda.set_sync_debug_mode("error")``: any synchronizing call in it raises
+    (``spmdmoe.host.to_host``, the documented transfers, lifts the mode for itself). The mode is reset after.
+    """
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

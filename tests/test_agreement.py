@@ -7,6 +7,7 @@ import spmdmoe
 from spmdmoe import MoEConfigError, SPMDDeviceError, SPMDLayoutError, SPMDShapeError, SPMDTokenCountError
 from spmdmoe.agreement import BIT, KINDS, Field, Found, ProblemFlag, agree, dtype_code, dtype_name, problems_error
 from spmdmoe.host import host_sync_count
+from spmdmoe.testing import sync_error_mode
 
 
 @pytest.fixture(scope="module")
@@ -96,22 +97,15 @@ def test_checks_make_no_host_sync_on_cuda():
     moe(x).sum().backward()  # warm-up: first-time allocations and the flag itself
     torch.cuda.synchronize()
 
-    def under_error_mode(fn):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
     assert spmdmoe.checks_enabled()
     before = host_sync_count()
-    y = under_error_mode(lambda: moe(x))
-    under_error_mode(lambda: y.sum().backward())
+    y = sync_error_mode(lambda: moe(x))
+    sync_error_mode(lambda: y.sum().backward())
     assert host_sync_count() == before  # one device, no EP: not even a documented one
-    under_error_mode(moe.update_expert_bias)  # its one documented read is allowed (spmdmoe.host.to_host) ...
+    sync_error_mode(moe.update_expert_bias)  # its one documented read is allowed (spmdmoe.host.to_host) ...
     assert host_sync_count() == before + 1  # ... and counted
     with pytest.raises(RuntimeError, match="synchroniz"):  # the mode itself is on: any other sync raises
-        under_error_mode(lambda: moe.tokens_per_expert.sum().item())
+        sync_error_mode(lambda: moe.tokens_per_expert.sum().item())
 
 
 def test_documented_row_widths(pg, monkeypatch):

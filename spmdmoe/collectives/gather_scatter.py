@@ -51,7 +51,7 @@ def gather_padded(local: torch.Tensor, buffer: Optional[torch.Tensor], axis: Mes
             send = buffer  # a producer wrote into the padded buffer: no copy
         elif rows.shape[0] == p:
             send = rows  # a full rank sends its rows as they are
-        elif rows.is_cuda and not torch.compiler.is_compiling():
+        elif rows.is_cuda:
             # the short rank writes its rows into its own slot and gathers in place (NCCL)
             send = out[axis.rank * p : (axis.rank + 1) * p]
             send[: rows.shape[0]].copy_(rows)

@@ -66,6 +66,12 @@ def _fan_out_kernel(
 CONFIG = {"block_d": 2048, "num_warps": 8}
 
 
+def _output(src_SD: torch.Tensor, rows: int, copies: int) -> torch.Tensor:
+    """The ``(rows, D)`` output: zeros where no copy lands (``rows > copies``; unknown under compile: zeros)."""
+    make = torch.zeros if guard_or_true(rows > copies) else torch.empty
+    return make((rows, src_SD.shape[1]), dtype=src_SD.dtype, device=src_SD.device)
+
+
 def _block_d(D: int) -> int:
     return max(16, min(triton.next_power_of_2(max(D, 1)), CONFIG["block_d"]))
 
@@ -80,8 +86,7 @@ def fan_out_triton(
     D = src_SD.shape[1]
     src_SD = src_SD.contiguous()
     index_SJ = index_SJ.contiguous()
-    make = torch.zeros if guard_or_true(rows > S * J) else torch.empty  # unknown under compile: zeros
-    out_RD = make((rows, D), dtype=src_SD.dtype, device=src_SD.device)
+    out_RD = _output(src_SD, rows, S * J)
     dots_SJ = torch.empty((S, J) if other_RD is not None else (0, J), dtype=torch.float32, device=src_SD.device)
     w = weights_SJ.contiguous() if weights_SJ is not None else index_SJ
     other = other_RD.contiguous() if other_RD is not None else src_SD
@@ -104,8 +109,7 @@ def fan_out_reference(
     copies = src_SD.unsqueeze(1).expand(S, J, D)
     if weights_SJ is not None:
         copies = (copies.to(acc) * weights_SJ.to(acc).unsqueeze(-1)).to(src_SD.dtype)
-    make = torch.zeros if guard_or_true(rows > S * J) else torch.empty  # unknown under compile: zeros
-    out_RD = make((rows, D), dtype=src_SD.dtype, device=src_SD.device)
+    out_RD = _output(src_SD, rows, S * J)
     out_RD.index_copy_(0, index_SJ.reshape(-1), copies.reshape(S * J, D))
     if other_RD is None:
         return out_RD, torch.empty((0, J), dtype=acc, device=src_SD.device)

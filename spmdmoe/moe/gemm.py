@@ -49,11 +49,12 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def native_grouped_mm_ok(x_MI: torch.Tensor, w_eOI: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these operands (dtype and 16-byte strides)."""
+    """Whether torch's grouped GEMM takes these operands (dtype and 16-byte strides; under
+    ``torch.compile`` bf16 only, as its meta function refuses other dtypes)."""
     size = x_MI.element_size()
     return (
         _native is not None
-        and x_MI.dtype in _DTYPES
+        and (x_MI.dtype in _DTYPES if not torch.compiler.is_compiling() else x_MI.dtype == torch.bfloat16)
         and w_eOI.dtype == x_MI.dtype
         and (w_eOI.shape[-1] * size) % 16 == 0
         and (w_eOI.shape[-2] * size) % 16 == 0
@@ -70,11 +71,10 @@ def grouped_mm(
     unspecified (torch's kernel leaves them uninitialised; the fallback writes
     zeros). ``sizes``: the group sizes on the host, if known (used by the fallback).
     """
-    compiling = torch.compiler.is_compiling()
-    if native_grouped_mm_ok(x_MI, w_eOI) and (x_MI.dtype == torch.bfloat16 or not compiling):
+    if native_grouped_mm_ok(x_MI, w_eOI):
         y_MO = _native(x_MI.contiguous(), w_eOI.transpose(-2, -1), offs=offsets_e)
         return _ContiguousGrad.apply(y_MO) if y_MO.requires_grad else y_MO
-    if compiling:
+    if torch.compiler.is_compiling():
         return _masked_loop(x_MI, w_eOI, offsets_e)
     if sizes is None:
         ends = to_host(offsets_e)
@@ -156,6 +156,6 @@ def grouped_mm_pair(
     adjacent, else a copy); measured on H200 at T=16k, K=6: 5.5 ms fwd+bwd for the pair against 6.3 ms
     as two GEMMs (``benchmarks/RESULTS.md``). Otherwise two :func:`grouped_mm` concatenated.
     """
-    if native_grouped_mm_ok(x_MI, w1_eFI) and (x_MI.dtype == torch.bfloat16 or not torch.compiler.is_compiling()):
+    if native_grouped_mm_ok(x_MI, w1_eFI):
         return _UpProjection.apply(x_MI, w1_eFI, w3_eFI, offsets_e)
     return torch.cat([grouped_mm(x_MI, w1_eFI, offsets_e, sizes), grouped_mm(x_MI, w3_eFI, offsets_e, sizes)], dim=1)

@@ -16,18 +16,10 @@ from moe_plans import build_plan, reference_moe
 from spmdmoe import SPMDTensor
 from spmdmoe.host import host_sync_count
 from spmdmoe.moe import MoEConfig
-from spmdmoe.testing import reference_tensor
+from spmdmoe.testing import reference_tensor, sync_error_mode
 
 # plan -> documented syncs per forward (the EP split sizes)
 PLANS = {"sp": 0, "gather": 0, "ep": 1, "sp_ep": 1, "sp_x_ep": 1, "gather_ep": 1}
-
-
-def _error_mode(fn):
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("plan_name", list(PLANS))
@@ -45,7 +37,7 @@ def test_no_hidden_sync(world, device, request, plan_name):
         x = plan.wrap(leaf)  # from_local's agreement (a documented read) stays outside
         torch.cuda.synchronize()
         before = host_sync_count()
-        run = _error_mode if step else (lambda fn: fn())
+        run = sync_error_mode if step else (lambda fn: fn())
         y = run(lambda: plan.layer(x))
         y_local = y.local if isinstance(y, SPMDTensor) else y
         forward = host_sync_count() - before
