@@ -104,18 +104,30 @@ def plain_tensor(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
-def joined(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[torch.Tensor]:
-    """``[w1 | w3]`` along the output dim as a view, when ``w3`` sits right after ``w1`` in one storage
-    (``GroupedExperts`` allocates them so); ``None`` otherwise (or under ``torch.compile``)."""
-    if torch.compiler.is_compiling() or not (plain_tensor(w1_eFI) and plain_tensor(w3_eFI)):
+@torch._dynamo.assume_constant_result
+def _packed_offset(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[int]:
+    """``w1``'s storage offset when ``w3`` sits right after it in the same storage, else ``None``.
+    Under ``torch.compile`` a constant of the trace, read from the real parameters: Dynamo recompiles
+    when the inputs' aliasing changes (``unpack``, a ``.data`` swap), tested in ``tests/test_compile_moe.py``."""
+    if not (plain_tensor(w1_eFI) and plain_tensor(w3_eFI)):
         return None
     e, F, I = w1_eFI.shape
     stride = (2 * F * I, I, 1)
     if (w3_eFI.shape != w1_eFI.shape or w1_eFI.stride() != stride or w3_eFI.stride() != stride
-            or w1_eFI.dtype != w3_eFI.dtype or w1_eFI.untyped_storage().data_ptr() != w3_eFI.untyped_storage().data_ptr()
+            or w1_eFI.dtype != w3_eFI.dtype or not torch._C._is_alias_of(w1_eFI, w3_eFI)
             or w3_eFI.storage_offset() != w1_eFI.storage_offset() + F * I):
         return None
-    return w1_eFI.as_strided((e, 2 * F, I), stride)
+    return int(w1_eFI.storage_offset())
+
+
+def joined(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[torch.Tensor]:
+    """``[w1 | w3]`` along the output dim as a view, when ``w3`` sits right after ``w1`` in one storage
+    (``GroupedExperts`` allocates them so); ``None`` otherwise. Traceable by ``torch.compile``."""
+    offset = _packed_offset(w1_eFI, w3_eFI)
+    if offset is None:
+        return None
+    e, F, I = w1_eFI.shape
+    return w1_eFI.as_strided((e, 2 * F, I), (2 * F * I, I, 1), offset)
 
 
 class _UpProjection(torch.autograd.Function):
