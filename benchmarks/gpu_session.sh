@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | all (default all)
 set -uo pipefail
 PART=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -10,7 +10,8 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
   echo "== single-process GPU tests (kernels, compile, the MoE layer, cuda-marked)"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_moe.py tests/test_agreement.py tests/test_compile_moe.py 2>&1 | tail -15 | tee "$OUT/tests_single.txt"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py \
+    tests/test_moe.py tests/test_agreement.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1; tail -15 "$OUT/tests_single.txt"
   [ "$NGPU" -gt 1 ] && echo "== distributed tests on NCCL, $NGPU ranks"
   [ "$NGPU" -gt 1 ] &&
   timeout 360 torchrun --nproc-per-node "$NGPU" -m pytest -q -p no:cacheprovider tests/distributed 2>&1 | grep -v "^W1" > "$OUT/tests_nccl.txt"; tail -6 "$OUT/tests_nccl.txt"
@@ -29,6 +30,19 @@ if [ "$PART" = peer ] || [ "$PART" = all ]; then
   for T in 16384 65536; do
     timeout 240 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --tokens $T --out "$OUT/bench_peer.md" 2>&1 | grep -v "^W1" | tail -4
     [ "$NGPU" -gt 1 ] && timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/vs_torchtitan.py --tokens $T --out "$OUT/bench_peer.md" 2>&1 | grep -v "^W1" | tail -4
+  done
+fi
+if [ "$PART" = fp8 ] || [ "$PART" = all ]; then
+  echo "== FP8: kernels (swept), the layer (bf16 vs fp8_rowwise, profiled), side by side with torchtitan's FP8"
+  python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+  timeout 240 python3 benchmarks/kernels.py --sweep --out "$OUT/bench_kernels.md" > "$OUT/log_kernels.txt" 2>&1; tail -4 "$OUT/log_kernels.txt"
+  for P in bf16 fp8_rowwise; do
+    timeout 200 torchrun --nproc-per-node 1 benchmarks/moe_layer.py --precision $P --out "$OUT/bench_moe.md" \
+      --profile "$OUT/profile_moe_$P.txt" > "$OUT/log_moe_$P.txt" 2>&1; tail -2 "$OUT/log_moe_$P.txt"
+  done
+  for T in 16384 65536; do
+    timeout 300 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --fp8 --tokens $T --out "$OUT/bench_peer_fp8.md" \
+      > "$OUT/log_peer_fp8_$T.txt" 2>&1; tail -3 "$OUT/log_peer_fp8_$T.txt"
   done
 fi
 echo "== summary"

@@ -8,7 +8,11 @@ TB/s against the 4.2 TB/s device-to-device copy ceiling (H200, REFERENCE.md).
 Rows: the dispatch fan-out (x_TD into N expert-major rows), its backward (the
 sum over K copies), the combine (weighted sum over K rows, fp32) and its
 backward (weighted fan-out + the weights' gradient dots), SwiGLU forward and
-backward. Candidates interleaved (benchmarks/timing.py), median. ``--sweep``
+backward; the FP8 quantizers: rowwise scale+cast of the N routed rows of D,
+and the dual per-group colwise quantization of the wgrad operands (N x D and
+N x F, E=64 groups) into the 16-aligned layout, each beside torchao's kernel
+for the same job when torchao is importable (bytes: bf16 in once, e4m3 and
+fp32 scales out). Candidates interleaved (benchmarks/timing.py), median. ``--sweep``
 first times every launch configuration of each kernel and keeps the fastest.
 """
 
@@ -21,7 +25,8 @@ import torch
 
 import importlib
 
-fo, gs, sw = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in ("fan_out", "gather_sum", "swiglu"))
+fo, gs, sw, fr, fc = (importlib.import_module(f"spmdmoe.kernels.{m}")
+                      for m in ("fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols"))
 from timing import report, timed
 
 CEILING = 4.2e12
@@ -60,18 +65,46 @@ def main() -> None:
         "SwiGLU backward": (lambda: sw.swiglu_backward_triton(gh, h13, valid),
                             lambda: sw.swiglu_backward_reference(gh, h13, valid), 5 * N * F * e),
     }
+    E = 64
+    sizes = torch.distributions.Multinomial(N, torch.ones(E)).sample().to(torch.int64)
+    offs = sizes.cumsum(0).to(device=dev, dtype=torch.int32)
+    gy = torch.randn(N, D, device=dev, dtype=bf)
+    P = fc.padded_rows(N, E)
+    cases["FP8 rowwise scale+cast (N x D)"] = (lambda: fr.quantize_rows_triton(y, valid), lambda: fr.quantize_rows_reference(y, valid),
+                                               N * D * 3 + N * 4)
+    cases["FP8 dual colwise, 16-aligned (N x D, N x F)"] = (
+        lambda: fc.quantize_cols_pair_triton(gy, gh, offs), lambda: fc.quantize_cols_pair_reference(gy, gh, offs),
+        N * (D + F) * 2 + P * (D + F) + E * (D + F) * 4)
+    torchao = {}
+    try:
+        from torchao.prototype.moe_training.kernels.float8_rowwise import triton_fp8_rowwise_2d_scale_and_cast
+        from torchao.prototype.moe_training.kernels.jagged_float8_scales import triton_fp8_per_group_colwise_scales_dual
+
+        fp8 = torch.float8_e4m3fn
+        torchao["FP8 rowwise scale+cast (N x D)"] = lambda: triton_fp8_rowwise_2d_scale_and_cast(y, fp8, True)
+        torchao["FP8 dual colwise, 16-aligned (N x D, N x F)"] = lambda: triton_fp8_per_group_colwise_scales_dual(
+            gy, gh, offs, fp8, True)
+    except ImportError as exc:
+        print(f"torchao not importable ({exc}): no torchao column", flush=True)
     if args.sweep:
         sweep(cases, args)
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, T={T} K={K} D={D} F={F}; "
-             f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}", "",
-             "| kernel | Triton ms | TB/s | % of 4.2 | torch eager ms | torch compiled ms | Triton vs compiled |",
-             "|---|---|---|---|---|---|---|"]
+             f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}, fp8_rows {fr.CONFIG}, "
+             f"fp8_cols {fc.CONFIG}", "",
+             "| kernel | Triton ms | TB/s | % of 4.2 | torch eager ms | torch compiled ms | Triton vs compiled | "
+             "torchao ms (TB/s) | ours vs torchao |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, (tri, ref, nbytes) in cases.items():
         comp = torch.compile(ref)
-        t = timed({"triton": tri, "eager": ref, "compiled": comp}, args.iters, args.reps)
+        fns = {"triton": tri, "eager": ref, "compiled": comp}
+        if name in torchao:
+            fns["torchao"] = torchao[name]
+        t = timed(fns, args.iters, args.reps)
         tbs = nbytes / (t["triton"] * 1e-3) / 1e12
+        tao = (f"{t['torchao']:.3f} ({nbytes / (t['torchao'] * 1e-3) / 1e12:.2f}) | {t['torchao'] / t['triton']:.2f}x"
+               if "torchao" in t else "– | –")
         lines.append(f"| {name} | {t['triton']:.3f} | {tbs:.2f} | {tbs * 1e12 / CEILING:.0%} | {t['eager']:.3f} | "
-                     f"{t['compiled']:.3f} | {t['compiled'] / t['triton']:.2f}x |")
+                     f"{t['compiled']:.3f} | {t['compiled'] / t['triton']:.2f}x | {tao} |")
     report("\n".join(lines), args.out)
 
 
@@ -81,6 +114,10 @@ def sweep(cases, args) -> None:
         fo: ("dispatch fan-out", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         gs: ("combine (weighted sum of K)", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         sw: ("SwiGLU backward", {"block_r": [1, 2, 4, 8], "block_f": [256, 512, 1024], "num_warps": [4, 8]}),
+        fr: ("FP8 rowwise scale+cast (N x D)", {"block_r": [1, 2, 4, 8], "max_block_c": [1024, 2048, 4096],
+                                                "num_warps": [4, 8, 16]}),
+        fc: ("FP8 dual colwise, 16-aligned (N x D, N x F)", {"block_r": [32, 64, 128], "block_c": [32, 64, 128],
+                                                             "num_warps": [4, 8]}),
     }
     for module, (case, grid) in grids.items():
         fn = cases[case][0]

@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="write rank 0's top CUDA kernels of one step here")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp8_rowwise"], help="the routed experts' GEMMs")
     args = ap.parse_args()
 
     torch._dynamo.config.capture_scalar_outputs = True  # the EP split sizes, when compiled
@@ -67,7 +68,7 @@ def main() -> None:
     rank = dist.get_rank() if world > 1 else 0
 
     cfg = MoEConfig(dim=args.dim, hidden_dim=args.hidden, num_experts=args.experts, top_k=args.top_k,
-                    load_balance_coeff=1e-3)
+                    load_balance_coeff=1e-3, expert_precision=args.precision)
     torch.manual_seed(0)
     moe = MoE(cfg).to(device="cuda", dtype=torch.bfloat16)
     cheap_gate = MoE(dataclasses.replace(cfg, router_dtype="input")).to(device="cuda", dtype=torch.bfloat16)
@@ -147,7 +148,7 @@ def main() -> None:
         dist.all_reduce(R, op=dist.ReduceOp.MAX)
     flops = 18 * R.item() * args.dim * args.hidden
     if rank == 0:
-        head = (f"device: {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
+        head = (f"device: {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 activations, experts {args.precision}, "
                 f"D={args.dim} F={args.hidden} E={args.experts} K={args.top_k} T/rank={args.tokens}, EP={world}")
         lines = [
             head, "",

@@ -30,6 +30,7 @@ summation orders break differently); with more than 1 % of such rows the run sto
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import os
@@ -47,12 +48,14 @@ from timing import report, timed
 
 Fwd = Callable[[torch.Tensor], torch.Tensor]
 TOLERANCE = 2e-2  # relative error of one row (output or input gradient) in bf16
+TOLERANCE_FP8 = 0.25  # the same with FP8 experts on both sides (gross errors only)
 ROWS_OFF = 1e-2  # fraction of rows allowed beyond it (routing flips on near-ties)
 
 
 def build_torchtitan(cfg: MoEConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                     device: torch.device, ep_mesh: Any) -> torch.nn.Module:
-    """torchtitan's MoE with ``state`` (our names) loaded, parameters in ``dtype``, buffers fp32."""
+                     device: torch.device, ep_mesh: Any, fp8: bool = False) -> torch.nn.Module:
+    """torchtitan's MoE with ``state`` (our names) loaded, parameters in ``dtype``, buffers fp32; ``fp8``: its
+    experts converted by ``Float8GroupedExpertsConverter`` (torchao's rowwise FP8 grouped GEMMs)."""
     from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config, make_router_config
     from torchtitan.models.common.param_init import skip_param_init  # every weight is loaded below
 
@@ -64,6 +67,10 @@ def build_torchtitan(cfg: MoEConfig, state: dict[str, torch.Tensor], dtype: torc
         routed_experts=make_routed_experts_config(
             dim=D, hidden_dim=F, num_experts=E, top_k=K, comm_backend="standard",
             param_init={n: skip_param_init for n in ("w1_EFD", "w2_EDF", "w3_EFD")}))
+    if fp8:
+        from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter as Converter
+
+        tt_cfg = Converter(Converter.Config(model_compile_enabled=True)).convert(tt_cfg)
     with torch.device(device):
         moe = tt_cfg.build()
     for p in moe.parameters():  # not moe.to(dtype): that would round its fp32 buffers too
@@ -107,16 +114,17 @@ def first_step(fwd: Fwd, x: torch.Tensor, g: torch.Tensor) -> Optional[str]:
     return error
 
 
-def compare(fwd: Fwd, ref: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, g: torch.Tensor) -> list[float]:
+def compare(fwd: Fwd, ref: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, g: torch.Tensor,
+            tolerance: float = TOLERANCE) -> list[float]:
     """Output and input gradient against ``ref``: [max abs diff, ||diff|| / ||ref||, fraction of rows
-    whose own relative error exceeds ``TOLERANCE``], each the max over the two and over ranks."""
+    whose own relative error exceeds ``tolerance``], each the max over the two and over ranks."""
     x.grad = None
     y = fwd(x)
     y.backward(g)
     out = torch.zeros(3, dtype=torch.float64, device=x.device)
     for a, b in ((y.detach().float(), ref[0].float()), (x.grad.float(), ref[1].float())):
         d = a - b
-        rows_off = (~(d.norm(dim=1) <= TOLERANCE * b.norm(dim=1))).double().mean()  # NaN counts as off
+        rows_off = (~(d.norm(dim=1) <= tolerance * b.norm(dim=1))).double().mean()  # NaN counts as off
         out = torch.maximum(out, torch.stack([d.abs().max(), d.norm() / b.norm(), rows_off]).double())
     if dist.is_initialized():
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
@@ -140,18 +148,18 @@ def peak_gib(step: Callable[[], None], modules: list[torch.nn.Module], x: torch.
 
 
 def table(head: str, T: int, t: dict[str, float], mem: dict[str, float], failed: dict[str, str],
-          checks: dict[str, list[float]]) -> str:
+          checks: dict[str, list[float]], refs: tuple[str, ...], tolerance: float) -> str:
     def speedup(ref: str, ms: float) -> str:
         ref_ms = [v for n, v in t.items() if n.startswith(ref)]
         return f"{ref_ms[0] / ms:.2f}" if ref_ms else "–"
 
-    agreement = (f"vs torchtitan eager (output, input grad): rel error <= {max(c[1] for c in checks.values()):.2g}"
-                 f", rows off by > {TOLERANCE}: <= {max(c[2] for c in checks.values()):.2%}")
+    agreement = (f"vs {refs[-1]} (output, input grad): rel error <= {max(c[1] for c in checks.values()):.2g}"
+                 f", rows off by > {tolerance}: <= {max(c[2] for c in checks.values()):.2%}")
     lines = [head, agreement, "", "| candidate | fwd+bwd ms | tokens/s per GPU | peak step GiB | "
-             "speedup vs torchtitan compiled | speedup vs torchtitan eager |", "|---|---|---|---|---|---|"]
-    lines += [f"| {n} | {ms:.3f} | {T / ms * 1e3:,.0f} | {mem[n]:.2f} | {speedup('torchtitan compiled', ms)} | "
-              f"{speedup('torchtitan eager', ms)} |" for n, ms in t.items()]
-    return "\n".join(lines + [f"| {n} | {why} | | | | |" for n, why in failed.items()])
+             + " | ".join(f"speedup vs {r}" for r in refs) + " |", "|---|---|---|---|" + "---|" * len(refs)]
+    lines += [f"| {n} | {ms:.3f} | {T / ms * 1e3:,.0f} | {mem[n]:.2f} | "
+              + " | ".join(speedup(r, ms) for r in refs) + " |" for n, ms in t.items()]
+    return "\n".join(lines + [f"| {n} | {why} |" + " |" * (2 + len(refs)) for n, why in failed.items()])
 
 
 def main() -> None:
@@ -160,6 +168,7 @@ def main() -> None:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims, fp32, compile with aot_eager, no timing")
+    ap.add_argument("--fp8", action="store_true", help="FP8 rowwise experts on both sides (+ bf16 rows to compare)")
     args = ap.parse_args()
     try:
         from torchtitan.distributed.spmd_types import set_spmd_meshes
@@ -190,8 +199,15 @@ def main() -> None:
     torch.manual_seed(0)  # the same full weights on every rank
     moe = MoE(cfg).to(device=device, dtype=dtype)
     state = {k: v.detach().clone() for k, v in moe.state_dict().items()}
+    bf16_rows: dict[str, torch.nn.Module] = {}
+    if args.fp8:  # the bf16 rows to beat: our eager layer and torchtitan's compiled one
+        bf16_rows["spmdmoe bf16 eager"] = parallelize_moe(moe, ep_mesh=dist.group.WORLD) if world > 1 else moe
+        bf16_rows["torchtitan bf16 compiled"] = build_torchtitan(cfg, state, dtype, device, ep_mesh)
+        moe = MoE(dataclasses.replace(cfg, expert_precision="fp8_rowwise")).to(device=device, dtype=dtype)
+        moe.load_state_dict(state)
     ours = parallelize_moe(moe, ep_mesh=dist.group.WORLD) if world > 1 else moe
-    tt_eager, tt_comp = (build_torchtitan(cfg, state, dtype, device, ep_mesh) for _ in range(2))
+    tt_eager, tt_comp = (build_torchtitan(cfg, state, dtype, device, ep_mesh, args.fp8) for _ in range(2))
+    tag = " FP8" if args.fp8 else ""
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(T, D, device=device, dtype=dtype, generator=gen).requires_grad_()
     g = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
@@ -200,22 +216,22 @@ def main() -> None:
         return lambda t: m(t.view(1, T, D)).view(T, D)  # it takes (B, L, D)
 
     # name -> (forward, the module whose grads a step resets); a compiled one compiles on its first step
-    cands: dict[str, tuple[Fwd, torch.nn.Module]] = {"spmdmoe eager": (ours, ours)}
+    cands: dict[str, tuple[Fwd, torch.nn.Module]] = {f"spmdmoe{tag} eager": (ours, ours)}
     failed: dict[str, str] = {}
     for fullgraph in (True, False):
         ours_c = torch.compile(ours, fullgraph=fullgraph, backend=backend)
         if (err := first_step(ours_c, x, g)) is None:
-            cands[f"spmdmoe compiled ({'fullgraph' if fullgraph else 'graph breaks'})"] = (ours_c, ours)
+            cands[f"spmdmoe{tag} compiled ({'fullgraph' if fullgraph else 'graph breaks'})"] = (ours_c, ours)
             break
         if rank == 0:
             print(f"spmdmoe compiled, fullgraph={fullgraph}: {err}", flush=True)
     else:
-        failed["spmdmoe compiled"] = f"does not compile: {err}"
+        failed[f"spmdmoe{tag} compiled"] = f"does not compile: {err}"
     # gloo (smoke) lacks the uneven list all_to_all of its default backend: the functional one there
     tt_eager_fwd = on_backend("partial_dtensor", titan(tt_eager)) if args.smoke and world > 1 else titan(tt_eager)
-    cands["torchtitan eager"] = (tt_eager_fwd, tt_eager)
+    cands[f"torchtitan{tag} eager"] = (tt_eager_fwd, tt_eager)
     tt_comp.compile(fullgraph=True, backend=backend)
-    name, tt_fwd = "torchtitan compiled", titan(tt_comp)
+    name, tt_fwd = f"torchtitan{tag} compiled", titan(tt_comp)
     if (err := first_step(tt_fwd, x, g)) is not None and world > 1:
         failed[name] = f"does not compile: {err}"
         name, tt_fwd = "torchtitan compiled, partial_dtensor backend", on_backend("partial_dtensor", tt_fwd)
@@ -224,18 +240,28 @@ def main() -> None:
         cands[name] = (tt_fwd, tt_comp)
     else:
         failed[name] = f"does not compile: {err}"
+    for name, module in bf16_rows.items():
+        if "compiled" in name:
+            module.compile(fullgraph=True, backend=backend)
+        fwd = titan(module) if name.startswith("torchtitan") else module
+        if (err := first_step(fwd, x, g)) is None:
+            cands[name] = (fwd, module)
+        else:
+            failed[name] = f"does not run: {err}"
 
     x.grad = None
     y_ref = tt_eager_fwd(x)
     y_ref.backward(g)
     ref = (y_ref.detach(), x.grad.detach().clone())
-    checks = {n: compare(fwd, ref, x, g) for n, (fwd, _) in cands.items() if n != "torchtitan eager"}
+    # FP8 rows carry about 24 dB of quantization noise each (and the two sides round scales differently)
+    tolerance = TOLERANCE_FP8 if args.fp8 else TOLERANCE
+    checks = {n: compare(fwd, ref, x, g, tolerance) for n, (fwd, _) in cands.items() if n != f"torchtitan{tag} eager"}
     for n, (abs_err, rel_err, off) in checks.items() if rank == 0 else ():
-        print(f"{n} vs torchtitan eager (output, input grad): max abs diff {abs_err:.3g}, rel error "
-              f"{rel_err:.3g}, rows off by > {TOLERANCE}: {off:.3%}", flush=True)
+        print(f"{n} vs torchtitan{tag} eager (output, input grad): max abs diff {abs_err:.3g}, rel error "
+              f"{rel_err:.3g}, rows off by > {tolerance}: {off:.3%}", flush=True)
     if bad := {n: c for n, c in checks.items() if not c[2] <= ROWS_OFF}:
         sys.exit(f"vs_torchtitan: more than {ROWS_OFF:.0%} of rows differ from torchtitan eager's beyond relative "
-                 f"error {TOLERANCE}: {bad} (max abs, rel, fraction of rows): not the same layer; not timing it")
+                 f"error {tolerance}: {bad} (max abs, rel, fraction of rows): not the same layer; not timing it")
 
     if args.smoke:
         if rank == 0:
@@ -250,14 +276,16 @@ def main() -> None:
 
         steps = {n: step_of(fwd, module) for n, (fwd, module) in cands.items()}
         t = timed(steps, args.iters, args.reps)
-        mem = {n: peak_gib(step, [ours, tt_eager, tt_comp], x) for n, step in steps.items()}
+        mem = {n: peak_gib(step, [ours, tt_eager, tt_comp, *bf16_rows.values()], x) for n, step in steps.items()}
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         head = (f"device: {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}, torchtitan "
                 f"{importlib.metadata.version('torchtitan')}, {date}, "
                 f"`torchrun --nproc-per-node {world} {' '.join(sys.argv)}`\n"
-                f"bf16, D={D} F={F} E={E} K={K} T/rank={T}, EP={world}")
+                f"{'FP8 rowwise experts' if args.fp8 else 'bf16'}, D={D} F={F} E={E} K={K} T/rank={T}, EP={world}")
+        refs = (("spmdmoe bf16 eager", "torchtitan bf16 compiled", "torchtitan FP8 compiled", "torchtitan FP8 eager")
+                if args.fp8 else ("torchtitan compiled", "torchtitan eager"))
         if rank == 0:
-            report(table(head, T, t, mem, failed, checks), args.out)
+            report(table(head, T, t, mem, failed, checks, refs, tolerance), args.out)
     if world > 1:
         dist.destroy_process_group()
 

@@ -109,7 +109,8 @@ def test_compiled_up_projection_reads_packed_weights_without_copy():
     """Under compile (bf16: torch's grouped GEMM) the up-projection reads ``[w1 | w3]`` as a view of their
     shared storage, as eager does: no ``cat`` of the weights in the forward graph (it cost a 0.7 GB copy per
     step at E=64). ``unpack()`` changes the parameters' strides, so Dynamo recompiles and the new graph
-    concatenates; the outputs and gradients equal eager's before and after."""
+    concatenates; the outputs and gradients equal eager's before and after, within bf16 rounding (``2e-2`` of
+    the largest magnitude: ``aot_eager`` decomposes some of the router's ops)."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
@@ -135,8 +136,9 @@ def test_compiled_up_projection_reads_packed_weights_without_copy():
             y = fn(xi)
             y.float().square().sum().backward()
             outs.append([y, xi.grad, *(p.grad for p in module.parameters())])
-        for a, b in zip(*outs):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for k, (a, b) in enumerate(zip(*outs)):
+            atol = 2e-2 * max(float(b.abs().max()), 1.0)
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=atol, msg=lambda m: f"step {step} item {k}: {m}")
     first, last = backend.fw_graphs[0], backend.fw_graphs[-1]
     assert len(backend.fw_graphs) == 2
     assert weight_cats(first) == 0 and any(n.target is torch.ops.aten.as_strided.default for n in first.graph.nodes)

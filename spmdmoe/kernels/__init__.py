@@ -7,11 +7,15 @@ elsewhere; :mod:`spmdmoe.kernels.backend`).
 
 * :func:`fan_out`: rows into ``J`` copies each (dispatch permute; combine backward);
 * :func:`gather_sum`: the fp32 sum of ``J`` rows each, optionally weighted (combine; permute backward);
-* :func:`swiglu_forward` / :func:`swiglu_backward`: offset-aware SwiGLU over the valid rows only.
+* :func:`swiglu_forward` / :func:`swiglu_backward`: offset-aware SwiGLU over the valid rows only;
+* :func:`quantize_rows`: rowwise FP8 scale+cast in one pass, valid rows only;
+* :func:`quantize_cols_pair`: the two wgrad operands' per-group columnwise FP8, 16-row aligned, one launch.
 """
 
 from .backend import COMPILED, kernel_backend, set_kernel_backend, use_triton
 from .fan_out import fan_out, fan_out_reference, fan_out_triton
+from .fp8_cols import quantize_cols_pair, quantize_cols_pair_reference, quantize_cols_pair_triton
+from .fp8_rows import quantize_rows, quantize_rows_reference, quantize_rows_triton
 from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
 from .swiglu import (
     swiglu_backward,
@@ -28,4 +32,6 @@ __all__ = [
     "gather_sum", "gather_sum_reference", "gather_sum_triton",
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
     "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
+    "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
+    "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",
 ]

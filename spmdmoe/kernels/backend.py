@@ -29,6 +29,8 @@ COMPILED: dict[str, Literal["triton", "torch"]] = {
     "fan_out": "triton",
     "gather_sum": "triton",
     "swiglu": "triton",
+    "fp8_rows": "triton",
+    "fp8_cols": "triton",
 }
 
 

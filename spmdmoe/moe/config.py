@@ -41,6 +41,10 @@ class MoEConfig:
             gradient is computed in fp32 and rounded once to the parameter
             dtype) or ``"input"`` (the activations' dtype: cheaper, but with
             bf16 activations about 2 % of tokens pick another expert set).
+        expert_precision: the routed experts' GEMMs: ``"bf16"`` (default: the
+            activations' dtype) or ``"fp8_rowwise"`` (e4m3 operands with rowwise
+            scales, bf16 master weights and gradients; ``spmdmoe.moe.fp8``). The
+            router, shared experts and combine keep the activations' dtype.
 
     >>> MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2).num_experts
     4
@@ -63,6 +67,7 @@ class MoEConfig:
     load_balance_coeff: Optional[float] = None
     aux_loss_coeff: Optional[float] = None
     router_dtype: Literal["float32", "input"] = "float32"
+    expert_precision: Literal["bf16", "fp8_rowwise"] = "bf16"
 
     def __post_init__(self) -> None:
         for name in ("dim", "hidden_dim", "num_experts"):
@@ -80,6 +85,9 @@ class MoEConfig:
             raise MoEConfigError(f"score_func must be 'softmax' or 'sigmoid', found {self.score_func!r}")
         if self.router_dtype not in ("float32", "input"):
             raise MoEConfigError(f"router_dtype must be 'float32' or 'input', found {self.router_dtype!r}")
+        if self.expert_precision not in ("bf16", "fp8_rowwise"):
+            raise MoEConfigError(
+                f"expert_precision must be 'bf16' or 'fp8_rowwise', found {self.expert_precision!r}")
         self._check_groups()
 
     def _check_groups(self) -> None:

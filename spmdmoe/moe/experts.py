@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..kernels import swiglu_backward, swiglu_forward
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
+from .fp8 import Fp8WeightCache, fp8_swiglu, quantize_weights
 from .gemm import plain_tensor, grouped_mm, grouped_mm_pair, joined
 from .grads import sync_grads
 
@@ -34,13 +35,18 @@ class GroupedExperts(nn.Module):
 
     ``grad_axis``: an SP axis the parameters are replicated along (set by
     ``parallelize_moe``); their fresh gradients are summed over it.
+    ``precision``: ``"bf16"`` (the activations' dtype) or ``"fp8_rowwise"`` (``spmdmoe.moe.fp8``; the
+    quantized weights are cached in ``fp8_cache`` until a parameter changes; ``fp8_cache = None``
+    quantizes them every call, as ``fully_shard_moe`` sets it).
     """
 
     grad_axis: Optional[MeshAxis] = None
     packing: bool = True  # keep w1 and w3 packed side by side (see pack)
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, precision: str = "bf16"):
         super().__init__()
+        self.precision = precision
+        self.fp8_cache: Optional[Fp8WeightCache] = Fp8WeightCache() if precision == "fp8_rowwise" else None
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -87,6 +93,11 @@ class GroupedExperts(nn.Module):
         weights = [self.w1, self.w2, self.w3]
         if self.grad_axis is not None:
             weights = sync_grads(weights, self.grad_axis)
+        if self.precision == "fp8_rowwise" and weights[0].shape[1] > 0:
+            params = (self.w1, self.w2, self.w3)
+            quantized = self.fp8_cache.get(params, tuple(weights)) if self.fp8_cache else quantize_weights(*weights)
+            assert routed.valid_rows is not None
+            return fp8_swiglu(routed.x_RD, routed.group_offsets, routed.valid_rows, *weights, quantized)
         return grouped_swiglu(routed, *weights)
 
 

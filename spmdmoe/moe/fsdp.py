@@ -62,6 +62,7 @@ def fully_shard_moe(model: ModuleT, *, blocks: Iterable[nn.Module] = (), **kwarg
     layers = [m for m in model.modules() if isinstance(m, ParallelMoE)]
     for layer in layers:
         layer.experts.unpack()  # FSDP2 takes contiguous parameters only
+        layer.experts.fp8_cache = None  # each forward gathers the weights afresh: quantize them per call
     dense = layers[0].batch_reductions()[0]
     units: list[tuple[nn.Module, Optional[DeviceMesh]]] = []
     for layer in layers:

@@ -187,7 +187,7 @@ class MoE(_Layer):
             if config.num_shared_experts
             else None
         )
-        experts = GroupedExperts(config.num_experts, config.dim, config.hidden_dim)
+        experts = GroupedExperts(config.num_experts, config.dim, config.hidden_dim, config.expert_precision)
         self._build(config, Router(config), experts, shared, torch.zeros(config.num_experts, dtype=torch.float32))
         self.transport = LocalTransport(config.num_experts)
         install_hooks(self, None)

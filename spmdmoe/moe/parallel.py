@@ -151,7 +151,7 @@ class ParallelMoE(_Layer):
         else:
             hidden = slice(0, cfg.hidden_dim)
         src = moe.experts
-        experts = GroupedExperts(e, cfg.dim, hidden.stop - hidden.start).to(device=src.w1.device, dtype=src.w1.dtype)
+        experts = GroupedExperts(e, cfg.dim, hidden.stop - hidden.start, cfg.expert_precision).to(device=src.w1.device, dtype=src.w1.dtype)
         with torch.no_grad():
             experts.w1.copy_(src.w1[experts_slice, hidden])
             experts.w2.copy_(src.w2[experts_slice, :, hidden])

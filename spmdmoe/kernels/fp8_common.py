@@ -1,0 +1,54 @@
+"""What the FP8 quantizers share: the e4m3 format, the scale rule, and the rounding.
+
+A row (or a group's column) of values ``v`` with ``amax = max(|v|, EPS)`` is
+stored as ``q = e4m3(clamp(v * (448 / amax), -448, 448))`` with the fp32
+dequantization factor ``s = amax / 448`` (``v ≈ q * s``, what
+``torch._scaled_grouped_mm`` takes). ``EPS`` keeps an all-zero row finite
+(``q = 0``, ``s = EPS / 448``): no inf, no NaN. Both divisions are IEEE
+(``div_rn`` in Triton), the product one fp32 rounding, and the cast to e4m3
+round-to-nearest-even, so a kernel and its reference agree bit for bit.
+
+The kernels round to e4m3 in fp32 arithmetic themselves (:func:`round_e4m3`)
+and then cast an exactly representable value: Triton's interpreter
+(``TRITON_INTERPRET=1``, 3.9) rounds a carry into the next binade wrongly
+(125.6 -> 64 instead of 128), hardware does not; rounding first makes both exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["FP8", "FP8_MAX", "EPS", "FP8_MAX_C", "EPS_C", "quantize_reference", "round_e4m3"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+EPS = 1e-12
+FP8_MAX_C = tl.constexpr(FP8_MAX)  # the same, readable inside @triton.jit
+EPS_C = tl.constexpr(EPS)
+
+
+@triton.jit
+def round_e4m3(v):
+    """fp32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, still fp32."""
+    bits = v.to(tl.int32, bitcast=True)
+    # normal e4m3 (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, round to nearest even
+    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 = ~0xFFFFF
+    normal = kept.to(tl.float32, bitcast=True)
+    # subnormal e4m3 (|v| < 2^-6): multiples of 2^-9; adding 1.5 * 2^14 rounds there, ties to even (on
+    # |v|, the sign put back after, so that -0 and tiny negatives stay -0 as torch's cast keeps them)
+    magic = 24576.0
+    a = tl.abs(v)
+    sub = (a + magic) - magic
+    return tl.where(a < 0.015625, tl.where(bits < 0, -sub, sub), normal)
+
+
+def quantize_reference(v: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, s)`` of fp32 values ``v`` for an ``amax`` that broadcasts against them (already reduced)."""
+    amax = amax.clamp(min=EPS)
+    # true divisions, tensor by tensor: torch computes ``448 / tensor`` as ``reciprocal(tensor) * 448`` and,
+    # on CUDA, ``tensor / 448`` as ``tensor * (1 / 448)``, each 1 ulp off at times
+    full = torch.full_like(amax, FP8_MAX)
+    q = (v * (full / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, amax / full

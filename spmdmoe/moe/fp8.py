@@ -1,0 +1,200 @@
+"""FP8 rowwise routed experts (``MoEConfig(expert_precision="fp8_rowwise")``).
+
+Legend: ``R`` routed rows in the buffer, ``D`` model dim, ``F`` expert hidden
+dim (this rank's slice), ``e`` local experts, ``P`` rows of the 16-aligned
+wgrad layout (:func:`spmdmoe.kernels.fp8_cols.padded_rows`).
+
+The experts' three GEMMs run in e4m3 with fp32 scales (``torch._scaled_grouped_mm``,
+fast accumulation, bf16 out); everything else (router, shared experts, combine,
+master weights and their gradients) stays in the activations' precision:
+
+* forward ``h13 = x @ [w1 | w3]^T`` and ``y = h @ w2^T``, dgrad ``dh = dy @ w2`` and
+  ``dx = dh13 @ [w1 | w3]``: the row operand quantized per row straight from
+  the routed buffer (valid rows only, :func:`spmdmoe.kernels.quantize_rows`),
+  the weight per output column; any group size, no padding;
+* wgrad ``dw2[g] = dy[g]^T @ h[g]`` and ``dw1|dw3[g] = dh13[g]^T @ x[g]``: both
+  operands quantized per (group, column) by ONE launch that writes them
+  transposed into a 16-row-aligned layout with zero pad rows
+  (:func:`spmdmoe.kernels.quantize_cols_pair`): the only padding of the path.
+
+Weights are quantized once per optimizer step, in the two layouts the GEMMs
+want (:class:`Fp8WeightCache`), and the forward's quantized weights are what
+its backward uses (saved, as autograd saves any operand). On CPU, on GPUs
+without sm90, and for dims that are not multiples of 16, the same path runs
+emulated: the same quantizers (their references on CPU), the same alignment,
+then dequantize and an ordinary GEMM; a CUDA device takes that route with a
+one-time warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from ..host import to_host
+from ..kernels import quantize_cols_pair, quantize_rows, swiglu_backward, swiglu_forward
+from .gemm import grouped_mm, joined
+
+__all__ = ["Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
+
+_scaled = getattr(torch, "_scaled_grouped_mm", None)
+_warned: list[bool] = [False]
+
+
+def fp8_native(x: torch.Tensor, *dims: int) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` runs here: a CUDA device of sm90 or later, every GEMM dim a
+    multiple of 16. Warns once when a CUDA device must emulate."""
+    if not x.is_cuda or _scaled is None:
+        return False
+    ok = torch.cuda.get_device_capability(x.device) >= (9, 0) and all(d % 16 == 0 and d > 0 for d in dims)
+    if not ok and not _warned[0] and not torch.compiler.is_compiling():
+        _warned[0] = True
+        warnings.warn(f"fp8_rowwise experts need sm90+ and dims that are multiples of 16 (found {dims}); "
+                      "emulating them (quantize, dequantize, bf16 GEMM): same numerics, no speed-up", stacklevel=3)
+    return ok
+
+
+class Fp8Weights(NamedTuple):
+    """The quantized weights, in the GEMMs' column-major layouts (``(q, s)`` pairs, ``s`` fp32 per column).
+
+    ``up`` = ``[w1 | w3]`` as ``(e, 2F, D)`` (forward: per (expert, hidden unit) over D); ``up_t`` its
+    transpose ``(e, D, 2F)`` (dgrad: per (expert, model unit) over 2F); ``down`` = ``w2`` ``(e, D, F)``
+    (forward, per (expert, model unit)); ``down_t`` its transpose ``(e, F, D)`` (dgrad)."""
+
+    up: torch.Tensor
+    up_s: torch.Tensor
+    up_t: torch.Tensor
+    up_t_s: torch.Tensor
+    down: torch.Tensor
+    down_s: torch.Tensor
+    down_t: torch.Tensor
+    down_t_s: torch.Tensor
+
+
+def _rows3(w_eAB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each ``(expert, row)`` of a 3-D weight over its last dim: ``(q_eAB, s_eA)``."""
+    e, A, B = w_eAB.shape
+    q, s = quantize_rows(w_eAB.reshape(e * A, B))
+    return q.view(e, A, B), s.view(e, A)
+
+
+def quantize_weights(w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor) -> Fp8Weights:
+    """Both layouts of both weights (one pass each; the transposes are copies, once per step)."""
+    with torch.no_grad():
+        up = joined(w1_eFD, w3_eFD)
+        if up is None:
+            up = torch.cat([w1_eFD, w3_eFD], dim=1)
+        return Fp8Weights(*_rows3(up), *_rows3(up.transpose(1, 2).contiguous()),
+                          *_rows3(w2_eDF), *_rows3(w2_eDF.transpose(1, 2).contiguous()))
+
+
+class Fp8WeightCache:
+    """The quantized weights of one ``GroupedExperts``, rebuilt when a parameter changes.
+
+    The key is each parameter's version counter (bumped by every in-place op: an optimizer step,
+    ``load_state_dict``'s copies, ``with torch.no_grad(): w.mul_(2)``), its data pointer and shape
+    (``.to()``, a ``.data`` swap), so a stale entry cannot be served. Edits through ``.data`` bypass
+    the version counter: call :meth:`invalidate` after them. Under ``torch.compile`` the weights are
+    quantized in the graph each call (a Python cache cannot be traced); with FSDP2
+    (``fully_shard_moe``) each forward's weights are freshly gathered, so the experts skip the cache.
+    """
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self._weights: Optional[Fp8Weights] = None
+
+    def invalidate(self) -> None:
+        self._key, self._weights = None, None
+
+    def get(self, params: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...]) -> Fp8Weights:
+        """The quantized ``weights`` (the values of ``params``, perhaps through an autograd identity)."""
+        if torch.compiler.is_compiling():
+            return quantize_weights(*weights)
+        key = tuple((p._version, p.data_ptr(), tuple(p.shape), p.dtype, p.device) for p in params)
+        if key != self._key or self._weights is None:
+            self._weights, self._key = quantize_weights(*weights), key
+        return self._weights
+
+
+def _mm_rows(q_MK: torch.Tensor, s_M: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor,
+             offsets_e: torch.Tensor, out_dtype: torch.dtype, native: bool) -> torch.Tensor:
+    """``y[rows of g] = (q * s)[rows] @ (w[g] * s[g])^T`` (2-D x 3-D, any group sizes)."""
+    if native:
+        y = _scaled(q_MK, w_eNK.transpose(1, 2), s_M, s_eN, offs=offsets_e, out_dtype=torch.bfloat16,
+                    use_fast_accum=True)
+        return y.to(out_dtype)
+    x = q_MK.to(torch.float32) * s_M[:, None]
+    w = w_eNK.to(torch.float32) * s_eN[:, :, None]
+    return grouped_mm(x, w, offsets_e).to(out_dtype)
+
+
+def _mm_groups(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb_eB: torch.Tensor,
+               padded_e: torch.Tensor, out_dtype: torch.dtype, native: bool) -> torch.Tensor:
+    """``out[g] = (a[g] * sa[g])^T-ish``: per group ``g``, ``qa[:, rows of g] @ qb[:, rows of g]^T`` scaled,
+    ``(e, A, B)`` (2-D x 2-D, groups 16-aligned, pad rows zero)."""
+    e = padded_e.shape[0]
+    if native:
+        out = _scaled(qa_AP, qb_BP.t(), sa_eA.reshape(-1), sb_eB.reshape(-1), offs=padded_e,
+                      out_dtype=torch.bfloat16, use_fast_accum=True)
+        return out.to(out_dtype)
+    a, b = qa_AP.to(torch.float32), qb_BP.to(torch.float32)
+    if torch.compiler.is_compiling():  # shape-static: one masked GEMM per group
+        group_P = torch.searchsorted(padded_e, torch.arange(a.shape[1], device=a.device, dtype=padded_e.dtype),
+                                     right=True)
+        mask_eP = (group_P[None, :] == torch.arange(e, device=a.device)[:, None]).to(a.dtype)
+        out = torch.bmm(a[None] * mask_eP[:, None, :], b.t()[None].expand(e, -1, -1))
+    else:
+        ends = to_host(padded_e)
+        starts = [0, *ends[:-1]]
+        out = torch.stack([a[:, s:t] @ b[:, s:t].t() for s, t in zip(starts, ends)]) if e else \
+            a.new_zeros((0, a.shape[0], b.shape[0]))
+    return (out * sa_eA[:, :, None] * sb_eB[:, None, :]).to(out_dtype)
+
+
+class _Fp8SwiGLU(torch.autograd.Function):
+    """``y = (silu(x @ w1^T) * (x @ w3^T)) @ w2^T`` per group, the three GEMMs in FP8 (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx: Any, x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor,  # type: ignore[override]
+                w3_eFD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, *wq: torch.Tensor) -> torch.Tensor:
+        q = Fp8Weights(*wq)
+        native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
+        xq, sx = quantize_rows(x_RD, valid)
+        h13_R2F = _mm_rows(xq, sx, q.up, q.up_s, offsets_e, x_RD.dtype, native)
+        h_RF = swiglu_forward(h13_R2F, valid)
+        hq, sh = quantize_rows(h_RF, valid)
+        y_RD = _mm_rows(hq, sh, q.down, q.down_s, offsets_e, x_RD.dtype, native)
+        ctx.native = native
+        ctx.w_dtype = w1_eFD.dtype
+        ctx.save_for_backward(x_RD, h13_R2F, h_RF, offsets_e, valid, q.up_t, q.up_t_s, q.down_t, q.down_t_s)
+        return y_RD
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_RD: torch.Tensor) -> Any:  # type: ignore[override]
+        x_RD, h13_R2F, h_RF, offsets_e, valid, up_t, up_t_s, down_t, down_t_s = ctx.saved_tensors
+        native, F = ctx.native, h_RF.shape[1]
+        g_RD = g_RD.contiguous()
+        gq, sg = quantize_rows(g_RD, valid)
+        dh_RF = _mm_rows(gq, sg, down_t, down_t_s, offsets_e, g_RD.dtype, native)
+        dh13_R2F = swiglu_backward(dh_RF, h13_R2F, valid)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dq, sd = quantize_rows(dh13_R2F, valid)
+            dx = _mm_rows(dq, sd, up_t, up_t_s, offsets_e, g_RD.dtype, native)
+        # wgrad: both operands of each GEMM quantized per (group, column) by one launch, 16-aligned
+        qg, qh, sg_eD, sh_eF, padded_e = quantize_cols_pair(g_RD, h_RF, offsets_e)
+        dw2 = _mm_groups(qg, qh, sg_eD, sh_eF, padded_e, ctx.w_dtype, native)
+        q13, qx, s13, sx_eD, padded_e = quantize_cols_pair(dh13_R2F, x_RD, offsets_e)
+        dw1 = _mm_groups(q13[:F], qx, s13[:, :F].contiguous(), sx_eD, padded_e, ctx.w_dtype, native)
+        dw3 = _mm_groups(q13[F:], qx, s13[:, F:].contiguous(), sx_eD, padded_e, ctx.w_dtype, native)
+        return (dx, dw1, dw2, dw3, None, None) + (None,) * len(Fp8Weights._fields)
+
+
+def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, w1_eFD: torch.Tensor,
+               w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights) -> torch.Tensor:
+    """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
+    ``quantized``: the weights' FP8 copies (:meth:`Fp8WeightCache.get` or :func:`quantize_weights`)."""
+    return _Fp8SwiGLU.apply(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, *quantized)

@@ -1,0 +1,113 @@
+"""The FP8 quantizers against their plain-torch references, on fresh random data.
+
+Bit-exact: both compute ``amax``, ``448 / amax`` (an IEEE division), one fp32
+product and a round-to-nearest-even cast, so ``q`` and ``s`` must be equal
+bit for bit (``tests/test_kernels.py`` explains the CPU interpreter set-up).
+Also checked against the format itself: every dequantized value within half
+an e4m3 step of the input, scales finite and positive on all-zero rows, pad
+rows zero, rows past the valid count (NaN here) never read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmdmoe import kernels as K
+from spmdmoe.kernels.fp8_cols import padded_rows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float32]
+# (R, C): odd sizes, wider than one tile (the two-read path), one column, empty
+ROW_SHAPES = [(7, 33), (5, 5000), (4, 16), (0, 8), (3, 1)]
+# group sizes (empty groups first, last, between), rows past the last group, columns of the two operands
+GROUPS = [([3, 0, 17, 5], 4, 33, 20), ([0, 0], 0, 16, 16), ([40], 3, 70, 5), ([0, 9, 0], 1, 8, 24), ([1], 0, 3, 1)]
+if DEVICE == "cuda":
+    ROW_SHAPES += [(4099, 2048), (333, 2816), (65, 1408)]
+    GROUPS += [([700, 0, 1301, 15, 16, 1], 37, 2048, 1408)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _assert_equal(got, want, what):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, i, a.shape, b.shape, a.dtype, b.dtype)
+        assert torch.equal(_bits(a), _bits(b)), f"{what}: output {i} differs in {int((_bits(a) != _bits(b)).sum())} places"
+
+
+def _within_half_step(q: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> None:
+    """``q * s`` is ``x`` rounded to e4m3 on ``x``'s scale: within 2^-4 relative (normal) or half a
+    subnormal step (2^-10 of 448 scale units)."""
+    deq = q.float() * s
+    err = (deq - x.float()).abs()
+    bound = torch.maximum(x.float().abs() * 2.0 ** -4, s * 2.0 ** -10) * (1 + 1e-6)
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+def _rows_input(R: int, C: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    tiny = 1e-20 if dtype == torch.bfloat16 else 1e-30
+    mags = torch.tensor([1.0, 3e4, tiny, 0.0, 7.5])[torch.arange(R) % 5]  # huge, tiny and all-zero rows
+    return (torch.randn(R, C, generator=gen) * mags[:, None]).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,C", ROW_SHAPES)
+@pytest.mark.parametrize("cut", [None, 2])
+def test_quantize_rows(R, C, dtype, cut):
+    gen = torch.Generator().manual_seed(R * 7919 + C)
+    x = _rows_input(R, C, dtype, gen)
+    valid = None
+    n = R
+    if cut is not None:
+        n = max(R - cut, 0)
+        valid = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+        x[n:] = float("nan")  # past the device-side count: never read
+    got = K.quantize_rows_triton(x, valid)
+    want = K.quantize_rows_reference(x, valid)
+    _assert_equal([t[:n] for t in got], [t[:n] for t in want], "rows")
+    q, s = want
+    assert torch.isfinite(s[:n]).all() and (s[:n] > 0).all()
+    _within_half_step(q[:n], s[:n, None], x[:n])
+    if n:
+        torch.testing.assert_close(s[:n] * 448, x[:n].float().abs().amax(1).clamp(min=1e-12), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes,extra,A,B", GROUPS)
+def test_quantize_cols_pair(sizes, extra, A, B, dtype):
+    gen = torch.Generator().manual_seed(sum(sizes) * 31 + A * 7 + B)
+    R, e = sum(sizes) + extra, len(sizes)
+    a = _rows_input(R, A, dtype, gen)
+    b = (torch.randn(R, B, generator=gen) * 0.01).to(DEVICE, dtype)
+    a[R - extra:] = float("nan")  # a capacity buffer's tail: never read
+    b[R - extra:] = float("nan")
+    offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)
+    got = K.quantize_cols_pair_triton(a, b, offsets)
+    want = K.quantize_cols_pair_reference(a, b, offsets)
+    _assert_equal(got, want, "cols")
+    qa, qb, sa, sb, padded = want
+    P = padded_rows(R, e)
+    assert qa.shape == (A, P) and qb.shape == (B, P) and sa.shape == (e, A) and sb.shape == (e, B)
+    ends = padded.tolist()
+    assert padded.dtype == torch.int32 and ends[-1] == P and all(v % 16 == 0 for v in ends)
+    start, pstart = 0, 0
+    for g, size in enumerate(sizes):
+        for x, q, s in ((a, qa, sa), (b, qb, sb)):
+            rows = x[start:start + size].float()  # (size, C)
+            assert torch.isfinite(s[g]).all() and (s[g] > 0).all()
+            _within_half_step(q[:, pstart:pstart + size].t(), s[g][None, :], rows)
+            assert (_bits(q[:, pstart + size:ends[g]]) == 0).all(), "pad rows must be zero"
+        start, pstart = start + size, ends[g]
+
+
+def test_cols_pair_scales_are_per_group():
+    """A group's scale sees only its own rows: a huge row in group 0 leaves group 1's scale alone."""
+    a = torch.ones(6, 4, device=DEVICE)
+    a[0] = 1000.0
+    offsets = torch.tensor([2, 6], dtype=torch.int32, device=DEVICE)
+    for impl in (K.quantize_cols_pair_triton, K.quantize_cols_pair_reference):
+        _, _, sa, _, _ = impl(a, a, offsets)
+        assert torch.equal(sa[0], torch.full((4,), 1000.0 / 448, device=DEVICE))
+        assert torch.equal(sa[1], torch.full((4,), 1.0 / 448, device=DEVICE))
