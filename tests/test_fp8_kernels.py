@@ -34,7 +34,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _assert_equal(got, want, what):
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.shape == b.shape and a.dtype == b.dtype, (what, i, a.shape, b.shape, a.dtype, b.dtype)
-        assert torch.equal(_bits(a), _bits(b)), f"{what}: output {i} differs in {int((_bits(a) != _bits(b)).sum())} places"
+        bad = (_bits(a) != _bits(b)).nonzero()
+        assert bad.numel() == 0, (f"{what}: output {i} differs in {bad.shape[0]} places, first at "
+                                  f"{bad[:4].tolist()}: got {a[tuple(bad[:4].t())].float().tolist()}, "
+                                  f"want {b[tuple(bad[:4].t())].float().tolist()}")
 
 
 def _within_half_step(q: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> None:

@@ -45,7 +45,7 @@ __all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", 
 
 ALIGN = 16
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
-CONFIG = {"block_r": 64, "block_c": 64, "num_warps": 4}
+CONFIG = {"block_r": 128, "block_c": 64, "num_warps": 4}
 
 
 def padded_rows(R: int, e: int) -> int:

@@ -12,6 +12,7 @@ The kernels round to e4m3 in fp32 arithmetic themselves (:func:`round_e4m3`)
 and then cast an exactly representable value: Triton's interpreter
 (``TRITON_INTERPRET=1``, 3.9) rounds a carry into the next binade wrongly
 (125.6 -> 64 instead of 128), hardware does not; rounding first makes both exact.
+A zero is stored as +0 (the GPU's conversion and torch's disagree on -0 otherwise).
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ def round_e4m3(v):
     kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 = ~0xFFFFF
     normal = kept.to(tl.float32, bitcast=True)
     # subnormal e4m3 (|v| < 2^-6): multiples of 2^-9; adding 1.5 * 2^14 rounds there, ties to even (on
-    # |v|, the sign put back after, so that -0 and tiny negatives stay -0 as torch's cast keeps them)
+    # |v|, the sign put back after)
     magic = 24576.0
     a = tl.abs(v)
     sub = (a + magic) - magic
-    return tl.where(a < 0.015625, tl.where(bits < 0, -sub, sub), normal)
+    q = tl.where(a < 0.015625, tl.where(bits < 0, -sub, sub), normal)
+    return tl.where(q == 0.0, 0.0, q)  # -0 -> +0
 
 
 def quantize_reference(v: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,4 +53,5 @@ def quantize_reference(v: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tenso
     # on CUDA, ``tensor / 448`` as ``tensor * (1 / 448)``, each 1 ulp off at times
     full = torch.full_like(amax, FP8_MAX)
     q = (v * (full / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = torch.where(q.view(torch.uint8) == 0x80, 0, q.view(torch.uint8)).view(FP8)  # -0 -> +0, as the kernels
     return q, amax / full

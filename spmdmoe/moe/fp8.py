@@ -164,17 +164,17 @@ class _Fp8SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor,  # type: ignore[override]
-                w3_eFD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, *wq: torch.Tensor) -> torch.Tensor:
-        q = Fp8Weights(*wq)
-        native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
+                w3_eFD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, up: torch.Tensor,
+                up_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor, down: torch.Tensor,
+                down_s: torch.Tensor, down_t: torch.Tensor, down_t_s: torch.Tensor, native: bool) -> torch.Tensor:
         xq, sx = quantize_rows(x_RD, valid)
-        h13_R2F = _mm_rows(xq, sx, q.up, q.up_s, offsets_e, x_RD.dtype, native)
+        h13_R2F = _mm_rows(xq, sx, up, up_s, offsets_e, x_RD.dtype, native)
         h_RF = swiglu_forward(h13_R2F, valid)
         hq, sh = quantize_rows(h_RF, valid)
-        y_RD = _mm_rows(hq, sh, q.down, q.down_s, offsets_e, x_RD.dtype, native)
+        y_RD = _mm_rows(hq, sh, down, down_s, offsets_e, x_RD.dtype, native)
         ctx.native = native
         ctx.w_dtype = w1_eFD.dtype
-        ctx.save_for_backward(x_RD, h13_R2F, h_RF, offsets_e, valid, q.up_t, q.up_t_s, q.down_t, q.down_t_s)
+        ctx.save_for_backward(x_RD, h13_R2F, h_RF, offsets_e, valid, up_t, up_t_s, down_t, down_t_s)
         return y_RD
 
     @staticmethod
@@ -196,11 +196,13 @@ class _Fp8SwiGLU(torch.autograd.Function):
         q13, qx, s13, sx_eD, padded_e = quantize_cols_pair(dh13_R2F, x_RD, offsets_e)
         dw1 = _mm_groups(q13[:F], qx, s13[:, :F].contiguous(), sx_eD, padded_e, ctx.w_dtype, native)
         dw3 = _mm_groups(q13[F:], qx, s13[:, F:].contiguous(), sx_eD, padded_e, ctx.w_dtype, native)
-        return (dx, dw1, dw2, dw3, None, None) + (None,) * len(Fp8Weights._fields)
+        return (dx, dw1, dw2, dw3) + (None,) * (3 + len(Fp8Weights._fields))
 
 
 def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, w1_eFD: torch.Tensor,
                w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights) -> torch.Tensor:
     """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
     ``quantized``: the weights' FP8 copies (:meth:`Fp8WeightCache.get` or :func:`quantize_weights`)."""
-    return _Fp8SwiGLU.apply(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, *quantized)
+    # the GEMM choice is made here, outside the autograd.Function, and passed in as a constant
+    native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
+    return _Fp8SwiGLU.apply(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, *quantized, native)
