@@ -20,10 +20,11 @@ master weights and their gradients) stays in the activations' precision:
 Weights are quantized once per optimizer step, in the two layouts the GEMMs
 want (:class:`Fp8WeightCache`), and the forward's quantized weights are what
 its backward uses (saved, as autograd saves any operand). On CPU, on GPUs
-without sm90, and for dims that are not multiples of 16, the same path runs
-emulated: the same quantizers (their references on CPU), the same alignment,
-then dequantize and an ordinary GEMM; a CUDA device takes that route with a
-one-time warning.
+without sm90, for dims that are not multiples of 16, and under
+``torch.compile`` (see :func:`fp8_native`), the same path runs emulated: the
+same quantizers (their references on CPU), the same alignment, then
+dequantize and an ordinary GEMM (bf16 for a bf16 layer on CUDA, fp32
+elsewhere); an eager CUDA device takes that route with a one-time warning.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .gemm import grouped_mm, joined
 __all__ = ["Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
 
 _scaled = getattr(torch, "_scaled_grouped_mm", None)
+_grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _warned: list[bool] = [False]
 
 
@@ -50,8 +52,14 @@ def _sm90(index: int) -> bool:
 
 def fp8_native(x: torch.Tensor, *dims: int) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs here: a CUDA device of sm90 or later, every GEMM dim a
-    multiple of 16 (and some rows). Warns once when a CUDA device must emulate."""
-    if not x.is_cuda or _scaled is None or x.shape[0] == 0:
+    multiple of 16 (and some rows), not under ``torch.compile``. Warns once when a CUDA device must emulate.
+
+    Under ``torch.compile`` the GEMMs are emulated (bf16 GEMMs on the dequantized operands, the same
+    quantizers): on torch 2.11 + CUDA, ``torch._scaled_grouped_mm`` in the backward of a compiled
+    autograd.Function returned zeros (``aot_eager`` and inductor alike; the same calls compiled outside
+    an autograd.Function were exact; cause not established), so the compiled path keeps FP8 numerics
+    without the FP8 GEMM speed."""
+    if not x.is_cuda or _scaled is None or x.shape[0] == 0 or torch.compiler.is_compiling():
         return False
     ok = _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()) and all(
         d % 16 == 0 and d > 0 for d in dims)
@@ -131,8 +139,9 @@ def _mm_rows(q_MK: torch.Tensor, s_M: torch.Tensor, w_eNK: torch.Tensor, s_eN: t
         y = _scaled(q_MK, w_eNK.transpose(1, 2), s_M, s_eN, offs=offsets_e, out_dtype=torch.bfloat16,
                     use_fast_accum=True)
         return y.to(out_dtype)
-    x = q_MK.to(torch.float32) * s_M[:, None]
-    w = w_eNK.to(torch.float32) * s_eN[:, :, None]
+    dt = _emulation_dtype(q_MK, out_dtype)
+    x = (q_MK.to(torch.float32) * s_M[:, None]).to(dt)
+    w = (w_eNK.to(torch.float32) * s_eN[:, :, None]).to(dt)
     return grouped_mm(x, w, offsets_e).to(out_dtype)
 
 
@@ -145,6 +154,9 @@ def _mm_groups(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb
         out = _scaled(qa_AP, qb_BP.t(), sa_eA.reshape(-1), sb_eB.reshape(-1), offs=padded_e,
                       out_dtype=torch.bfloat16, use_fast_accum=True)
         return out.to(out_dtype)
+    if _emulation_dtype(qa_AP, out_dtype) == torch.bfloat16:  # e4m3 values are exact in bf16
+        out = _grouped(qa_AP.to(torch.bfloat16), qb_BP.to(torch.bfloat16).t(), offs=padded_e)
+        return (out.float() * sa_eA[:, :, None] * sb_eB[:, None, :]).to(out_dtype)
     a, b = qa_AP.to(torch.float32), qb_BP.to(torch.float32)
     if torch.compiler.is_compiling():  # shape-static: one masked GEMM per group
         group_P = torch.searchsorted(padded_e, torch.arange(a.shape[1], device=a.device, dtype=padded_e.dtype),
@@ -157,6 +169,11 @@ def _mm_groups(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb
         out = torch.stack([a[:, s:t] @ b[:, s:t].t() for s, t in zip(starts, ends)]) if e else \
             a.new_zeros((0, a.shape[0], b.shape[0]))
     return (out * sa_eA[:, :, None] * sb_eB[:, None, :]).to(out_dtype)
+
+
+def _emulation_dtype(q: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
+    """bf16 GEMMs for a bf16 layer on CUDA (torch's grouped GEMM, also under compile), fp32 elsewhere."""
+    return torch.bfloat16 if q.is_cuda and out_dtype == torch.bfloat16 and _grouped is not None else torch.float32
 
 
 class _Fp8SwiGLU(torch.autograd.Function):
