@@ -15,7 +15,9 @@ One program per ``BLOCK_R`` rows. A row up to ``BLOCK_C`` columns is read
 once into registers (amax, scale, cast from the same registers); wider rows
 are read twice, the second time from L1/L2.
 
-Measured: see ``benchmarks/RESULTS.md`` (``benchmarks/kernels.py``).
+Measured (H200, torch 2.11, Triton 3.6, bf16 in, R = 98,304 rows x C = 2048; ``benchmarks/kernels.py``;
+bytes = bf16 read + e4m3 and fp32 scales written): 0.189 ms, 3.20 TB/s (76 % of the 4.2 TB/s copy
+ceiling); torchao 0.18's ``triton_fp8_rowwise_2d_scale_and_cast`` on the same input: 0.593 ms (1.02 TB/s).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Weights are quantized once per optimizer step, in the two layouts the GEMMs
 want (:class:`Fp8WeightCache`), and the forward's quantized weights are what
 its backward uses (saved, as autograd saves any operand). On CPU, on GPUs
 without sm90, for dims that are not multiples of 16, and under
-``torch.compile`` (see :func:`fp8_native`), the same path runs emulated: the
+``torch.compile`` (CPU only: :data:`COMPILE_ON_CUDA`), the same path runs emulated: the
 same quantizers (their references on CPU), the same alignment, then
 dequantize and an ordinary GEMM (bf16 for a bf16 layer on CUDA, fp32
 elsewhere); an eager CUDA device takes that route with a one-time warning.
@@ -38,7 +38,7 @@ from ..host import to_host
 from ..kernels import quantize_cols_pair, quantize_rows, swiglu_backward, swiglu_forward
 from .gemm import grouped_mm, joined
 
-__all__ = ["Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
+__all__ = ["COMPILE_ON_CUDA", "Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
 
 _scaled = getattr(torch, "_scaled_grouped_mm", None)
 _grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -54,11 +54,7 @@ def fp8_native(x: torch.Tensor, *dims: int) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs here: a CUDA device of sm90 or later, every GEMM dim a
     multiple of 16 (and some rows), not under ``torch.compile``. Warns once when a CUDA device must emulate.
 
-    Under ``torch.compile`` the GEMMs are emulated (bf16 GEMMs on the dequantized operands, the same
-    quantizers): on torch 2.11 + CUDA, ``torch._scaled_grouped_mm`` in the backward of a compiled
-    autograd.Function returned zeros (``aot_eager`` and inductor alike; the same calls compiled outside
-    an autograd.Function were exact; cause not established), so the compiled path keeps FP8 numerics
-    without the FP8 GEMM speed."""
+    Under ``torch.compile`` (CPU only, see :data:`COMPILE_ON_CUDA`) the GEMMs are emulated."""
     if not x.is_cuda or _scaled is None or x.shape[0] == 0 or torch.compiler.is_compiling():
         return False
     ok = _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()) and all(
@@ -171,6 +167,14 @@ def _mm_groups(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb
     return (out * sa_eA[:, :, None] * sb_eB[:, None, :]).to(out_dtype)
 
 
+COMPILE_ON_CUDA = (
+    "expert_precision='fp8_rowwise' does not compile on CUDA yet: on torch 2.11 (H200) the compiled FP8 experts "
+    "gave the right forward but zero input and weight gradients (aot_eager and inductor alike, with torch's "
+    "scaled or bf16 grouped GEMMs, Triton or torch quantizers; the same backward compiled outside the "
+    "autograd.Function was exact). Run the FP8 layer eager (compile the rest of the model around it with "
+    "torch.compiler.disable on the MoE layer), or use expert_precision='bf16' under torch.compile.")
+
+
 def _emulation_dtype(q: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
     """bf16 GEMMs for a bf16 layer on CUDA (torch's grouped GEMM, also under compile), fp32 elsewhere."""
     return torch.bfloat16 if q.is_cuda and out_dtype == torch.bfloat16 and _grouped is not None else torch.float32
@@ -219,7 +223,11 @@ class _Fp8SwiGLU(torch.autograd.Function):
 def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, w1_eFD: torch.Tensor,
                w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights) -> torch.Tensor:
     """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
-    ``quantized``: the weights' FP8 copies (:meth:`Fp8WeightCache.get` or :func:`quantize_weights`)."""
+    ``quantized``: the weights' FP8 copies (:meth:`Fp8WeightCache.get` or :func:`quantize_weights`).
+
+    Raises :class:`NotImplementedError` under ``torch.compile`` on CUDA (see :data:`COMPILE_ON_CUDA`)."""
+    if x_RD.is_cuda and torch.compiler.is_compiling():
+        raise NotImplementedError(COMPILE_ON_CUDA)
     # the GEMM choice is made here, outside the autograd.Function, and passed in as a constant
     native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
     return _Fp8SwiGLU.apply(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, *quantized, native)
