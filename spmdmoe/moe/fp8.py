@@ -36,6 +36,7 @@ import torch
 
 from ..host import to_host
 from ..kernels import quantize_cols_pair, quantize_rows, swiglu_backward, swiglu_forward
+from ..types.errors import FP8CompileError
 from .gemm import grouped_mm, joined
 
 __all__ = ["COMPILE_ON_CUDA", "Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
@@ -225,9 +226,9 @@ def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
     """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
     ``quantized``: the weights' FP8 copies (:meth:`Fp8WeightCache.get` or :func:`quantize_weights`).
 
-    Raises :class:`NotImplementedError` under ``torch.compile`` on CUDA (see :data:`COMPILE_ON_CUDA`)."""
+    Raises :class:`spmdmoe.FP8CompileError` under ``torch.compile`` on CUDA (see :data:`COMPILE_ON_CUDA`)."""
     if x_RD.is_cuda and torch.compiler.is_compiling():
-        raise NotImplementedError(COMPILE_ON_CUDA)
+        raise FP8CompileError(COMPILE_ON_CUDA)
     # the GEMM choice is made here, outside the autograd.Function, and passed in as a constant
     native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
     return _Fp8SwiGLU.apply(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, *quantized, native)

@@ -3,6 +3,7 @@
 from .checks import Layout, assert_layout, checks, checks_enabled, layout_checked, set_checks
 from .construct import from_local, padded_empty, shard
 from .errors import (
+    FP8CompileError,
     MoEConfigError,
     SPMDDeviceError,
     SPMDDtypeError,
@@ -21,6 +22,7 @@ from .tensor import SPMDTensor
 
 __all__ = [
     "Layout",
+    "FP8CompileError",
     "MoEConfigError",
     "RoutedTokens",
     "SPMDRoutingError",
