@@ -1,4 +1,7 @@
-"""README command 1's job, short: examples/train_moe.py on 4 processes must match one process."""
+"""README command 1's job, short: examples/train_moe.py on 4 processes must match one process.
+
+With FP8 experts (emulated on CPU) the parallel loss curve must track the full-precision single-process
+one within 1e-3 relative (5.4e-6 measured over 6 steps on CPU)."""
 
 import os
 import signal
@@ -12,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("plan", [["--steps", "3"], ["--steps", "2", "--sp", "2", "--ep", "2", "--seq-len", "61"]])
+@pytest.mark.parametrize("plan", [["--steps", "3"], ["--steps", "2", "--sp", "2", "--ep", "2", "--seq-len", "61"],
+                                  ["--steps", "3", "--expert-precision", "fp8_rowwise", "--tolerance", "1e-3"]])
 def test_train_moe_example_matches_single_process(plan):
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -25,7 +29,8 @@ def test_train_moe_example_matches_single_process(plan):
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: leave nothing behind
         out, err = proc.communicate()
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    assert "| step | single-process loss |" in out and "(tolerance 1e-04): OK" in out
+    tolerance = plan[plan.index("--tolerance") + 1] if "--tolerance" in plan else "1e-4"
+    assert "| step | single-process loss |" in out and f"(tolerance {float(tolerance):.0e}): OK" in out
     assert out.count("step ") >= int(plan[1])
 
 
