@@ -228,3 +228,26 @@ def test_native_fp8_gemms_match_the_emulation(monkeypatch):
     emulated = _step(fp8, x, g)
     for k, (a, b) in enumerate(zip(native, emulated)):
         assert sqnr(a, b) >= 30, (k, sqnr(a, b))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not fp8_native(torch.zeros(1, device="cuda"), 16),
+                    reason="needs an sm90 GPU")
+def test_fp8_layer_makes_no_host_sync():
+    """Forward and backward of the FP8 layer under CUDA's sync debug mode "error" (any synchronizing call
+    raises): the quantizers, the 16-aligned offsets and the weight cache stay on the device. Also after a
+    weight change (the cache rebuilds without a sync)."""
+    from spmdmoe.host import host_sync_count
+    from spmdmoe.testing import sync_error_mode
+
+    _, fp8 = _layers()
+    x = torch.randn(300, D, device=DEVICE, dtype=DTYPE)
+    fp8(x).float().sum().backward()  # warm-up: first-time allocations, kernel compilation
+    torch.cuda.synchronize()
+    before = host_sync_count()
+    for _ in range(2):
+        y = sync_error_mode(lambda: fp8(x))
+        sync_error_mode(lambda: y.float().sum().backward())
+        with torch.no_grad():
+            fp8.experts.w1.add_(1e-3)  # the next forward quantizes the weights again
+    assert host_sync_count() == before
