@@ -4,7 +4,10 @@
 #   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | all (default all)
 set -uo pipefail
 PART=${1:-all}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# everything is written under a scratch folder and packed into ONE archive in $OUT at the end (the device
+# tool returns a handful of files at most)
+DEST=${OUT:-/tmp/out}; OUT=/tmp/gpu_session; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
+trap 'tar czf "$DEST/gpu_session.tgz" -C /tmp gpu_session' EXIT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
