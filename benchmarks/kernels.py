@@ -116,8 +116,8 @@ def sweep(cases, args) -> None:
         sw: ("SwiGLU backward", {"block_r": [1, 2, 4, 8], "block_f": [256, 512, 1024], "num_warps": [4, 8]}),
         fr: ("FP8 rowwise scale+cast (N x D)", {"block_r": [1, 2, 4, 8], "max_block_c": [1024, 2048, 4096],
                                                 "num_warps": [4, 8, 16]}),
-        fc: ("FP8 dual colwise, 16-aligned (N x D, N x F)", {"block_r": [32, 64, 128], "block_c": [32, 64, 128],
-                                                             "num_warps": [4, 8]}),
+        fc: ("FP8 dual colwise, 16-aligned (N x D, N x F)", {"block_r": [32, 64, 128, 256], "block_c": [32, 64, 128],
+                                                             "num_warps": [2, 4, 8, 16]}),
     }
     for module, (case, grid) in grids.items():
         fn = cases[case][0]
