@@ -38,16 +38,23 @@ CONFIG = {"block_r": 8, "block_f": 512, "num_warps": 8}
 
 
 @triton.jit
+def _tile(h13_ptr, r0, n, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """This program's rows and columns (masked to ``[0, n)`` x ``[0, F)``), and ``h1``, ``h3`` there in fp32."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    m = (rows < n)[:, None] & (cols < F)[None, :]
+    at = rows[:, None] * (2 * F) + cols[None, :]
+    a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
+    return rows, cols, m, at, a, b
+
+
+@triton.jit
 def _swiglu_fwd_kernel(h13_ptr, out_ptr, valid_ptr, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows = r0 + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        m = (rows < n)[:, None] & (cols < F)[None, :]
-        at = rows[:, None] * (2 * F) + cols[None, :]
-        a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
+        rows, cols, m, at, a, b = _tile(h13_ptr, r0, n, F, BLOCK_R, BLOCK_F)
         h = a * tl.sigmoid(a) * b
         tl.store(out_ptr + rows[:, None] * F + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -57,13 +64,8 @@ def _swiglu_bwd_kernel(g_ptr, h13_ptr, d13_ptr, valid_ptr, F, BLOCK_R: tl.conste
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows = r0 + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        m = (rows < n)[:, None] & (cols < F)[None, :]
-        at = rows[:, None] * (2 * F) + cols[None, :]
+        rows, cols, m, at, a, b = _tile(h13_ptr, r0, n, F, BLOCK_R, BLOCK_F)
         g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
         sig = tl.sigmoid(a)
         tl.store(d13_ptr + at, (g * b * sig * (1.0 + a * (1.0 - sig))).to(d13_ptr.dtype.element_ty), mask=m)
         tl.store(d13_ptr + at + F, (g * a * sig).to(d13_ptr.dtype.element_ty), mask=m)
