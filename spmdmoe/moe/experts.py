@@ -95,7 +95,8 @@ class GroupedExperts(nn.Module):
             weights = sync_grads(weights, self.grad_axis)
         if self.precision == "fp8_rowwise" and weights[0].shape[1] > 0:
             params = (self.w1, self.w2, self.w3)
-            quantized = self.fp8_cache.get(params, tuple(weights)) if self.fp8_cache else quantize_weights(*weights)
+            quantized = (self.fp8_cache.get(params, tuple(weights)) if self.fp8_cache is not None
+                         else quantize_weights(*weights))
             assert routed.valid_rows is not None
             return fp8_swiglu(routed.x_RD, routed.group_offsets, routed.valid_rows, *weights, quantized)
         return grouped_swiglu(routed, *weights)

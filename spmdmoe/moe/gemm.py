@@ -108,7 +108,8 @@ def plain_tensor(t: torch.Tensor) -> bool:
 def _packed_offset(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[int]:
     """``w1``'s storage offset when ``w3`` sits right after it in the same storage, else ``None``.
     Under ``torch.compile`` a constant of the trace, read from the real parameters: Dynamo recompiles
-    when the inputs' aliasing changes (``unpack``, a ``.data`` swap), tested in ``tests/test_compile_moe.py``."""
+    when their strides change (``unpack``; tested in ``tests/test_compile_moe.py``). A ``.data`` swap that
+    keeps the packed strides but breaks the adjacency is not guarded (nothing in spmdmoe does that)."""
     if not (plain_tensor(w1_eFI) and plain_tensor(w3_eFI)):
         return None
     e, F, I = w1_eFI.shape
