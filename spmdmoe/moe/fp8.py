@@ -60,10 +60,10 @@ def fp8_native(x: torch.Tensor, *dims: int) -> bool:
         return False
     ok = _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()) and all(
         d % 16 == 0 and d > 0 for d in dims)
-    if not ok and not _warned[0] and not torch.compiler.is_compiling():
+    if not ok and not _warned[0]:
         _warned[0] = True
         warnings.warn(f"fp8_rowwise experts need sm90+ and dims that are multiples of 16 (found {dims}); "
-                      "emulating them (quantize, dequantize, bf16 GEMM): same numerics, no speed-up", stacklevel=3)
+                      "emulating them (quantize, dequantize, an ordinary GEMM): FP8 numerics, no FP8 speed", stacklevel=3)
     return ok
 
 
@@ -110,6 +110,7 @@ class Fp8WeightCache:
     the version counter: call :meth:`invalidate` after them. Under ``torch.compile`` the weights are
     quantized in the graph each call (a Python cache cannot be traced); with FSDP2
     (``fully_shard_moe``) each forward's weights are freshly gathered, so the experts skip the cache.
+    The cache holds two e4m3 layouts of every weight: as many bytes as the bf16 weights themselves.
     """
 
     def __init__(self) -> None:
