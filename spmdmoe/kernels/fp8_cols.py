@@ -46,7 +46,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
-from .fp8_common import EPS_C, FP8, FP8_MAX_C, quantize_reference, round_e4m3
+from .fp8_common import EPS_C, FP8, FP8_MAX_C, dequant_scale, quantize_reference, round_e4m3
 
 __all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton"]
 
@@ -150,7 +150,7 @@ def _cols_reference(x_RC: torch.Tensor, group_R: torch.Tensor, dest_R: torch.Ten
     x = torch.where(inside, x_RC.float(), 0.0)
     amax = x.new_zeros((e + 1, C)).scatter_reduce_(0, group_R[:, None].expand(R, C), x.abs(), "amax")[:e]
     q_RC, _ = quantize_reference(x, torch.cat([amax, amax.new_ones(1, C)])[group_R])
-    _, s_eC = quantize_reference(amax, amax)  # the scales themselves: one per (group, column)
+    s_eC = dequant_scale(amax)  # one per (group, column)
     out = torch.zeros((P + 1, C), dtype=torch.uint8, device=x_RC.device)
     out.index_copy_(0, dest_R, q_RC.view(torch.uint8))
     return out[:P].t().contiguous().view(FP8), s_eC

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8", "FP8_MAX", "EPS", "FP8_MAX_C", "EPS_C", "quantize_reference", "round_e4m3"]
+__all__ = ["FP8", "FP8_MAX", "EPS", "FP8_MAX_C", "EPS_C", "dequant_scale", "quantize_reference", "round_e4m3"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -46,12 +46,17 @@ def round_e4m3(v):
     return tl.where(q == 0.0, 0.0, q)  # -0 -> +0
 
 
+def dequant_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``s = max(amax, EPS) / 448``, fp32, a true division (torch's CUDA ``tensor / 448`` multiplies by
+    ``1 / 448`` instead, 1 ulp off at times)."""
+    amax = amax.clamp(min=EPS)
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_reference(v: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, s)`` of fp32 values ``v`` for an ``amax`` that broadcasts against them (already reduced)."""
     amax = amax.clamp(min=EPS)
-    # true divisions, tensor by tensor: torch computes ``448 / tensor`` as ``reciprocal(tensor) * 448`` and,
-    # on CUDA, ``tensor / 448`` as ``tensor * (1 / 448)``, each 1 ulp off at times
-    full = torch.full_like(amax, FP8_MAX)
-    q = (v * (full / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    # a true division, tensor by tensor: torch computes ``448 / tensor`` as ``reciprocal(tensor) * 448``
+    q = (v * (torch.full_like(amax, FP8_MAX) / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     q = torch.where(q.view(torch.uint8) == 0x80, 0, q.view(torch.uint8)).view(FP8)  # -0 -> +0, as the kernels
-    return q, amax / full
+    return q, dequant_scale(amax)

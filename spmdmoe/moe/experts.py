@@ -90,11 +90,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, routed: RoutedTokens) -> torch.Tensor:
         """``y_RD`` for ``routed.x_RD``."""
-        weights = [self.w1, self.w2, self.w3]
+        params = (self.w1, self.w2, self.w3)
+        weights = list(params)
         if self.grad_axis is not None:
             weights = sync_grads(weights, self.grad_axis)
         if self.precision == "fp8_rowwise" and weights[0].shape[1] > 0:
-            params = (self.w1, self.w2, self.w3)
             quantized = (self.fp8_cache.get(params, tuple(weights)) if self.fp8_cache is not None
                          else quantize_weights(*weights))
             assert routed.valid_rows is not None

@@ -37,7 +37,7 @@ import torch
 from ..host import to_host
 from ..kernels import quantize_cols_pair, quantize_rows, swiglu_backward, swiglu_forward
 from ..types.errors import FP8CompileError
-from .gemm import grouped_mm, joined
+from .gemm import grouped_mm, up_weights
 
 __all__ = ["COMPILE_ON_CUDA", "Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
 
@@ -46,17 +46,15 @@ _grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_
 _warned: list[bool] = [False]
 
 
-@torch._dynamo.assume_constant_result
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def fp8_native(x: torch.Tensor, *dims: int) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs here: a CUDA device of sm90 or later, every GEMM dim a
-    multiple of 16 (and some rows), not under ``torch.compile``. Warns once when a CUDA device must emulate.
-
-    Under ``torch.compile`` (CPU only, see :data:`COMPILE_ON_CUDA`) the GEMMs are emulated."""
-    if not x.is_cuda or _scaled is None or x.shape[0] == 0 or torch.compiler.is_compiling():
+    multiple of 16 (and some rows). Warns once when a CUDA device must emulate. Never asked under
+    ``torch.compile`` on CUDA (:func:`fp8_swiglu` refuses that first: :data:`COMPILE_ON_CUDA`)."""
+    if not x.is_cuda or _scaled is None or x.shape[0] == 0:
         return False
     ok = _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()) and all(
         d % 16 == 0 and d > 0 for d in dims)
@@ -94,9 +92,7 @@ def _rows3(w_eAB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_weights(w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor) -> Fp8Weights:
     """Both layouts of both weights (one pass each; the transposes are copies, once per step)."""
     with torch.no_grad():
-        up = joined(w1_eFD, w3_eFD)
-        if up is None:
-            up = torch.cat([w1_eFD, w3_eFD], dim=1)
+        up = up_weights(w1_eFD, w3_eFD)
         return Fp8Weights(*_rows3(up), *_rows3(up.transpose(1, 2).contiguous()),
                           *_rows3(w2_eDF), *_rows3(w2_eDF.transpose(1, 2).contiguous()))
 

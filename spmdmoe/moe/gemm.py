@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..host import to_host
 
-__all__ = ["grouped_mm", "grouped_mm_pair", "native_grouped_mm_ok", "joined"]
+__all__ = ["grouped_mm", "grouped_mm_pair", "native_grouped_mm_ok", "joined", "up_weights"]
 
 _native = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -131,6 +131,12 @@ def joined(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[torch.Tensor]
     return w1_eFI.as_strided((e, 2 * F, I), (2 * F * I, I, 1), offset)
 
 
+def up_weights(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> torch.Tensor:
+    """``[w1 | w3]`` as ``(e, 2F, I)``: the packed view (:func:`joined`), else a copy."""
+    w13 = joined(w1_eFI, w3_eFI)
+    return w13 if w13 is not None else torch.cat([w1_eFI, w3_eFI], dim=1)
+
+
 class _UpProjection(torch.autograd.Function):
     """``[x @ w1[g].T | x @ w3[g].T]`` per group as ONE grouped GEMM on ``[w1 | w3]``: the backward's input
     gradient is one GEMM too (no sum of two GEMMs' outputs); the weights' gradients are two."""
@@ -138,9 +144,7 @@ class _UpProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_MI: torch.Tensor, w1_eFI: torch.Tensor, w3_eFI: torch.Tensor,  # type: ignore[override]
                 offsets_e: torch.Tensor) -> torch.Tensor:
-        w13 = joined(w1_eFI, w3_eFI)
-        if w13 is None:
-            w13 = torch.cat([w1_eFI, w3_eFI], dim=1)
+        w13 = up_weights(w1_eFI, w3_eFI)
         x_MI = x_MI.contiguous()
         ctx.save_for_backward(x_MI, w13, offsets_e)
         return _native(x_MI, w13.transpose(-2, -1), offs=offsets_e)
