@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | fp8peer | all (default all)
 set -uo pipefail
 PART=${1:-all}
 # everything is written under a scratch folder and packed into ONE archive in $OUT at the end (the device
@@ -36,15 +36,23 @@ if [ "$PART" = peer ] || [ "$PART" = all ]; then
   done
 fi
 if [ "$PART" = fp8 ] || [ "$PART" = all ]; then
-  echo "== FP8: kernels (swept), the layer (bf16 vs fp8_rowwise, profiled), side by side with torchtitan's FP8"
+  echo "== FP8: GPU tests (compile on aot_eager and inductor), kernels (swept), the layer (bf16 vs fp8_rowwise, profiled)"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_fp8.py -rs -s > "$OUT/tests_fp8.txt" 2>&1; grep SQNR "$OUT/tests_fp8.txt"
+  tail -4 "$OUT/tests_fp8.txt"
+  FP8_TEST_BACKEND=inductor timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k compiled \
+    > "$OUT/tests_fp8_inductor.txt" 2>&1; tail -2 "$OUT/tests_fp8_inductor.txt"
   python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
   timeout 240 python3 benchmarks/kernels.py --sweep --out "$OUT/bench_kernels.md" > "$OUT/log_kernels.txt" 2>&1; tail -4 "$OUT/log_kernels.txt"
   for P in bf16 fp8_rowwise; do
-    timeout 200 torchrun --nproc-per-node 1 benchmarks/moe_layer.py --precision $P --out "$OUT/bench_moe.md" \
+    timeout 150 torchrun --nproc-per-node 1 benchmarks/moe_layer.py --precision $P --out "$OUT/bench_moe.md" \
       --profile "$OUT/profile_moe_$P.txt" > "$OUT/log_moe_$P.txt" 2>&1; tail -2 "$OUT/log_moe_$P.txt"
   done
+fi
+if [ "$PART" = fp8peer ] || [ "$PART" = all ]; then
+  echo "== FP8 side by side with torchtitan's FP8 and bf16 layers"
+  python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
   for T in 16384 65536; do
-    timeout 300 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --fp8 --tokens $T --out "$OUT/bench_peer_fp8.md" \
+    timeout 280 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --fp8 --tokens $T --out "$OUT/bench_peer_fp8.md" \
       > "$OUT/log_peer_fp8_$T.txt" 2>&1; tail -3 "$OUT/log_peer_fp8_$T.txt"
   done
 fi

@@ -8,7 +8,8 @@ TB/s against the 4.2 TB/s device-to-device copy ceiling (H200, REFERENCE.md).
 Rows: the dispatch fan-out (x_TD into N expert-major rows), its backward (the
 sum over K copies), the combine (weighted sum over K rows, fp32) and its
 backward (weighted fan-out + the weights' gradient dots), SwiGLU forward and
-backward; the FP8 quantizers: rowwise scale+cast of the N routed rows of D,
+backward (alone, and fused with the rowwise FP8 of their output, beside the
+unfused pair of kernels); the FP8 quantizers: rowwise scale+cast of the N routed rows of D,
 and the dual per-group colwise quantization of the wgrad operands (N x D and
 N x F, E=64 groups) into the 16-aligned layout, each beside torchao's kernel
 for the same job when torchao is importable (bytes: bf16 in once, e4m3 and
@@ -25,8 +26,8 @@ import torch
 
 import importlib
 
-fo, gs, sw, fr, fc = (importlib.import_module(f"spmdmoe.kernels.{m}")
-                      for m in ("fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols"))
+fo, gs, sw, fr, fc, sq = (importlib.import_module(f"spmdmoe.kernels.{m}")
+                          for m in ("fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols", "swiglu_fp8"))
 from timing import report, timed
 
 CEILING = 4.2e12
@@ -75,6 +76,17 @@ def main() -> None:
     cases["FP8 dual colwise, 16-aligned (N x D, N x F)"] = (
         lambda: fc.quantize_cols_pair_triton(gy, gh, offs), lambda: fc.quantize_cols_pair_reference(gy, gh, offs),
         N * (D + F) * 2 + P * (D + F) + E * (D + F) * 4)
+    cases["SwiGLU forward + FP8 rows of h (fused)"] = (
+        lambda: sq.swiglu_quant_forward_triton(h13, valid), lambda: sq.swiglu_quant_forward_reference(h13, valid),
+        N * F * 7 + N * 4)
+    cases["SwiGLU backward + FP8 rows of dh13 (fused)"] = (
+        lambda: sq.swiglu_quant_backward_triton(gh, h13, valid),
+        lambda: sq.swiglu_quant_backward_reference(gh, h13, valid), N * F * 12 + N * 4)
+    # the same two jobs unfused: the SwiGLU kernel, then the rowwise quantizer reading its output back
+    unfused = {
+        "SwiGLU forward + FP8 rows of h (fused)": lambda: fr.quantize_rows_triton(sw.swiglu_forward_triton(h13, valid), valid),
+        "SwiGLU backward + FP8 rows of dh13 (fused)": lambda: fr.quantize_rows_triton(
+            sw.swiglu_backward_triton(gh, h13, valid), valid)}
     torchao = {}
     try:
         from torchao.prototype.moe_training.kernels.float8_rowwise import triton_fp8_rowwise_2d_scale_and_cast
@@ -90,22 +102,28 @@ def main() -> None:
         sweep(cases, args)
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, T={T} K={K} D={D} F={F}; "
              f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}, fp8_rows {fr.CONFIG}, "
-             f"fp8_cols {fc.CONFIG}", "",
+             f"fp8_cols {fc.CONFIG}, swiglu_fp8 {sq.CONFIG}", "",
              "| kernel | Triton ms | TB/s | % of 4.2 | torch eager ms | torch compiled ms | Triton vs compiled | "
              "torchao ms (TB/s) | ours vs torchao |",
              "|---|---|---|---|---|---|---|---|---|"]
+    notes: list[str] = []
     for name, (tri, ref, nbytes) in cases.items():
         comp = torch.compile(ref)
         fns = {"triton": tri, "eager": ref, "compiled": comp}
         if name in torchao:
             fns["torchao"] = torchao[name]
+        if name in unfused:
+            fns["unfused"] = unfused[name]
         t = timed(fns, args.iters, args.reps)
         tbs = nbytes / (t["triton"] * 1e-3) / 1e12
         tao = (f"{t['torchao']:.3f} ({nbytes / (t['torchao'] * 1e-3) / 1e12:.2f}) | {t['torchao'] / t['triton']:.2f}x"
                if "torchao" in t else "– | –")
         lines.append(f"| {name} | {t['triton']:.3f} | {tbs:.2f} | {tbs * 1e12 / CEILING:.0%} | {t['eager']:.3f} | "
                      f"{t['compiled']:.3f} | {t['compiled'] / t['triton']:.2f}x | {tao} |")
-    report("\n".join(lines), args.out)
+        if "unfused" in t:
+            notes.append(f"{name}: {t['triton']:.3f} ms vs unfused Triton {t['unfused']:.3f} ms "
+                         f"({t['unfused'] / t['triton']:.2f}x)")
+    report("\n".join(lines + [""] + notes), args.out)
 
 
 def sweep(cases, args) -> None:
@@ -118,6 +136,8 @@ def sweep(cases, args) -> None:
                                                 "num_warps": [4, 8, 16]}),
         fc: ("FP8 dual colwise, 16-aligned (N x D, N x F)", {"block_r": [32, 64, 128, 256], "block_c": [32, 64, 128],
                                                              "num_warps": [2, 4, 8, 16]}),
+        sq: ("SwiGLU backward + FP8 rows of dh13 (fused)", {"block_r": [1, 2, 4, 8], "max_block_f": [1024, 2048],
+                                                            "num_warps": [4, 8, 16]}),
     }
     for module, (case, grid) in grids.items():
         fn = cases[case][0]

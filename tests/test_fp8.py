@@ -62,10 +62,14 @@ def test_sqnr_against_full_precision(T):
     g = torch.randn(T, D, generator=gen, dtype=torch.float64).to(DEVICE)
     want, got = _step(ref, x, g), _step(fp8, x, g)
     figures = [sqnr(a, b) for a, b in zip(got, want)]
+    # every expert's weight gradients on their own (the experts that received rows)
+    used = (fp8.tokens_per_expert > 0).nonzero().flatten().tolist()
+    per_expert = [min(sqnr(a[i], b[i]) for i in used) for a, b in zip(got[2:], want[2:])]
     names = ["output", "input grad", "w1 grad", "w2 grad", "w3 grad"]
-    print("SQNR dB:", dict(zip(names, [round(f, 1) for f in figures])))
+    print(f"SQNR dB, T={T} on {DEVICE}:", dict(zip(names, [round(f, 1) for f in figures])),
+          "worst expert:", dict(zip(names[2:], [round(f, 1) for f in per_expert])))
     assert figures[0] >= 22 and figures[1] >= 22, dict(zip(names, figures))
-    assert min(figures[2:]) >= 21, dict(zip(names, figures))
+    assert min(per_expert) >= 21, dict(zip(names[2:], per_expert))
 
 
 def test_edge_cases_zero_tokens_idle_experts_one_expert():
@@ -185,17 +189,13 @@ def test_checkpointed_fp8_layer_matches_plain():
 
 def test_compiled_fp8_layer_matches_eager():
     """``fullgraph=True`` on the FP8 layer (weights quantized in the graph), over changing T, one graph:
-    on CPU (the emulation). On CUDA it is refused with the reason (``COMPILE_ON_CUDA``): its compiled
-    backward was measured wrong there, and a clear error beats wrong gradients."""
+    outputs and every gradient as eager (CPU: the emulation; an sm90 GPU: the FP8 GEMMs, where an
+    ``autograd.Function`` form once compiled to zero gradients)."""
     torch._dynamo.reset()
     _, fp8 = _layers()
     compiled_layer = copy.deepcopy(fp8)
     run = torch.compile(compiled_layer, backend=os.environ.get("FP8_TEST_BACKEND", "aot_eager"), fullgraph=True,
                         dynamic=True)
-    if DEVICE == "cuda":
-        with pytest.raises(Exception, match="does not compile on CUDA yet"):
-            run(torch.randn(13, D, device=DEVICE, dtype=DTYPE))
-        return
     for T in (13, 29, 6):
         gen = torch.Generator().manual_seed(T)
         x, g = (torch.randn(T, D, generator=gen).to(DEVICE) for _ in range(2))
@@ -207,7 +207,7 @@ def test_compiled_fp8_layer_matches_eager():
         got = [y.detach(), xi.grad] + [w.grad for w in (compiled_layer.experts.w1, compiled_layer.experts.w2,
                                                         compiled_layer.experts.w3)]
         for k, (a, b) in enumerate(zip(got, want)):
-            # the same quantizers and GEMMs; the compiled graph may fuse the dequantizing emulation differently
+            # the experts run the same code (opaque ops); the router and combine around them may fuse differently
             assert sqnr(a, b) >= 40, (T, k, sqnr(a, b))
     assert len(_debug_get_cache_entry_list(type(compiled_layer).forward.__code__)) == 1, "one graph for every T"
 

@@ -114,3 +114,33 @@ def test_cols_pair_scales_are_per_group():
         _, _, sa, _, _ = impl(a, a, offsets)
         assert torch.equal(sa[0], torch.full((4,), 1000.0 / 448, device=DEVICE))
         assert torch.equal(sa[1], torch.full((4,), 1.0 / 448, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,F,valid,block", [(9, 24, 6, None), (5, 7, 5, None), (4, 16, 0, None), (0, 8, 0, None),
+                                             (11, 40, 9, 16), (6, 1408 if DEVICE == "cuda" else 48, 5, None)])
+def test_swiglu_quant(R, F, valid, block, dtype, monkeypatch):
+    """The fused SwiGLU + rowwise quantizer equals the SwiGLU kernel followed by the rowwise quantizer, bit
+    for bit (``block``: rows wider than one tile, the recomputing path), and its reference likewise."""
+    from spmdmoe.kernels import swiglu_fp8
+    if block is not None:
+        monkeypatch.setitem(swiglu_fp8.CONFIG, "max_block_f", block)
+    gen = torch.Generator().manual_seed(R * 131 + F + valid)
+    h13 = _rows_input(R, 2 * F, dtype, gen)
+    g = _rows_input(R, F, dtype, gen)
+    h13[valid:], g[valid:] = float("nan"), float("nan")  # past the device-side count: never read
+    count = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
+    # (fused, the SwiGLU alone, the rowwise quantizer): kernels with kernels, references with references
+    cases = {("forward", "kernel"): (K.swiglu_quant_forward_triton, K.swiglu_forward_triton, K.quantize_rows_triton),
+             ("forward", "reference"): (K.swiglu_quant_forward_reference, K.swiglu_forward_reference,
+                                        K.quantize_rows_reference),
+             ("backward", "kernel"): (K.swiglu_quant_backward_triton, K.swiglu_backward_triton, K.quantize_rows_triton),
+             ("backward", "reference"): (K.swiglu_quant_backward_reference, K.swiglu_backward_reference,
+                                         K.quantize_rows_reference)}
+    for (way, impl), (fused, swiglu, quantize) in cases.items():
+        args = (h13, count) if way == "forward" else (g, h13, count)
+        got = fused(*args)
+        out = swiglu(*args)
+        want = (out, *quantize(out, count))
+        _assert_equal([t[:valid] for t in got], [t[:valid] for t in want], f"{way} {impl}")
+        assert torch.isfinite(got[2][:valid]).all() and (got[2][:valid] > 0).all()

@@ -29,6 +29,7 @@ COMPILED: dict[str, Literal["triton", "torch"]] = {
     "fan_out": "triton",
     "gather_sum": "triton",
     "swiglu": "triton",
+    "swiglu_fp8": "triton",
     "fp8_rows": "triton",
     "fp8_cols": "triton",
 }

@@ -10,8 +10,10 @@ master weights and their gradients) stays in the activations' precision:
 
 * forward ``h13 = x @ [w1 | w3]^T`` and ``y = h @ w2^T``, dgrad ``dh = dy @ w2`` and
   ``dx = dh13 @ [w1 | w3]``: the row operand quantized per row straight from
-  the routed buffer (valid rows only, :func:`spmdmoe.kernels.quantize_rows`),
-  the weight per output column; any group size, no padding;
+  the routed buffer (valid rows only, :func:`spmdmoe.kernels.quantize_rows`;
+  the SwiGLU's outputs ``h`` and ``dh13`` by the SwiGLU kernels themselves,
+  :func:`spmdmoe.kernels.swiglu_quant_forward`), the weight per output column;
+  any group size, no padding;
 * wgrad ``dw2[g] = dy[g]^T @ h[g]`` and ``dw1|dw3[g] = dh13[g]^T @ x[g]``: both
   operands quantized per (group, column) by ONE launch that writes them
   transposed into a 16-row-aligned layout with zero pad rows
@@ -20,11 +22,15 @@ master weights and their gradients) stays in the activations' precision:
 Weights are quantized once per optimizer step, in the two layouts the GEMMs
 want (:class:`Fp8WeightCache`), and the forward's quantized weights are what
 its backward uses (saved, as autograd saves any operand). On CPU, on GPUs
-without sm90, for dims that are not multiples of 16, and under
-``torch.compile`` (CPU only: :data:`COMPILE_ON_CUDA`), the same path runs emulated: the
-same quantizers (their references on CPU), the same alignment, then
-dequantize and an ordinary GEMM (bf16 for a bf16 layer on CUDA, fp32
-elsewhere); an eager CUDA device takes that route with a one-time warning.
+without sm90 and for dims that are not multiples of 16 the same path runs
+emulated: the same quantizers (their references on CPU), the same alignment,
+then dequantize and an ordinary GEMM (bf16 for a bf16 layer on CUDA, fp32
+elsewhere); a CUDA device takes that route with a one-time warning.
+
+Forward and backward are two custom ops tied by ``register_autograd``, so
+``torch.compile(fullgraph=True)`` sees them as opaque calls (their fake
+implementations give the shapes) and compiled runs execute the very code
+eager runs do.
 """
 
 from __future__ import annotations
@@ -35,11 +41,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..host import to_host
-from ..kernels import quantize_cols_pair, quantize_rows, swiglu_backward, swiglu_forward
-from ..types.errors import FP8CompileError
+from ..kernels import quantize_cols_pair, quantize_rows, swiglu_backward, swiglu_quant_backward, swiglu_quant_forward
 from .gemm import grouped_mm, up_weights
 
-__all__ = ["COMPILE_ON_CUDA", "Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
+__all__ = ["Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
 
 _scaled = getattr(torch, "_scaled_grouped_mm", None)
 _grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -52,8 +57,8 @@ def _sm90(index: int) -> bool:
 
 def fp8_native(x: torch.Tensor, *dims: int) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs here: a CUDA device of sm90 or later, every GEMM dim a
-    multiple of 16 (and some rows). Warns once when a CUDA device must emulate. Never asked under
-    ``torch.compile`` on CUDA (:func:`fp8_swiglu` refuses that first: :data:`COMPILE_ON_CUDA`)."""
+    multiple of 16 (and some rows). Warns once when a CUDA device must emulate. Asked inside the experts'
+    custom ops, so on real tensors, also under ``torch.compile``."""
     if not x.is_cuda or _scaled is None or x.shape[0] == 0:
         return False
     ok = _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()) and all(
@@ -152,25 +157,11 @@ def _mm_groups(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb
         out = _grouped(qa_AP.to(torch.bfloat16), qb_BP.to(torch.bfloat16).t(), offs=padded_e)
         return (out.float() * sa_eA[:, :, None] * sb_eB[:, None, :]).to(out_dtype)
     a, b = qa_AP.to(torch.float32), qb_BP.to(torch.float32)
-    if torch.compiler.is_compiling():  # shape-static: one masked GEMM per group
-        group_P = torch.searchsorted(padded_e, torch.arange(a.shape[1], device=a.device, dtype=padded_e.dtype),
-                                     right=True)
-        mask_eP = (group_P[None, :] == torch.arange(e, device=a.device)[:, None]).to(a.dtype)
-        out = torch.bmm(a[None] * mask_eP[:, None, :], b.t()[None].expand(e, -1, -1))
-    else:
-        ends = to_host(padded_e)
-        starts = [0, *ends[:-1]]
-        out = torch.stack([a[:, s:t] @ b[:, s:t].t() for s, t in zip(starts, ends)]) if e else \
-            a.new_zeros((0, a.shape[0], b.shape[0]))
+    ends = to_host(padded_e)  # emulation only (CPU, or fp32 on CUDA): the op runs eagerly, also when compiled
+    starts = [0, *ends[:-1]]
+    out = torch.stack([a[:, s:t] @ b[:, s:t].t() for s, t in zip(starts, ends)]) if e else \
+        a.new_zeros((0, a.shape[0], b.shape[0]))
     return (out * sa_eA[:, :, None] * sb_eB[:, None, :]).to(out_dtype)
-
-
-COMPILE_ON_CUDA = (
-    "expert_precision='fp8_rowwise' does not compile on CUDA yet: on torch 2.11 (H200) the compiled FP8 experts "
-    "gave the right forward but zero input and weight gradients (aot_eager and inductor alike, with torch's "
-    "scaled or bf16 grouped GEMMs, Triton or torch quantizers; the same backward compiled outside the "
-    "autograd.Function was exact). Run the FP8 layer eager (compile the rest of the model around it with "
-    "torch.compiler.disable on the MoE layer), or use expert_precision='bf16' under torch.compile.")
 
 
 def _emulation_dtype(q: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
@@ -178,54 +169,87 @@ def _emulation_dtype(q: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if q.is_cuda and out_dtype == torch.bfloat16 and _grouped is not None else torch.float32
 
 
-class _Fp8SwiGLU(torch.autograd.Function):
-    """``y = (silu(x @ w1^T) * (x @ w3^T)) @ w2^T`` per group, the three GEMMs in FP8 (see the module doc)."""
+def _native(x_RD: torch.Tensor, F: int) -> bool:
+    return fp8_native(x_RD, x_RD.shape[1], F)
 
-    @staticmethod
-    def forward(ctx: Any, x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor,  # type: ignore[override]
-                w3_eFD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, up: torch.Tensor,
-                up_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor, down: torch.Tensor,
-                down_s: torch.Tensor, down_t: torch.Tensor, down_t_s: torch.Tensor, native: bool) -> torch.Tensor:
-        xq, sx = quantize_rows(x_RD, valid)
-        h13_R2F = _mm_rows(xq, sx, up, up_s, offsets_e, x_RD.dtype, native)
-        h_RF = swiglu_forward(h13_R2F, valid)
-        hq, sh = quantize_rows(h_RF, valid)
-        y_RD = _mm_rows(hq, sh, down, down_s, offsets_e, x_RD.dtype, native)
-        ctx.native = native
-        ctx.w_dtype = w1_eFD.dtype
-        ctx.save_for_backward(x_RD, h13_R2F, h_RF, offsets_e, valid, up_t, up_t_s, down_t, down_t_s)
-        return y_RD
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g_RD: torch.Tensor) -> Any:  # type: ignore[override]
-        x_RD, h13_R2F, h_RF, offsets_e, valid, up_t, up_t_s, down_t, down_t_s = ctx.saved_tensors
-        native, F = ctx.native, h_RF.shape[1]
-        g_RD = g_RD.contiguous()
-        gq, sg = quantize_rows(g_RD, valid)
-        dh_RF = _mm_rows(gq, sg, down_t, down_t_s, offsets_e, g_RD.dtype, native)
+# The experts are two custom ops (forward, backward) tied by ``register_autograd``: opaque to Dynamo and
+# AOTAutograd, so ``torch.compile(fullgraph=True)`` traces them through their fake implementations and runs
+# the real ones as they are. (An ``autograd.Function`` traced into the graph gave zero gradients on CUDA with
+# torch 2.11; this form keeps the numerics of eager and compiled runs identical by construction.)
+@torch.library.custom_op("spmdmoe::fp8_experts", mutates_args=())
+def _fp8_experts(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor,
+                 offsets_e: torch.Tensor, valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor,
+                 down: torch.Tensor, down_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
+                 down_t: torch.Tensor, down_t_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y_RD, h13_R2F, h_RF)``: the output and the two activations the backward needs (the transposed
+    weights ride along for the backward)."""
+    native = _native(x_RD, w1_eFD.shape[1])
+    xq, sx = quantize_rows(x_RD, valid)
+    h13_R2F = _mm_rows(xq, sx, up, up_s, offsets_e, x_RD.dtype, native)
+    h_RF, hq, sh = swiglu_quant_forward(h13_R2F, valid)  # h for the w2 wgrad, hq for the GEMM
+    return _mm_rows(hq, sh, down, down_s, offsets_e, x_RD.dtype, native), h13_R2F, h_RF
+
+
+@_fp8_experts.register_fake
+def _(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, *quantized):  # type: ignore[no-untyped-def]
+    R, F = x_RD.shape[0], w1_eFD.shape[1]
+    return x_RD.new_empty(x_RD.shape), x_RD.new_empty((R, 2 * F)), x_RD.new_empty((R, F))
+
+
+@torch.library.custom_op("spmdmoe::fp8_experts_backward", mutates_args=())
+def _fp8_experts_backward(g_RD: torch.Tensor, x_RD: torch.Tensor, h13_R2F: torch.Tensor, h_RF: torch.Tensor,
+                          offsets_e: torch.Tensor, valid: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
+                          down_t: torch.Tensor, down_t_s: torch.Tensor, w_dtype: torch.dtype,
+                          need_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx_RD, dw1_eFD, dw2_eDF, dw3_eFD)``; ``dx`` empty when not ``need_dx``."""
+    F = h_RF.shape[1]
+    native = _native(x_RD, F)
+    g_RD = g_RD.contiguous()
+    gq, sg = quantize_rows(g_RD, valid)
+    dh_RF = _mm_rows(gq, sg, down_t, down_t_s, offsets_e, g_RD.dtype, native)
+    dx = g_RD.new_empty((0, x_RD.shape[1]))
+    if need_dx:  # dh13 for the up-projection's wgrad, its rowwise e4m3 for the dgrad GEMM
+        dh13_R2F, dq, sd = swiglu_quant_backward(dh_RF, h13_R2F, valid)
+        dx = _mm_rows(dq, sd, up_t, up_t_s, offsets_e, g_RD.dtype, native)
+    else:
         dh13_R2F = swiglu_backward(dh_RF, h13_R2F, valid)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dq, sd = quantize_rows(dh13_R2F, valid)
-            dx = _mm_rows(dq, sd, up_t, up_t_s, offsets_e, g_RD.dtype, native)
-        # wgrad: both operands of each GEMM quantized per (group, column) by one launch, 16-aligned
-        qg, qh, sg_eD, sh_eF, padded_e = quantize_cols_pair(g_RD, h_RF, offsets_e)
-        dw2 = _mm_groups(qg, qh, sg_eD, sh_eF, padded_e, ctx.w_dtype, native)
-        q13, qx, s13, sx_eD, padded_e = quantize_cols_pair(dh13_R2F, x_RD, offsets_e)
-        dw1 = _mm_groups(q13[:F], qx, s13[:, :F].contiguous(), sx_eD, padded_e, ctx.w_dtype, native)
-        dw3 = _mm_groups(q13[F:], qx, s13[:, F:].contiguous(), sx_eD, padded_e, ctx.w_dtype, native)
-        return (dx, dw1, dw2, dw3) + (None,) * (3 + len(Fp8Weights._fields))
+    # wgrad: both operands of each GEMM quantized per (group, column) by one launch, 16-aligned
+    qg, qh, sg_eD, sh_eF, padded_e = quantize_cols_pair(g_RD, h_RF, offsets_e)
+    dw2 = _mm_groups(qg, qh, sg_eD, sh_eF, padded_e, w_dtype, native)
+    q13, qx, s13, sx_eD, padded_e = quantize_cols_pair(dh13_R2F, x_RD, offsets_e)
+    dw1 = _mm_groups(q13[:F], qx, s13[:, :F].contiguous(), sx_eD, padded_e, w_dtype, native)
+    dw3 = _mm_groups(q13[F:], qx, s13[:, F:].contiguous(), sx_eD, padded_e, w_dtype, native)
+    return dx, dw1, dw2, dw3
+
+
+@_fp8_experts_backward.register_fake
+def _(g_RD, x_RD, h13_R2F, h_RF, offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_dtype, need_dx):  # type: ignore[no-untyped-def]
+    (R, D), F, e = x_RD.shape, h_RF.shape[1], offsets_e.shape[0]
+    dx = g_RD.new_empty((R if need_dx else 0, D))
+    return (dx, g_RD.new_empty((e, F, D), dtype=w_dtype), g_RD.new_empty((e, D, F), dtype=w_dtype),
+            g_RD.new_empty((e, F, D), dtype=w_dtype))
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x_RD, w1_eFD, _, _, offsets_e, valid = inputs[:6]
+    _, h13_R2F, h_RF = output
+    ctx.w_dtype = w1_eFD.dtype
+    ctx.save_for_backward(x_RD, h13_R2F, h_RF, offsets_e, valid, *inputs[10:])
+
+
+def _backward(ctx: Any, g_RD: torch.Tensor, _g13: Any, _gh: Any) -> tuple:
+    dx, dw1, dw2, dw3 = _fp8_experts_backward(g_RD, *ctx.saved_tensors, ctx.w_dtype, ctx.needs_input_grad[0])
+    return (dx if ctx.needs_input_grad[0] else None, dw1, dw2, dw3) + (None,) * 10
+
+
+_fp8_experts.register_autograd(_backward, setup_context=_setup)
 
 
 def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, w1_eFD: torch.Tensor,
                w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights) -> torch.Tensor:
     """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
-    ``quantized``: the weights' FP8 copies (:meth:`Fp8WeightCache.get` or :func:`quantize_weights`).
-
-    Raises :class:`spmdmoe.FP8CompileError` under ``torch.compile`` on CUDA (see :data:`COMPILE_ON_CUDA`)."""
-    if x_RD.is_cuda and torch.compiler.is_compiling():
-        raise FP8CompileError(COMPILE_ON_CUDA)
-    # the GEMM choice is made here, outside the autograd.Function, and passed in as a constant
-    native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
-    return _Fp8SwiGLU.apply(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, *quantized, native)
+    ``quantized``: the weights' FP8 copies (:meth:`Fp8WeightCache.get` or :func:`quantize_weights`)."""
+    q = quantized
+    return _fp8_experts(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, q.up, q.up_s, q.down, q.down_s,
+                        q.up_t, q.up_t_s, q.down_t, q.down_t_s)[0]

@@ -3,7 +3,6 @@
 from .checks import Layout, assert_layout, checks, checks_enabled, layout_checked, set_checks
 from .construct import from_local, padded_empty, shard
 from .errors import (
-    FP8CompileError,
     MoEConfigError,
     SPMDDeviceError,
     SPMDDtypeError,
@@ -22,7 +21,6 @@ from .tensor import SPMDTensor
 
 __all__ = [
     "Layout",
-    "FP8CompileError",
     "MoEConfigError",
     "RoutedTokens",
     "SPMDRoutingError",

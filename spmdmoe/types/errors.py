@@ -13,7 +13,6 @@ mistake for tests and for callers that want to handle one case:
 ``SPMDDtypeError``         a dtype that does not match the module's
 ``MoEConfigError``         an MoE configuration or parallel plan that cannot work
 ``SPMDRoutingError``       router output that cannot be routed (NaN logits)
-``FP8CompileError``        FP8 experts under ``torch.compile`` on CUDA (not yet)
 =========================  ====================================================
 
 Messages say what was expected, what was found, on which rank, and how to fix
@@ -32,7 +31,6 @@ __all__ = [
     "SPMDDtypeError",
     "MoEConfigError",
     "SPMDRoutingError",
-    "FP8CompileError",
 ]
 
 
@@ -66,8 +64,3 @@ class MoEConfigError(ValueError):
 
 class SPMDRoutingError(ValueError):
     """Router output that cannot be routed, e.g. NaN logits; raised on every rank of the EP group."""
-
-
-class FP8CompileError(NotImplementedError):
-    """``expert_precision="fp8_rowwise"`` traced by ``torch.compile`` on CUDA: refused, because its compiled
-    backward measured wrong there (``spmdmoe.moe.fp8.COMPILE_ON_CUDA`` says how and what to do instead)."""
