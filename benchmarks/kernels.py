@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-only", default=None, help="comma-separated kernel modules to sweep (e.g. fp8_cols,swiglu_fp8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     T, K, D, F = args.tokens, args.top_k, args.dim, args.hidden
@@ -98,7 +99,7 @@ def main() -> None:
             gy, gh, offs, fp8, True)
     except ImportError as exc:
         print(f"torchao not importable ({exc}): no torchao column", flush=True)
-    if args.sweep:
+    if args.sweep or args.sweep_only:
         sweep(cases, args)
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, T={T} K={K} D={D} F={F}; "
              f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}, fp8_rows {fr.CONFIG}, "
@@ -139,7 +140,10 @@ def sweep(cases, args) -> None:
         sq: ("SwiGLU backward + FP8 rows of dh13 (fused)", {"block_r": [1, 2, 4, 8], "max_block_f": [1024, 2048],
                                                             "num_warps": [4, 8, 16]}),
     }
+    only = set(args.sweep_only.split(",")) if args.sweep_only else None
     for module, (case, grid) in grids.items():
+        if only is not None and module.__name__.rsplit(".", 1)[1] not in only:
+            continue
         fn = cases[case][0]
         results = {}
         for values in itertools.product(*grid.values()):

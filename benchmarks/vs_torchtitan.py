@@ -227,6 +227,14 @@ def main() -> None:
             print(f"spmdmoe compiled, fullgraph={fullgraph}: {err}", flush=True)
     else:
         failed[f"spmdmoe{tag} compiled"] = f"does not compile: {err}"
+    if args.fp8:  # as a training step pays it: the weights change every step, so they are quantized every step
+        caches = [m.fp8_cache for m in ours.modules() if getattr(m, "fp8_cache", None) is not None]
+
+        def requantized(t: torch.Tensor) -> torch.Tensor:
+            for cache in caches:
+                cache.invalidate()
+            return ours(t)
+        cands[f"spmdmoe{tag} eager, weights quantized every step"] = (requantized, ours)
     # gloo (smoke) lacks the uneven list all_to_all of its default backend: the functional one there
     tt_eager_fwd = on_backend("partial_dtensor", titan(tt_eager)) if args.smoke and world > 1 else titan(tt_eager)
     cands[f"torchtitan{tag} eager"] = (tt_eager_fwd, tt_eager)
