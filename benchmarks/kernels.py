@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-only", default=None, help="comma-separated kernel modules to sweep (e.g. fp8_cols,swiglu_fp8)")
+    ap.add_argument("--only", default=None, help="comma-separated substrings: time only the kernels named so")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     T, K, D, F = args.tokens, args.top_k, args.dim, args.hidden
@@ -83,8 +84,21 @@ def main() -> None:
     cases["SwiGLU backward + FP8 rows of dh13 (fused)"] = (
         lambda: sq.swiglu_quant_backward_triton(gh, h13, valid),
         lambda: sq.swiglu_quant_backward_reference(gh, h13, valid), N * F * 12 + N * 4)
-    # the same two jobs unfused: the SwiGLU kernel, then the rowwise quantizer reading its output back
+    from spmdmoe.moe.fp8 import quantize_weights
+    w13 = torch.randn(E, 2 * F, D, device=dev, dtype=bf)
+    w2 = torch.randn(E, D, F, device=dev, dtype=bf)
+    w1v, w3v = w13[:, :F], w13[:, F:]
+
+    def weights_by_copies() -> None:  # the transposed layouts through transposing copies
+        for w in (w13, w2):
+            fr.quantize_rows_triton(w.reshape(-1, w.shape[-1]))
+            fr.quantize_rows_triton(w.transpose(1, 2).contiguous().reshape(-1, w.shape[1]))
+    nw = w13.numel() + w2.numel()
+    cases["FP8 weights, both layouts of [w1|w3] and w2 (E=64)"] = (
+        lambda: quantize_weights(w1v, w2, w3v), weights_by_copies, nw * (2 + 2 + 1 + 1))
+    # the same jobs unfused: the SwiGLU kernel, then the rowwise quantizer reading its output back
     unfused = {
+        "FP8 weights, both layouts of [w1|w3] and w2 (E=64)": weights_by_copies,
         "SwiGLU forward + FP8 rows of h (fused)": lambda: fr.quantize_rows_triton(sw.swiglu_forward_triton(h13, valid), valid),
         "SwiGLU backward + FP8 rows of dh13 (fused)": lambda: fr.quantize_rows_triton(
             sw.swiglu_backward_triton(gh, h13, valid), valid)}
@@ -108,7 +122,10 @@ def main() -> None:
              "torchao ms (TB/s) | ours vs torchao |",
              "|---|---|---|---|---|---|---|---|---|"]
     notes: list[str] = []
+    keep = args.only.split(",") if args.only else [""]
     for name, (tri, ref, nbytes) in cases.items():
+        if not any(k in name for k in keep):
+            continue
         comp = torch.compile(ref)
         fns = {"triton": tri, "eager": ref, "compiled": comp}
         if name in torchao:
@@ -137,8 +154,8 @@ def sweep(cases, args) -> None:
                                                 "num_warps": [4, 8, 16]}),
         fc: ("FP8 dual colwise, 16-aligned (N x D, N x F)", {"block_r": [32, 64, 128, 256], "block_c": [32, 64, 128],
                                                              "num_warps": [2, 4, 8, 16]}),
-        sq: ("SwiGLU backward + FP8 rows of dh13 (fused)", {"block_r": [1, 2, 4, 8], "max_block_f": [1024, 2048],
-                                                            "num_warps": [4, 8, 16]}),
+        sq: ("SwiGLU backward + FP8 rows of dh13 (fused)", {"block_r": [1, 2, 4], "max_block_f": [512, 2048],
+                                                            "num_warps": [4, 8]}),
     }
     only = set(args.sweep_only.split(",")) if args.sweep_only else None
     for module, (case, grid) in grids.items():

@@ -10,12 +10,20 @@ elsewhere; :mod:`spmdmoe.kernels.backend`).
 * :func:`swiglu_forward` / :func:`swiglu_backward`: offset-aware SwiGLU over the valid rows only;
 * :func:`swiglu_quant_forward` / :func:`swiglu_quant_backward`: SwiGLU fused with the rowwise FP8 of its result;
 * :func:`quantize_rows`: rowwise FP8 scale+cast in one pass, valid rows only;
-* :func:`quantize_cols_pair`: the two wgrad operands' per-group columnwise FP8, 16-row aligned, one launch.
+* :func:`quantize_cols_pair`: the two wgrad operands' per-group columnwise FP8, 16-row aligned, one launch;
+* :func:`quantize_weight_cols`: a 3-D weight's transpose in rowwise FP8, without the transposing copy.
 """
 
 from .backend import COMPILED, kernel_backend, set_kernel_backend, use_triton
 from .fan_out import fan_out, fan_out_reference, fan_out_triton
-from .fp8_cols import quantize_cols_pair, quantize_cols_pair_reference, quantize_cols_pair_triton
+from .fp8_cols import (
+    quantize_cols_pair,
+    quantize_cols_pair_reference,
+    quantize_cols_pair_triton,
+    quantize_weight_cols,
+    quantize_weight_cols_reference,
+    quantize_weight_cols_triton,
+)
 from .fp8_rows import quantize_rows, quantize_rows_reference, quantize_rows_triton
 from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
 from .swiglu_fp8 import (
@@ -45,4 +53,5 @@ __all__ = [
     "swiglu_quant_backward", "swiglu_quant_backward_reference", "swiglu_quant_backward_triton",
     "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
     "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",
+    "quantize_weight_cols", "quantize_weight_cols_reference", "quantize_weight_cols_triton",
 ]

@@ -24,6 +24,9 @@ padding of the FP8 path (forward and dgrad GEMMs take unaligned groups), and
 it is written here, by the quantizer: no separate pad or unpad copy. Rows
 past ``offsets[-1]`` (a capacity buffer's tail) are never read.
 
+The same program serves the weights' transposed layouts (:func:`quantize_weight_cols`: each expert a
+group, written as ``(e, C, A)`` without a transposing copy, once per weight change).
+
 One program per (group, block of ``BLOCK_C`` columns of either operand): it
 reads the group's rows twice (amax, then scale and cast, the second pass
 backwards so that the rows read last are re-read first, from L2 if they are
@@ -47,8 +50,10 @@ from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
 from .fp8_common import EPS_C, FP8, FP8_MAX_C, dequant_scale, quantize_reference, round_e4m3
+from .fp8_rows import quantize_rows_reference
 
-__all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton"]
+__all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",
+           "quantize_weight_cols", "quantize_weight_cols_reference", "quantize_weight_cols_triton"]
 
 ALIGN = 16
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
@@ -68,8 +73,10 @@ def _padded_ends(offsets_e: torch.Tensor, P: int) -> torch.Tensor:
 
 
 @triton.jit
-def _quantize_group_cols(src_ptr, dst_ptr, s_ptr, C, P, g, c0, start, end, pstart, pend,
+def _quantize_group_cols(src_ptr, dst_ptr, s_ptr, C, dst_g, dst_c, g, c0, start, end, pstart, pend,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Group ``g``'s rows ``[start, end)`` of columns ``[c0, c0 + BLOCK_C)``: column amax, then the e4m3 values
+    written transposed at ``dst_ptr + g * dst_g + col * dst_c + (row - start + pstart)``, zero rows up to ``pend``."""
     cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
     cmask = cols < C
     rr = tl.arange(0, BLOCK_R)
@@ -89,12 +96,13 @@ def _quantize_group_cols(src_ptr, dst_ptr, s_ptr, C, P, g, c0, start, end, pstar
         m = (rows < end)[:, None] & cmask[None, :]
         x = tl.load(src_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
         q = round_e4m3(tl.clamp(x * inv[None, :], -FP8_MAX_C, FP8_MAX_C))
-        tl.store(dst_ptr + cols[None, :] * P + (rows + shift)[:, None], q.to(dst_ptr.dtype.element_ty), mask=m)
+        tl.store(dst_ptr + g * dst_g + cols[None, :] * dst_c + (rows + shift)[:, None], q.to(dst_ptr.dtype.element_ty),
+                 mask=m)
     zero = tl.zeros([BLOCK_R, BLOCK_C], tl.float32).to(dst_ptr.dtype.element_ty)
     for r0 in range(end + shift, pend, BLOCK_R):
         rows = r0 + rr
         m = (rows < pend)[:, None] & cmask[None, :]
-        tl.store(dst_ptr + cols[None, :] * P + rows[:, None], zero, mask=m)
+        tl.store(dst_ptr + g * dst_g + cols[None, :] * dst_c + rows[:, None], zero, mask=m)
 
 
 @triton.jit
@@ -108,11 +116,19 @@ def _cols_pair_kernel(a_ptr, b_ptr, qa_ptr, qb_ptr, sa_ptr, sb_ptr, offs_ptr, pa
     pend = tl.load(pads_ptr + g).to(tl.int64)
     blocks_a = tl.cdiv(A, BLOCK_C)
     if cb < blocks_a:
-        _quantize_group_cols(a_ptr, qa_ptr, sa_ptr, A, P, g, cb * BLOCK_C, start, end, pstart, pend,
+        _quantize_group_cols(a_ptr, qa_ptr, sa_ptr, A, 0, P, g, cb * BLOCK_C, start, end, pstart, pend,
                              BLOCK_R, BLOCK_C)
     else:
-        _quantize_group_cols(b_ptr, qb_ptr, sb_ptr, B, P, g, (cb - blocks_a) * BLOCK_C, start, end, pstart, pend,
+        _quantize_group_cols(b_ptr, qb_ptr, sb_ptr, B, 0, P, g, (cb - blocks_a) * BLOCK_C, start, end, pstart, pend,
                              BLOCK_R, BLOCK_C)
+
+
+@triton.jit
+def _weight_cols_kernel(w_ptr, q_ptr, s_ptr, A, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Expert ``g`` = program 0 of a ``(e, A, C)`` weight: ``q[g] = e4m3(w[g]^T)`` per column, no padding."""
+    g = tl.program_id(0).to(tl.int64)
+    _quantize_group_cols(w_ptr, q_ptr, s_ptr, C, C * A, A, g, tl.program_id(1) * BLOCK_C, g * A, g * A + A, 0, A,
+                         BLOCK_R, BLOCK_C)
 
 
 def _empty_outputs(a_RA: torch.Tensor, b_RB: torch.Tensor, e: int, P: int) -> list[torch.Tensor]:
@@ -141,6 +157,34 @@ def quantize_cols_pair_triton(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e:
             a_RA, b_RB, qa, qb, sa, sb, offsets_e, padded_e, A, B, P,
             BLOCK_R=CONFIG["block_r"], BLOCK_C=CONFIG["block_c"], num_warps=CONFIG["num_warps"])
     return qa, qb, sa, sb, padded_e
+
+
+@triton_op("spmdmoe::quantize_weight_cols", mutates_args=())
+def quantize_weight_cols_triton(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 3-D weight's transpose quantized per row without the transposing copy: ``(q_eCA, s_eC)``, equal to
+    :func:`spmdmoe.kernels.quantize_rows` of ``w.transpose(1, 2).contiguous()`` (each expert one group)."""
+    w_eAC = w_eAC.contiguous()
+    e, A, C = w_eAC.shape
+    q_eCA = torch.empty((e, C, A), dtype=FP8, device=w_eAC.device)
+    s_eC = torch.empty((e, C), dtype=torch.float32, device=w_eAC.device)
+    if e and A and C:
+        wrap_triton(_weight_cols_kernel)[(e, triton.cdiv(C, CONFIG["block_c"]))](
+            w_eAC, q_eCA, s_eC, A, C, BLOCK_R=CONFIG["block_r"], BLOCK_C=CONFIG["block_c"],
+            num_warps=CONFIG["num_warps"])
+    return q_eCA, s_eC
+
+
+def quantize_weight_cols_reference(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch, same signature: the transposing copy, then the rowwise reference."""
+    e, A, C = w_eAC.shape
+    q, s = quantize_rows_reference(w_eAC.transpose(1, 2).reshape(e * C, A))
+    return q.view(e, C, A), s.view(e, C)
+
+
+def quantize_weight_cols(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
+    impl = quantize_weight_cols_triton if use_triton("fp8_cols", w_eAC) else quantize_weight_cols_reference
+    return impl(w_eAC)
 
 
 def _cols_reference(x_RC: torch.Tensor, group_R: torch.Tensor, dest_R: torch.Tensor, e: int, P: int):

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..host import to_host
-from ..kernels import quantize_cols_pair, quantize_rows, swiglu_backward, swiglu_quant_backward, swiglu_quant_forward
+from ..kernels import quantize_cols_pair, quantize_rows, quantize_weight_cols, swiglu_backward, swiglu_quant_backward, swiglu_quant_forward
 from .gemm import grouped_mm, up_weights
 
 __all__ = ["Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
@@ -95,11 +95,10 @@ def _rows3(w_eAB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_weights(w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor) -> Fp8Weights:
-    """Both layouts of both weights (one pass each; the transposes are copies, once per step)."""
+    """Both layouts of both weights (the transposed ones quantized per column, no transposing copy)."""
     with torch.no_grad():
         up = up_weights(w1_eFD, w3_eFD)
-        return Fp8Weights(*_rows3(up), *_rows3(up.transpose(1, 2).contiguous()),
-                          *_rows3(w2_eDF), *_rows3(w2_eDF.transpose(1, 2).contiguous()))
+        return Fp8Weights(*_rows3(up), *quantize_weight_cols(up), *_rows3(w2_eDF), *quantize_weight_cols(w2_eDF))
 
 
 class Fp8WeightCache:
@@ -185,8 +184,7 @@ def _fp8_experts(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor,
     """``(y_RD, h13_R2F, h_RF)``: the output and the two activations the backward needs (the transposed
     weights ride along for the backward)."""
     native = _native(x_RD, w1_eFD.shape[1])
-    xq, sx = quantize_rows(x_RD, valid)
-    h13_R2F = _mm_rows(xq, sx, up, up_s, offsets_e, x_RD.dtype, native)
+    h13_R2F = _mm_rows(*quantize_rows(x_RD, valid), up, up_s, offsets_e, x_RD.dtype, native)
     h_RF, hq, sh = swiglu_quant_forward(h13_R2F, valid)  # h for the w2 wgrad, hq for the GEMM
     return _mm_rows(hq, sh, down, down_s, offsets_e, x_RD.dtype, native), h13_R2F, h_RF
 
@@ -206,18 +204,21 @@ def _fp8_experts_backward(g_RD: torch.Tensor, x_RD: torch.Tensor, h13_R2F: torch
     F = h_RF.shape[1]
     native = _native(x_RD, F)
     g_RD = g_RD.contiguous()
-    gq, sg = quantize_rows(g_RD, valid)
-    dh_RF = _mm_rows(gq, sg, down_t, down_t_s, offsets_e, g_RD.dtype, native)
+    # each temporary goes as soon as its GEMM is done (the peak is the step's peak)
+    dh_RF = _mm_rows(*quantize_rows(g_RD, valid), down_t, down_t_s, offsets_e, g_RD.dtype, native)
     dx = g_RD.new_empty((0, x_RD.shape[1]))
     if need_dx:  # dh13 for the up-projection's wgrad, its rowwise e4m3 for the dgrad GEMM
         dh13_R2F, dq, sd = swiglu_quant_backward(dh_RF, h13_R2F, valid)
+        del dh_RF
         dx = _mm_rows(dq, sd, up_t, up_t_s, offsets_e, g_RD.dtype, native)
+        del dq
     else:
         dh13_R2F = swiglu_backward(dh_RF, h13_R2F, valid)
+        del dh_RF
     # wgrad: both operands of each GEMM quantized per (group, column) by one launch, 16-aligned
-    qg, qh, sg_eD, sh_eF, padded_e = quantize_cols_pair(g_RD, h_RF, offsets_e)
-    dw2 = _mm_groups(qg, qh, sg_eD, sh_eF, padded_e, w_dtype, native)
+    dw2 = _mm_groups(*quantize_cols_pair(g_RD, h_RF, offsets_e), w_dtype, native)
     q13, qx, s13, sx_eD, padded_e = quantize_cols_pair(dh13_R2F, x_RD, offsets_e)
+    del dh13_R2F
     dw1 = _mm_groups(q13[:F], qx, s13[:, :F].contiguous(), sx_eD, padded_e, w_dtype, native)
     dw3 = _mm_groups(q13[F:], qx, s13[:, F:].contiguous(), sx_eD, padded_e, w_dtype, native)
     return dx, dw1, dw2, dw3
