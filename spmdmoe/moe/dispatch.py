@@ -6,12 +6,15 @@ received by this rank's experts.
 
 Interface (docs/design.md §5)::
 
-    routed = transport.dispatch(x_TD, ids_TK, problem=code)   # -> RoutedTokens
+    routed = transport.dispatch(x_TD, ids_TK, problem=code, t_max=T_max)   # -> RoutedTokens
     out_TD = transport.combine(y_RD, routed, weights_TK)
 
 ``LocalTransport`` (no EP: every expert is local) and ``AllToAllTransport``
 (EP, sync mode) share the sort and the gathers of ``permute.py``; which one a
-layer uses follows from the meshes it was given.
+layer uses follows from the meshes it was given and its ``ep_mode``
+(``SyncFreeTransport``, ``sync_free.py``, the static-capacity one).
+``T_max``: the most tokens any rank routes (a host int the layer derives from
+its layout); only the sync-free transport needs it.
 
 ``problem``: this rank's problem bits for the forward (``spmdmoe.agreement``:
 a bad input, non-finite router logits). ``AllToAllTransport`` carries them in
@@ -74,7 +77,8 @@ class LocalTransport:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None) -> RoutedTokens:
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
+                 t_max: Optional[int] = None) -> RoutedTokens:
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)
@@ -116,7 +120,8 @@ class AllToAllTransport:
         self.local_experts = num_experts // axis.size
         self.raises = raises
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None) -> RoutedTokens:
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
+                 t_max: Optional[int] = None) -> RoutedTokens:
         problem = problem or Problem()
         n, e = self.axis.size, self.local_experts
         x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)

@@ -43,7 +43,8 @@ SHARED_WEIGHTS = ("shared_experts.w1.weight", "shared_experts.w2.weight", "share
 
 
 class Transport(Protocol):
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None) -> RoutedTokens: ...
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
+                 t_max: Optional[int] = None) -> RoutedTokens: ...
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor: ...
 
@@ -119,7 +120,7 @@ class _Layer(nn.Module):
 
     def _pipeline(
         self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Transport, own: Optional[torch.Tensor] = None,
-        problem: Optional[Problem] = None,
+        problem: Optional[Problem] = None, t_max: Optional[int] = None,
     ) -> torch.Tensor:
         """Route, count, dispatch, experts, combine. ``own``: a bool mask of the rows this rank holds
         (load counting, aux loss, the non-finite check; ``None``: all). A mask, not a slice: its bounds
@@ -127,6 +128,7 @@ class _Layer(nn.Module):
 
         ``problem``: this rank's problem bits so far; the router adds non-finite
         logits of its own rows (checks on) and the transport carries or records them.
+        ``t_max``: the most rows any rank of the EP group routes (the sync-free transport's capacity).
         """
         cfg = self.config
         r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
@@ -146,7 +148,7 @@ class _Layer(nn.Module):
             if own is not None:
                 finite_TE = finite_TE | ~own.unsqueeze(1)
             problem.bits = problem.bits | (~finite_TE.all()).to(torch.int64) * BIT["nonfinite"]
-        routed = transport.dispatch(h_TD, r.ids_TK, problem=problem)
+        routed = transport.dispatch(h_TD, r.ids_TK, problem=problem, t_max=t_max)
         y_RD = self.experts(routed)
         return transport.combine(y_RD, routed, weights_TK)
 

@@ -48,18 +48,20 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
-from .._dist import all_gather_single
+from .._dist import all_gather_single, all_reduce
 from ..agreement import Found, alone, global_rank, raise_problems
 from ..collectives import all_gather, reduce_scatter
 from ..host import to_host
 from ..types import layout
 from ..types.checks import checks_enabled
+from ..types.errors import MoEConfigError
 from ..types.mesh import MeshAxis, MeshLike
 from ..types.placement import Partial, Shard, Varying
 from ..types.product import product_axis
 from ..types.tensor import SPMDTensor
 from .checkpoint import ExpertLayout, grid_mesh, install_hooks
 from .dispatch import AllToAllTransport, LocalTransport, Problem
+from .sync_free import SyncFreeTransport
 from .experts import GroupedExperts
 from .grads import GradReduction, sync_grads
 from .layer import MoE, _Layer
@@ -78,6 +80,9 @@ def parallelize_moe(
     dp_mesh: Optional[MeshLike] = None,
     sp_mode: Literal["local", "gather"] = "local",
     agree_over: Optional[MeshLike] = None,
+    ep_mode: Literal["sync", "sync_free"] = "sync",
+    capacity_factor: Optional[float] = None,
+    max_tokens: Optional[int] = None,
 ) -> "ParallelMoE":
     """This rank's part of ``moe`` over the given axes (same parameter names, sliced experts).
 
@@ -102,15 +107,32 @@ def parallelize_moe(
     ``ProcessGroup``): every rank of it calls this for the same layers in the
     same order, the config, plan and weights are compared across them
     (``spmdmoe.moe.plan``), and every rank raises the same error if any rank's
-    differ. ``load_state_dict`` agrees over the same group. Raises ``MoEConfigError``: configs, plans or weights that
+    differ. ``load_state_dict`` agrees over the same group.
+
+    ``ep_mode``: how EP moves rows. ``"sync"`` (default) reads the split sizes
+    on the host once per forward and sends exactly the routed rows.
+    ``"sync_free"`` (``spmdmoe.moe.sync_free``) never syncs: static buffers of
+    ``S`` rows per rank pair, sized from ``T_max``, the most tokens any rank
+    routes: with ``sp_mesh`` the SP input's padded local count (all SP rows in
+    gather mode); without it ``max_tokens`` (a larger input raises on every
+    rank), or, when that is ``None``, one host all-reduce of the token counts
+    per forward (the only sync left, not CUDA-graph capturable).
+    ``capacity_factor=None`` is lossless (``S = T_max * min(K, e)``); a factor
+    ``c`` sizes ``S`` to ``c`` times balanced traffic, and overflow is raised by
+    :meth:`ParallelMoE.check_capacity` (also run by ``update_expert_bias``) as
+    ``SPMDCapacityError`` on every rank. Without EP both modes are the local,
+    sync-free transport.
+
+    Raises ``MoEConfigError``: configs, plans or weights that
     differ between ranks, ``E % ep != 0``, an unknown ``sp_mode``, gather mode
     without ``sp_mesh`` or with ``ep_mesh`` equal to ``sp_mesh``, a layer that is
     already parallel. ``SPMDMeshError``: a mesh that is not one axis, SP and EP
     axes that are neither the same group nor orthogonal, a DP axis not
     orthogonal to both.
     """
-    sp, ep, dp, over = agree_plan(moe, sp_mesh, ep_mesh, dp_mesh, sp_mode, MoE, agree_over)
-    return ParallelMoE(moe, sp, ep, sp_mode, dp, over)
+    transport = (ep_mode, capacity_factor, max_tokens)
+    sp, ep, dp, over = agree_plan(moe, sp_mesh, ep_mesh, dp_mesh, sp_mode, MoE, agree_over, transport)
+    return ParallelMoE(moe, sp, ep, sp_mode, dp, over, transport)
 
 
 def _expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
@@ -136,7 +158,8 @@ class ParallelMoE(_Layer):
     """A :class:`MoE` over SP and/or EP axes; see :func:`parallelize_moe` and the module docstring."""
 
     def __init__(self, moe: MoE, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
-                 dp: Optional[MeshAxis] = None, agree_over: Optional[MeshAxis] = None):
+                 dp: Optional[MeshAxis] = None, agree_over: Optional[MeshAxis] = None,
+                 transport: tuple[str, Optional[float], Optional[int]] = ("sync", None, None)):
         super().__init__()
         cfg = moe.config
         self.sp, self.ep, self.dp, self.sp_mode = sp, ep, dp, sp_mode
@@ -158,12 +181,11 @@ class ParallelMoE(_Layer):
             experts.w3.copy_(src.w3[experts_slice, hidden])
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
         self.load_axes = _distinct(sp, ep, dp)
-        if ep is not None and ep.size > 1:
-            # problems raise at the count exchange only when it reaches every rank the layer talks to
-            spans = all(a == ep or a.size == 1 for a in self.load_axes)
-            self.transport: Any = AllToAllTransport(ep, cfg.num_experts, raises=spans)
-        else:
-            self.transport = LocalTransport(e)
+        ep_mode, self.capacity_factor, self.max_tokens = transport
+        # the sync-free transport's worst overflow since the last check (sync_free.py), on the layer's device
+        self.register_buffer("capacity_overflow", torch.zeros(4, dtype=torch.int64, device=moe.expert_bias.device),
+                             persistent=False)
+        self.set_ep_mode(ep_mode)
         self.aux_axes = () if sp is None else (sp,)
         install_hooks(self, _expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden), agree_over)
         if sp is not None and sp.size > 1:
@@ -173,6 +195,35 @@ class ParallelMoE(_Layer):
         else:
             self.sp_synced = ()
         self._reductions: Optional[tuple[GradReduction, GradReduction]] = None
+
+    def set_ep_mode(self, ep_mode: Literal["sync", "sync_free"]) -> None:
+        """Switch the EP transport (e.g. ``"sync"`` to rerun a step that overflowed a sync-free capacity, then
+        back). Call it on every rank of the layer alike: the two transports issue different collectives."""
+        if ep_mode not in ("sync", "sync_free"):
+            raise MoEConfigError(f"ep_mode must be 'sync' or 'sync_free', found {ep_mode!r}")
+        cfg, ep = self.config, self.ep
+        self.ep_mode = ep_mode
+        if ep is None or ep.size == 1:
+            self.transport: Any = LocalTransport(self.experts.num_experts)
+        elif ep_mode == "sync_free":
+            self.transport = SyncFreeTransport(ep, cfg.num_experts, cfg.top_k, self.capacity_factor,
+                                               lambda: self.capacity_overflow)
+        else:
+            # problems raise at the count exchange only when it reaches every rank the layer talks to
+            spans = all(a == ep or a.size == 1 for a in self.load_axes)
+            self.transport = AllToAllTransport(ep, cfg.num_experts, raises=spans)
+
+    def check_capacity(self) -> None:
+        """Raise ``SPMDCapacityError`` on every rank if a sync-free EP slot overflowed since the last check
+        (one host read of a device flag; the verdict is the same on every rank); a no-op otherwise."""
+        if isinstance(self.transport, SyncFreeTransport):
+            self.transport.check_capacity(f"MoE layer ({self.ep_mode} EP over {self.ep})")
+
+    def update_expert_bias(self) -> torch.Tensor:
+        """:meth:`MoE.update_expert_bias`; in sync-free mode it first runs :meth:`check_capacity` (one more
+        host read)."""
+        self.check_capacity()
+        return super().update_expert_bias()
 
     @property
     def batch_axes(self) -> tuple[MeshAxis, ...]:
@@ -219,9 +270,11 @@ class ParallelMoE(_Layer):
         if self.sp is not None and self.sp_mode == "gather":
             out_TD = self._gathered(x, found, w, problem)
         else:
+            t_max = self._t_max(x, None if found else x_TD, found)
+            problem = Problem(found.bits, found.details)
             if found:  # stand in zero rows: the same collectives as the peers, nothing routed
                 x_TD = self._zero_rows(0)
-            out_TD = self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem), x_TD, w)
+            out_TD = self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem, t_max=t_max), x_TD, w)
         if found:
             return _stand_in(x, out_TD, self._zero_rows)
         return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD
@@ -241,9 +294,32 @@ class ParallelMoE(_Layer):
         h_TD = all_gather(x).local
         rows_T = torch.arange(h_TD.shape[0], device=h_TD.device)
         own_T = (rows_T >= start) & (rows_T < start + x.local_tokens)
-        partial_TD = self._pipeline(h_TD, w, self.transport, own=own_T, problem=problem)
+        t_max = self._t_max(None, h_TD, Found())  # EP on another axis: max_tokens or the all-reduce
+        partial_TD = self._pipeline(h_TD, w, self.transport, own=own_T, problem=problem, t_max=t_max)
         out_TD = reduce_scatter(SPMDTensor._new(partial_TD, sp, Partial(), T, 0)).local
         return self._plus_shared(out_TD, x.local, w)
+
+    def _t_max(self, x: Input, x_TD: Optional[torch.Tensor], found: Found) -> Optional[int]:
+        """``T_max`` for the sync-free transport (``None`` for the others): the most rows any rank of the EP
+        group routes. EP on the SP axis: the SP input's padded local count (agreed over SP with checks on:
+        one small all-gather, no host read on a rank whose input is good). Otherwise ``max_tokens`` (more
+        rows here: a problem, raised on every rank at the step boundary; this rank stands in zero rows),
+        or one host all-reduce (MAX) of the routed rows over EP: the documented sync of that case."""
+        ep = self.ep
+        if not isinstance(self.transport, SyncFreeTransport) or ep is None:
+            return None
+        if self.sp is not None and self.sp == ep:
+            return layout.padded_local_tokens(max(self._gather_tokens(x, found), 0), ep.size)
+        rows = 0 if x_TD is None else x_TD.shape[0]
+        if self.max_tokens is not None:
+            if rows > self.max_tokens:
+                found.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than max_tokens="
+                                      f"{self.max_tokens}, which sizes the sync-free EP buffers; split the batch "
+                                      "or pass a larger max_tokens to parallelize_moe")
+            return self.max_tokens
+        most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
+        all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
+        return int(to_host(most)[0])
 
     def _gather_tokens(self, x: Input, found: Found) -> int:
         """The ``T`` every SP rank gathers. With checks on, one all-gather of ``(T, bad)`` per rank; only a

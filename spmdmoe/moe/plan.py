@@ -5,7 +5,7 @@ Legend: ``E`` experts, ``F`` expert hidden dim, ``D`` model dim, ``K`` top-k.
 Ranks that disagree on a layer hang, abort or silently compute another model
 (one rank with ``top_k=3``, one with ``sp_mode="local"``, one built from
 another seed). So every rank fingerprints what it was given and one agreement
-exchange (``spmdmoe.agreement.agree``: one all-gather of 15 int64 per rank,
+exchange (``spmdmoe.agreement.agree``: one all-gather of 18 int64 per rank,
 once per layer, plus the host reads of the fingerprint and of the table)
 compares them, over ``agree_over``: by default the world, which every rank
 can name before anything is agreed; pipeline stages that build different
@@ -17,7 +17,8 @@ field                      value                                                
 config                     ``dim``, ``hidden_dim``, ``num_experts``,            MoEConfigError
                            ``top_k``, ``num_shared_experts``, and a hash of
                            every option
-plan                       the sizes of sp / ep / dp, ``sp_mode``, EP on SP     MoEConfigError
+plan                       the sizes of sp / ep / dp, ``sp_mode``, EP on SP,    MoEConfigError
+                           ``ep_mode``, ``capacity_factor``, ``max_tokens``
 parameters                 dtype and device type                                MoEConfigError
 weights                    an exact integer fingerprint of every parameter      MoEConfigError
                            and ``expert_bias``, position-weighted (a transposed
@@ -50,6 +51,7 @@ from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 __all__ = ["agree_plan", "weights_fingerprint"]
 
 _MODES = {"local": 0, "gather": 1}
+_EP_MODES = {"sync": 0, "sync_free": 1}
 _DEVICES = {"cpu": 0, "cuda": 1, "meta": 2}
 _SAME_CONFIG = "build the layer from the same MoEConfig on every rank"
 
@@ -70,6 +72,9 @@ _FIELDS = (
     _plan_field("dp_mesh size"),
     _plan_field("sp_mode", lambda v: {c: m for m, c in _MODES.items()}.get(v, "other")),
     _plan_field("EP-on-the-SP-axis", lambda v: str(bool(v))),
+    _plan_field("ep_mode", lambda v: {c: m for m, c in _EP_MODES.items()}.get(v, "other")),
+    _plan_field("capacity_factor", lambda v: "None" if v < 0 else f"{v / 1e6:g}"),
+    _plan_field("max_tokens", lambda v: "None" if v < 0 else str(v)),
     Field("parameter dtype", MoEConfigError, dtype_name, "convert the layer with .to(dtype) on every rank"),
     Field("parameter device type", MoEConfigError, lambda v: {c: d for d, c in _DEVICES.items()}.get(v, "other"),
           "build or move the layer to the same kind of device on every rank"),
@@ -144,9 +149,11 @@ def _plan_problems(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp:
 
 def agree_plan(moe: Any, sp_mesh: Optional[MeshLike], ep_mesh: Optional[MeshLike], dp_mesh: Optional[MeshLike],
                sp_mode: Any, single_device_type: type, agree_over: Optional[MeshLike] = None,
+               transport: tuple[Any, Any, Any] = ("sync", None, None),
                ) -> tuple[Optional[MeshAxis], Optional[MeshAxis], Optional[MeshAxis], Optional[MeshAxis]]:
     """The normalised ``(sp, ep, dp, agree_over)`` axes, once every rank agrees on the layer (see the
-    module docstring); ``agree_over`` ``None`` means the world."""
+    module docstring); ``agree_over`` ``None`` means the world. ``transport``: ``(ep_mode,
+    capacity_factor, max_tokens)``."""
     found = Found()
     over = None if agree_over is None else mesh_axis(agree_over)
     sp, ep, dp = (_axis(n, m, found) for n, m in (("sp_mesh", sp_mesh), ("ep_mesh", ep_mesh), ("dp_mesh", dp_mesh)))
@@ -157,7 +164,8 @@ def agree_plan(moe: Any, sp_mesh: Optional[MeshLike], ep_mesh: Optional[MeshLike
         values = [-1] * len(_FIELDS)
     else:
         _plan_problems(moe.config, sp, ep, dp, sp_mode, found)
-        values = _values(moe, sp, ep, dp, sp_mode) if checks_enabled() else []
+        _transport_problems(*transport, found)
+        values = _values(moe, sp, ep, dp, sp_mode, transport) if checks_enabled() else []
     if checks_enabled():
         agree("parallelize_moe", over, found, list(zip(_FIELDS, values)), global_ranks=True)
     else:
@@ -165,8 +173,10 @@ def agree_plan(moe: Any, sp_mesh: Optional[MeshLike], ep_mesh: Optional[MeshLike
     return sp, ep, dp, over
 
 
-def _values(moe: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis], sp_mode: Any) -> list[int]:
+def _values(moe: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis], sp_mode: Any,
+            transport: tuple[Any, Any, Any]) -> list[int]:
     cfg = moe.config
+    ep_mode, factor, max_tokens = transport
     weight = moe.router.gate.weight
     return [
         cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, cfg.num_shared_experts,
@@ -174,7 +184,24 @@ def _values(moe: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Option
         *(0 if a is None else a.size for a in (sp, ep, dp)),
         _MODES.get(sp_mode, -1),
         int(sp is not None and sp == ep),
+        _EP_MODES.get(ep_mode, -1),
+        -1 if not isinstance(factor, (int, float)) else round(factor * 1e6),
+        max_tokens if isinstance(max_tokens, int) else -1,
         dtype_code(weight.dtype),
         _DEVICES.get(weight.device.type, 3),
         weights_fingerprint(moe),
     ]
+
+
+def _transport_problems(ep_mode: Any, factor: Any, max_tokens: Any, found: Found) -> None:
+    rank = global_rank()
+    if ep_mode not in _EP_MODES:
+        found.add("config", f"rank {rank}: ep_mode must be 'sync' or 'sync_free', found {ep_mode!r}")
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+        found.add("config", f"rank {rank}: capacity_factor must be None (lossless) or a number > 0, found {factor!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
+        found.add("config", f"rank {rank}: max_tokens must be None or an int >= 0, found {max_tokens!r}")
+    if ep_mode == "sync" and (factor is not None or max_tokens is not None):
+        found.add("config", f"rank {rank}: capacity_factor and max_tokens size the static buffers of "
+                            f"ep_mode='sync_free'; the sync transport sizes its buffers per forward (found "
+                            f"capacity_factor={factor!r}, max_tokens={max_tokens!r}); pass ep_mode='sync_free' or drop them")

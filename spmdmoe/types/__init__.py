@@ -4,6 +4,7 @@ from .checks import Layout, assert_layout, checks, checks_enabled, layout_checke
 from .construct import from_local, padded_empty, shard
 from .errors import (
     MoEConfigError,
+    SPMDCapacityError,
     SPMDDeviceError,
     SPMDDtypeError,
     SPMDLayoutError,
@@ -23,6 +24,7 @@ __all__ = [
     "Layout",
     "MoEConfigError",
     "RoutedTokens",
+    "SPMDCapacityError",
     "SPMDRoutingError",
     "SPMDShapeError",
     "MeshAxis",

@@ -13,6 +13,7 @@ mistake for tests and for callers that want to handle one case:
 ``SPMDDtypeError``         a dtype that does not match the module's
 ``MoEConfigError``         an MoE configuration or parallel plan that cannot work
 ``SPMDRoutingError``       router output that cannot be routed (NaN logits)
+``SPMDCapacityError``      sync-free EP rows past the static capacity (an ``SPMDLayoutError``)
 =========================  ====================================================
 
 Messages say what was expected, what was found, on which rank, and how to fix
@@ -31,6 +32,7 @@ __all__ = [
     "SPMDDtypeError",
     "MoEConfigError",
     "SPMDRoutingError",
+    "SPMDCapacityError",
 ]
 
 
@@ -64,3 +66,8 @@ class MoEConfigError(ValueError):
 
 class SPMDRoutingError(ValueError):
     """Router output that cannot be routed, e.g. NaN logits; raised on every rank of the EP group."""
+
+
+class SPMDCapacityError(SPMDLayoutError):
+    """Sync-free EP (``ep_mode="sync_free"``) routed more rows to a (source, destination) slot than its static
+    capacity holds; raised on every rank of the EP group by the capacity check, with a factor that fits."""

@@ -66,8 +66,9 @@ def _batches(total: int, n: int) -> list[tuple[int, int]]:
     return list(zip(offsets, sizes))
 
 
-def build_plan(name: str, moe: MoE, total: int, world, request, layer: Any = None) -> Plan:
-    """The plan ``name`` for ``total`` tokens; ``layer``: reuse this parallel layer (built by the same plan)."""
+def build_plan(name: str, moe: MoE, total: int, world, request, layer: Any = None, **ep_options: Any) -> Plan:
+    """The plan ``name`` for ``total`` tokens; ``layer``: reuse this parallel layer (built by the same plan);
+    ``ep_options``: ``ep_mode``, ``capacity_factor``, ``max_tokens`` for the plans with EP."""
     n, rank, E, F = world.size(), world.get_local_rank(), moe.config.num_experts, moe.config.hidden_dim
     if name in FOUR_RANK_PLANS:
         if n != 4:
@@ -79,7 +80,8 @@ def build_plan(name: str, moe: MoE, total: int, world, request, layer: Any = Non
         start = b_off + layout.chunk_offset(b_rows, 2, s)
         rows = slice(start, start + layout.local_tokens(b_rows, 2, s))
         gather = name == "gather_ep"
-        layer = layer or parallelize_moe(moe, sp_mesh=sp, ep_mesh=ep, sp_mode="gather" if gather else "local")
+        layer = layer or parallelize_moe(moe, sp_mesh=sp, ep_mesh=ep, sp_mode="gather" if gather else "local",
+                                         **ep_options)
         wrap = lambda t: spmdmoe.from_local(t, sp, global_tokens=b_rows)  # noqa: E731
         f0 = layout.chunk_offset(F, 2, s) if gather else 0
         hidden = slice(f0, f0 + (layout.local_tokens(F, 2, s) if gather else F))
@@ -88,7 +90,7 @@ def build_plan(name: str, moe: MoE, total: int, world, request, layer: Any = Non
         return Plan(name, layer, rows, wrap, ep.get_group(), slice(b * e, (b + 1) * e), hidden, sp.get_group(), 2 if gather else 1, halves)
     if name == "ep":
         off, size = _batches(total, n)[rank]
-        layer = layer or parallelize_moe(moe, ep_mesh=world)
+        layer = layer or parallelize_moe(moe, ep_mesh=world, **ep_options)
         e = E // n
         batches = [slice(o, o + c) for o, c in _batches(total, n)]
         return Plan(name, layer, slice(off, off + size), lambda t: t, world.get_group(), slice(rank * e, (rank + 1) * e), slice(0, F), None, 1, batches)
@@ -103,7 +105,7 @@ def build_plan(name: str, moe: MoE, total: int, world, request, layer: Any = Non
         return Plan(name, layer or parallelize_moe(moe, sp_mesh=world), rows, wrap, None, slice(0, E), slice(0, F), world.get_group(), 1, [slice(0, total)])
     assert name == "sp_ep"
     e = E // n
-    layer = layer or parallelize_moe(moe, sp_mesh=world, ep_mesh=world)
+    layer = layer or parallelize_moe(moe, sp_mesh=world, ep_mesh=world, **ep_options)
     return Plan(name, layer, rows, wrap, None, slice(rank * e, (rank + 1) * e), slice(0, F), world.get_group(), 1, [slice(0, total)])
 
 

@@ -41,7 +41,8 @@ def close(actual, expected, name, rtol=1e-5):
     assert_close_everywhere(actual.detach(), expected.detach().to(actual.dtype), rtol=rtol, atol=atol, name=name)
 
 
-def run_parity(plan_name, total, cfg, world, device, request, *, dtype=torch.float32, rtol=1e-5, seed=0, bias=None):
+def run_parity(plan_name, total, cfg, world, device, request, *, dtype=torch.float32, rtol=1e-5, seed=0, bias=None,
+               **ep_options):
     moe = reference_moe(cfg, seed, device, dtype)
     if bias is not None:
         moe.expert_bias.copy_(bias)
@@ -49,7 +50,7 @@ def run_parity(plan_name, total, cfg, world, device, request, *, dtype=torch.flo
     G = reference_tensor((total, D), 2000 + seed, dtype=dtype, device=device)
 
     # the plan is built first only to learn its batches; its layer copies the untouched weights
-    plan = build_plan(plan_name, moe, total, world, request)
+    plan = build_plan(plan_name, moe, total, world, request, **ep_options)
     ref_x = X.clone().requires_grad_()
     ref_loss, ref_aux, ys = 0.0, 0.0, []
     for rows in plan.batches:  # one forward per batch: the aux loss is per batch
@@ -63,8 +64,8 @@ def run_parity(plan_name, total, cfg, world, device, request, *, dtype=torch.flo
     seen = {"router": 0, "experts": 0}
     plan.layer.router.register_forward_hook(lambda m, a, out: seen.__setitem__("router", seen["router"] + a[0].shape[0]))
     plan.layer.experts.register_forward_hook(
-        lambda m, a, out: seen.__setitem__("experts", seen["experts"] + a[0].x_RD.shape[0])
-    )
+        lambda m, a, out: seen.__setitem__("experts", seen["experts"] + int(a[0].valid_rows.sum()))
+    )  # the valid rows: a sync-free buffer holds more (capacity), never read
     leaf = X[plan.rows].clone().requires_grad_()
     x = plan.wrap(leaf)
     y = plan.layer(x)

@@ -1,0 +1,190 @@
+"""Sync-free EP dispatch and combine: static capacity, device-side counts (``ep_mode="sync_free"``).
+
+Legend: ``T`` tokens routed here, ``D`` model dim, ``K`` top-k, ``E`` experts,
+``e`` local experts, ``n`` EP ranks, ``S`` rows of one (source, destination)
+slot, ``Q = n*S`` rows of a send or receive buffer and of the experts'
+capacity buffer.
+
+The sync transport (``AllToAllTransport``) reads the split sizes on the host
+once per forward. This one never does: every size is a host int fixed before
+any data is seen, so a forward and backward make no host sync and can be
+captured in a CUDA graph.
+
+* ``T_max``, the most tokens any rank routes, comes from the layout (the SP
+  input's padded local count, or all SP rows in gather mode) or from
+  ``max_tokens``; the layer passes it in (``ParallelMoE``).
+* ``S = T_max * min(K, e)`` rows per (source, destination) slot is lossless
+  (a token picks at most ``min(K, e)`` of one rank's experts); with
+  ``capacity_factor = c``, ``S = ceil(c * T_max * K / n)`` (``c`` times
+  perfectly balanced traffic), never above the lossless size.
+* Counts: one ``all_gather`` of every rank's ``(E,)`` expert counts, so every
+  rank holds the same ``(n, E)`` table and computes from it, on the device,
+  the same per-slot demand, the same overflow verdict, the rows kept per
+  (source, destination, expert) (the first ``S`` of each slot in expert
+  order), its receive offsets and the group offsets.
+* Rows: each copy is fanned out straight from ``x_TD`` into its slot of the
+  ``(Q, D)`` send buffer (a copy past its slot's ``S`` rows goes to a dump
+  row that is never sent: nothing is written out of bounds), one even
+  ``all_to_all_single`` of ``S`` rows per rank pair (the padded-even
+  transport: NCCL, gloo, any backend), and a fan-out of the received rows
+  into expert-major order (``RoutedTokens.capacity = Q``, rows past the
+  device ``valid_rows`` are zero and never read by the experts).
+* Combine: the inverse fan-out, the reverse even exchange, and the weighted
+  gather-sum over the ``K`` copies (a dropped copy reads a zero row).
+  Backward: the same moves reversed (gathers and sums, no scatter-add).
+
+Overflow (only with a ``capacity_factor``) is never silent: the worst slot
+demand since the last check is kept on the device (identical on every rank,
+computed from the same table), and :meth:`SyncFreeTransport.check_capacity`
+(one host read; called by the layer's ``check_capacity()`` and its
+``update_expert_bias()``) raises :class:`spmdmoe.SPMDCapacityError` on every
+rank alike, naming the needed and configured capacity and a factor that fits.
+Dropped copies contribute zero to the output until then.
+
+Problem bits (a bad input on this rank) are recorded in the sticky flag
+(agreement mode (c)): the step boundary raises on every rank; the collectives
+here never depend on them, so no rank is left waiting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from .._dist import all_gather_single
+from ..collectives.alltoall import exchanged_op
+from ..host import to_host
+from ..types.errors import SPMDCapacityError
+from ..types.mesh import MeshAxis
+from ..types.routed import RoutedTokens
+from .dispatch import Problem
+from .permute import gather_rows, sort_by_expert, weighted_combine
+
+__all__ = ["SyncFreeTransport", "slot_rows"]
+
+
+def slot_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capacity_factor: Optional[float]) -> int:
+    """``S``, the rows of one (source, destination) slot: lossless for ``None``, else ``capacity_factor``
+    times balanced traffic (``T_max * K / n``), rounded up and capped at the lossless size."""
+    lossless = t_max * min(top_k, local_experts)
+    if capacity_factor is None:
+        return lossless
+    return min(lossless, math.ceil(capacity_factor * t_max * top_k / ranks))
+
+
+@dataclass(frozen=True)
+class _Handle:
+    send_pos_TK: torch.Tensor  # copy (t, k)'s row in the send buffer (Q: dropped)
+    perm_Q: torch.Tensor  # expert-major row r came from received row perm_Q[r] (Q: none)
+    slot: int
+    droppable: bool
+
+
+class SyncFreeTransport:
+    """EP over ``axis`` with static capacity and no host sync (see the module docstring)."""
+
+    def __init__(self, axis: MeshAxis, num_experts: int, top_k: int, capacity_factor: Optional[float],
+                 overflow: Callable[[], torch.Tensor]):
+        self.axis = axis
+        self.num_experts = num_experts
+        self.local_experts = num_experts // axis.size
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        # the worst overflow since the last check, (excess rows, needed rows, slot rows, T_max): an int64 (4,)
+        # buffer of the layer (moved with it, a static address for CUDA graphs, mutable under compile)
+        self.overflow = overflow
+
+    def _count_table(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``(E,)`` counts, ``(n, E)``, the same on every rank (one all-gather, no host read)."""
+        n, E = self.axis.size, counts_E.shape[0]
+        if torch.compiler.is_compiling():
+            return funcol.all_gather_tensor(counts_E, 0, self.axis.group).view(n, E)
+        mine = counts_E.to(self.axis.metadata_device())
+        table = torch.empty((n * E,), dtype=mine.dtype, device=mine.device)
+        all_gather_single(table, mine, group=self.axis.group)
+        return table.view(n, E).to(counts_E.device)
+
+    def _record(self, needed: torch.Tensor, S: int, t_max: int) -> None:
+        state = self.overflow()
+        now = torch.stack([needed - S, needed, torch.full_like(needed, S), torch.full_like(needed, t_max)])
+        state.copy_(torch.where(now[0] > state[0], now, state))
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
+                 t_max: Optional[int] = None) -> RoutedTokens:
+        if t_max is None:
+            raise TypeError("SyncFreeTransport.dispatch needs t_max (the most tokens any rank routes)")
+        if problem is not None:
+            problem.record(problem.bits, x_TD.device)
+        n, e, me = self.axis.size, self.local_experts, self.axis.rank
+        S = slot_rows(t_max, self.top_k, e, n, self.capacity_factor)
+        Q = n * S
+        dev = x_TD.device
+        pos_TK, counts_E = sort_by_expert(ids_TK, self.num_experts)
+        table_nne = self._count_table(counts_E).view(n, n, e)  # [source, destination, local expert]
+        needed = table_nne.sum(-1).max()
+        self._record(needed, S, t_max)
+        # a copy of this rank's can be dropped only with a factor, or when it routes more than T_max rows
+        droppable = self.capacity_factor is not None or x_TD.shape[0] > t_max
+        # rows kept per (source, destination, expert): the first S of each slot, in expert order
+        kept_cum = table_nne.cumsum(-1).clamp(max=S)
+        kept_nne = torch.diff(kept_cum, dim=-1, prepend=kept_cum.new_zeros(n, n, 1))
+        # sender: copy (t, k) sits at pos in expert order; its slot is its expert's rank
+        mine_ne = table_nne[me]
+        slot_start_n = mine_ne.sum(-1).cumsum(0) - mine_ne.sum(-1)
+        dst_TK = ids_TK // e
+        within_TK = pos_TK - slot_start_n[dst_TK]
+        send_pos_TK = torch.where(within_TK < S, dst_TK * S + within_TK, Q)
+        send_QD = gather_rows(x_TD, send_pos_TK, Q + 1)[:Q]
+        recv_QD = exchanged_op(send_QD, [S] * n, [S] * n, self.axis, 0)
+        # receiver: received row q = i*S + k holds expert l's k-th... row from source i (expert-major order)
+        recv_ne = kept_nne[:, me, :]
+        cum_ne = recv_ne.cumsum(-1)
+        k_nS = torch.arange(S, device=dev).expand(n, S).contiguous()
+        l_nS = torch.searchsorted(cum_ne.contiguous(), k_nS, right=True)  # e: past the valid rows
+        live_nS = l_nS < e
+        l_safe = l_nS.clamp(max=e - 1) if e else l_nS
+        lengths_en = recv_ne.t().reshape(-1)
+        dst_start_ne = (lengths_en.cumsum(0) - lengths_en).view(e, n).t()
+        src_i = torch.arange(n, device=dev).unsqueeze(1).expand(n, S)
+        start_in_slot = (cum_ne - recv_ne).gather(1, l_safe)
+        dest_nS = dst_start_ne[src_i, l_safe] + k_nS - start_in_slot
+        dest_Q = torch.where(live_nS, dest_nS, Q).reshape(Q, 1)
+        x_RD = gather_rows(recv_QD, dest_Q, Q + 1)[:Q]
+        # the inverse map (unique targets: dead received rows land past Q, then dropped)
+        perm = torch.full((2 * Q,), Q, dtype=torch.int64, device=dev)
+        perm.scatter_(0, torch.where(live_nS.reshape(-1), dest_Q.view(-1), Q + torch.arange(Q, device=dev)),
+                      torch.arange(Q, device=dev))
+        offsets_e = recv_ne.sum(0).cumsum(0).to(torch.int32)
+        return RoutedTokens(x_RD, offsets_e, Q, None, _Handle(send_pos_TK, perm[:Q], S, droppable))
+
+    def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
+        h: _Handle = routed.handle
+        n = self.axis.size
+        Q = n * h.slot
+        y_recv = gather_rows(y_RD, h.perm_Q.view(-1, 1), Q + 1)[:Q]  # rows past valid: into the dump row
+        y_send = exchanged_op(y_recv, [h.slot] * n, [h.slot] * n, self.axis, 0)
+        if h.droppable:  # a dropped copy reads this zero row
+            y_send = torch.cat([y_send, y_send.new_zeros((1, y_send.shape[1]))])
+        return weighted_combine(y_send, h.send_pos_TK, weights_TK)
+
+    def check_capacity(self, layer: str = "MoE layer") -> None:
+        """Raise :class:`SPMDCapacityError` if a slot overflowed since the last check (one host read; the
+        verdict is the same on every rank), then start afresh."""
+        state = self.overflow()
+        excess, needed, slot, t_max = to_host(state)
+        state.zero_()
+        if excess <= 0:
+            return
+        n, K = self.axis.size, self.top_k
+        balanced = t_max * K / n
+        fits = math.ceil(needed / balanced * 100) / 100 if balanced else float("inf")
+        raise SPMDCapacityError(
+            f"{layer}: EP capacity exceeded on rank {self.axis.rank} (every rank of the EP group sees the same): a "
+            f"(source, destination) slot needed {needed} rows, the capacity is {slot} rows per slot "
+            f"(capacity_factor={self.capacity_factor} x balanced traffic T_max*K/ep = {t_max}*{K}/{n}); the rows past "
+            f"it were dropped (their expert outputs counted as zero) since the last check. Use capacity_factor >= "
+            f"{fits} (or None: lossless), or rerun the step with layer.set_ep_mode('sync').")

@@ -1,0 +1,177 @@
+"""Sync-free EP (``parallelize_moe(..., ep_mode="sync_free")``): the padded-even transport and its capacity logic.
+
+On gloo (CI) and NCCL alike: parity with the single-device layer (outputs, input and every parameter
+gradient, fp32 ``rtol=1e-5``) and with the sync transport (bitwise: the experts see the same rows in the
+same order) on the EP plans over token counts with T = 0, T < ranks and idle experts; all tokens on one
+expert; a capacity factor that overflows (dropped copies count as zero, nothing is written past the
+static buffers, the same verdict on every rank, ``SPMDCapacityError`` everywhere from ``check_capacity``
+and ``update_expert_bias``, and the sync transport as the recovery); ``max_tokens`` exceeded on ONE rank
+(raised on every rank at the step boundary); plans that differ between ranks.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import spmdmoe
+from moe_plans import build_plan, reference_moe
+from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
+from spmdmoe.moe import MoEConfig, parallelize_moe
+from spmdmoe.moe import sync_free
+from spmdmoe.testing import assert_raises_everywhere, reference_tensor
+from test_moe_parity import run_parity
+
+D, F, E = 16, 16, 8
+EP_PLANS = ["sp_ep", "ep", "sp_x_ep", "gather_ep"]
+TOKENS = [0, 1, 3, 17, 64]
+
+
+def _options(plan_name, total, factor=None):
+    """The sync-free options: the ``ep`` plan (per-rank batches, no SP layout) also tries ``max_tokens``."""
+    opts = dict(ep_mode="sync_free", capacity_factor=factor)
+    if plan_name in ("ep", "gather_ep") and total % 2:
+        opts["max_tokens"] = total  # static; the even totals take the documented all-reduce
+    return opts
+
+
+@pytest.mark.parametrize("total", TOKENS)
+@pytest.mark.parametrize("plan_name", EP_PLANS)
+def test_parity_with_single_device(world, device, request, plan_name, total):
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2 + total % 3, num_shared_experts=1,
+                    aux_loss_coeff=0.01)
+    plan = run_parity(plan_name, total, cfg, world, device, request, seed=total, **_options(plan_name, total))
+    assert isinstance(plan.layer.transport, sync_free.SyncFreeTransport)
+
+
+@pytest.mark.parametrize("plan_name", EP_PLANS)
+def test_all_tokens_on_one_expert_lossless(world, device, request, plan_name):
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1)
+    bias = torch.zeros(E)
+    bias[5] = bias[6] = 1e3
+    plan = run_parity(plan_name, 37, cfg, world, device, request, bias=bias, **_options(plan_name, 37))
+    plan.layer.check_capacity()  # lossless: nothing overflowed
+
+
+def _step(layer, x, g):
+    layer.zero_grad(set_to_none=True)
+    leaf = x.clone().requires_grad_()
+    y = layer(spmdmoe.from_local(leaf, layer.sp, global_tokens=TOTAL) if layer.sp is not None else leaf)
+    y = y.local if isinstance(y, SPMDTensor) else y
+    (y * g).sum().backward()
+    return [y.detach(), leaf.grad] + [p.grad for _, p in sorted(layer.named_parameters())]
+
+
+TOTAL = 41
+
+
+@pytest.mark.parametrize("plan_name", ["sp_ep", "ep"])
+def test_bitwise_equal_to_the_sync_transport(world, device, request, plan_name):
+    """The experts see the same rows in the same order as with the sync transport: equal bit for bit."""
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=3)
+    plan = build_plan(plan_name, reference_moe(cfg, 3, device), TOTAL, world, request, ep_mode="sync_free")
+    x = reference_tensor((TOTAL, D), 7, device=device)[plan.rows]
+    g = reference_tensor((TOTAL, D), 8, device=device)[plan.rows]
+    free = _step(plan.layer, x, g)
+    plan.layer.set_ep_mode("sync")
+    synced = _step(plan.layer, x, g)
+    for i, (a, b) in enumerate(zip(free, synced)):
+        assert torch.equal(a, b), (i, (a - b).abs().max())
+
+
+def test_overflow_is_never_silent(world, device, request, monkeypatch):
+    """Every token on experts 0 and 1 (rank 0's) with capacity_factor 1: rank 0's slots overflow. The step
+    runs to the end on every rank (no hang), the static buffers keep their size, dropped copies count as
+    zero, every rank records the same verdict and raises SPMDCapacityError from check_capacity (and from
+    update_expert_bias); the sync transport reruns the step exactly."""
+    n = world.size()
+    if n < 2:
+        pytest.skip("needs EP over 2+ ranks")
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+    moe = reference_moe(cfg, 4, device)
+    moe.expert_bias[:2] = 1e3
+    plan = build_plan("sp_ep", moe, TOTAL, world, request, ep_mode="sync_free", capacity_factor=1.0)
+    sent = []
+    real = sync_free.exchanged_op
+    monkeypatch.setattr(sync_free, "exchanged_op", lambda t, *a: (sent.append(tuple(t.shape)), real(t, *a))[1])
+    x = reference_tensor((TOTAL, D), 9, device=device)[plan.rows]
+    g = reference_tensor((TOTAL, D), 10, device=device)[plan.rows]
+    dropped = _step(plan.layer, x, g)
+    t_max = -(-TOTAL // n)
+    S = sync_free.slot_rows(t_max, 2, E // n, n, 1.0)
+    assert sent and all(s == (n * S, D) for s in sent), (sent, n * S)  # the static buffers, nothing more
+    state = plan.layer.capacity_overflow.clone()
+    table = [torch.empty_like(state) for _ in range(n)]
+    dist.all_gather(table, state)
+    assert all(torch.equal(t, table[0]) for t in table), "every rank sees the same verdict"
+    assert int(state[0]) > 0 and int(state[1]) == t_max * 2 and int(state[2]) == S
+    fits = f"{t_max * 2 / (t_max * 2 / n):.2f}".rstrip("0").rstrip(".")
+    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match=f"capacity_factor >= {fits}")
+    plan.layer.check_capacity()  # raised once, then cleared
+    # the recovery: the same step over the sync transport, exact; its outputs differ from the dropped ones
+    plan.layer.set_ep_mode("sync")
+    exact = _step(plan.layer, x, g)
+    lossless = build_plan("sp_ep", moe, TOTAL, world, request, ep_mode="sync_free").layer
+    for a, b in zip(_step(lossless, x, g), exact):
+        assert torch.equal(a, b)
+    assert not torch.equal(dropped[0], exact[0]) or x.shape[0] == 0
+    plan.layer.set_ep_mode("sync_free")
+    _step(plan.layer, x, g)
+    assert_raises_everywhere(SPMDCapacityError, plan.layer.update_expert_bias, match="EP capacity exceeded")
+
+
+def test_dropped_copies_count_as_zero(world, device, request):
+    """With a tiny capacity, each output row is the weighted sum of the copies that fit, nothing else:
+    against the same layer whose dropped copies' routing weights are zeroed by hand."""
+    n = world.size()
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+    moe = reference_moe(cfg, 5, device)
+    plan = build_plan("ep", moe, TOTAL, world, request, ep_mode="sync_free", capacity_factor=0.25, max_tokens=TOTAL)
+    x = reference_tensor((TOTAL, D), 11, device=device)[plan.rows]
+    routed = {}
+    real = plan.layer.transport.combine
+    plan.layer.transport.combine = lambda y, r, w: (routed.setdefault("pos", r.handle.send_pos_TK), real(y, r, w))[1]
+    y = plan.layer(x)
+    Q = n * sync_free.slot_rows(TOTAL, 2, E // n, n, 0.25)
+    kept = routed["pos"] < Q  # (T, K): the copies that fit
+    r = moe.router(x, moe.expert_bias, moe.router.gate.weight)
+    want = torch.zeros_like(x)
+    for k in range(2):
+        for t in range(x.shape[0]):
+            if kept[t, k]:
+                e_ = int(r.ids_TK[t, k])
+                h = torch.nn.functional.silu(x[t] @ moe.experts.w1[e_].T) * (x[t] @ moe.experts.w3[e_].T)
+                want[t] += r.weights_TK[t, k] * (h @ moe.experts.w2[e_].T)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    dropped = torch.tensor([int((~kept).sum())])
+    dist.all_reduce(dropped)
+    assert int(dropped) > 0, "the test must drop copies somewhere"
+    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match="capacity is 6 rows per slot")
+
+
+def test_max_tokens_exceeded_on_one_rank(world, device):
+    """One rank routes more tokens than max_tokens: it stands in zero rows (no hang) and every rank raises
+    SPMDCapacityError at the step boundary."""
+    layer = parallelize_moe(reference_moe(MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2), 0, device),
+                            ep_mesh=world, ep_mode="sync_free", max_tokens=8)
+    rows = 9 if world.get_local_rank() == world.size() - 1 else 5
+    x = torch.randn(rows, D, device=device, requires_grad=True)
+
+    def step():
+        layer(x).sum().backward()
+        spmdmoe.check_errors()
+
+    assert_raises_everywhere(SPMDCapacityError, step, match=rf"rank {world.size() - 1}: more tokens than the sync-free EP buffers hold")
+
+
+def test_plans_that_differ_or_cannot_work(world, device):
+    moe = reference_moe(MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2), 0, device)
+    last = world.get_local_rank() == world.size() - 1
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(
+        moe, ep_mesh=world, ep_mode="sync_free" if last else "sync"), match="ep_mode")
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(
+        moe, ep_mesh=world, ep_mode="sync_free", capacity_factor=2.0 if last else 1.5), match="capacity_factor")
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(moe, ep_mesh=world, capacity_factor=2.0),
+                             match="pass ep_mode='sync_free'")
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(
+        moe, ep_mesh=world, ep_mode="sync_free", capacity_factor=-1.0 if last else 1.0),
+        match=rf"rank {world.size() - 1}: MoE config or plan cannot work")
