@@ -41,15 +41,21 @@ def _step(plan, layer, X, G):
     return y_local.detach(), leaf.grad, plan.layer.aux_loss
 
 
-@pytest.mark.parametrize("plan_name", PLANS)
-def test_compiled_layer_matches_eager_with_one_graph(world, device, request, plan_name):
+SYNC_FREE = {"ep_mode": "sync_free", "max_tokens": max(STEPS)}  # static buffers: one T_max for every step
+CASES = [(p, {}) for p in PLANS] + [(p, SYNC_FREE) for p in ("sp_ep", "ep", "sp_x_ep", "gather_ep")]
+
+
+@pytest.mark.parametrize("plan_name,options", CASES, ids=[p + ("-sync_free" if o else "") for p, o in CASES])
+def test_compiled_layer_matches_eager_with_one_graph(world, device, request, plan_name, options):
+    if plan_name == "sp_ep" and options:
+        options = {"ep_mode": "sync_free"}  # EP on the SP axis: T_max from the layout (symbolic in T)
     torch._dynamo.reset()
     torch._dynamo.config.capture_scalar_outputs = True  # the EP split sizes
     cfg = MoEConfig(dim=D, hidden_dim=16, num_experts=8, top_k=2, num_shared_experts=1, aux_loss_coeff=0.01,
                     load_balance_coeff=1e-3)
     moe = reference_moe(cfg, 3, device)
-    eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
-    compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
+    eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
+    compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
     run = torch.compile(compiled, backend="aot_eager", fullgraph=True, dynamic=True)
     for i, total in enumerate(STEPS):
         X = reference_tensor((total, D), 100 + i, device=device)

@@ -18,19 +18,24 @@ from spmdmoe.host import host_sync_count
 from spmdmoe.moe import MoEConfig
 from spmdmoe.testing import reference_tensor, sync_error_mode
 
-# plan -> documented syncs per forward (the EP split sizes)
-PLANS = {"sp": 0, "gather": 0, "ep": 1, "sp_ep": 1, "sp_x_ep": 1, "gather_ep": 1}
+# plan -> documented syncs per forward (the EP split sizes); sync-free EP makes none (T_max from the layout,
+# or max_tokens where EP is not the SP axis)
+PLANS = {"sp": 0, "gather": 0, "ep": 1, "sp_ep": 1, "sp_x_ep": 1, "gather_ep": 1,
+         "ep-sync_free": 0, "sp_ep-sync_free": 0, "sp_x_ep-sync_free": 0, "gather_ep-sync_free": 0}
 
 
-@pytest.mark.parametrize("plan_name", list(PLANS))
-def test_no_hidden_sync(world, device, request, plan_name):
+@pytest.mark.parametrize("case", list(PLANS))
+def test_no_hidden_sync(world, device, request, case):
+    plan_name, _, mode = case.partition("-")
     if device.type != "cuda":
         pytest.skip("CUDA's sync debug mode needs NCCL on GPUs")
     cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=2, num_shared_experts=1, aux_loss_coeff=0.01,
                     load_balance_coeff=1e-3)
     moe = reference_moe(cfg, 0, device, torch.bfloat16)
     total = 301
-    plan = build_plan(plan_name, moe, total, world, request)
+    options = {} if not mode else {"ep_mode": "sync_free"} if plan_name == "sp_ep" else \
+        {"ep_mode": "sync_free", "max_tokens": total}
+    plan = build_plan(plan_name, moe, total, world, request, **options)
     X = reference_tensor((total, 64), 7, dtype=torch.bfloat16, device=device)
     for step in range(2):  # the first step warms up allocations; the second is checked
         leaf = X[plan.rows].clone().requires_grad_()
@@ -43,5 +48,5 @@ def test_no_hidden_sync(world, device, request, plan_name):
         forward = host_sync_count() - before
         run(lambda: (y_local.float().square().sum() + plan.layer.aux_loss).backward())
         backward = host_sync_count() - before - forward
-        assert (forward, backward) == (PLANS[plan_name], 0), (plan_name, forward, backward)
+        assert (forward, backward) == (PLANS[case], 0), (case, forward, backward)
     assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
