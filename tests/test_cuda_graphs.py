@@ -3,9 +3,13 @@
 A layer that syncs the host cannot be captured (capture fails on any synchronizing call), and one
 that sizes a buffer from the data would replay stale shapes: every replay here is compared with the
 same layer run eagerly on the same input and bias (outputs, input gradient, every parameter
-gradient; bitwise for fp32 and bf16, as the same kernels run). Replays: balanced routing, a skewed
-bias, an expert with no rows, all tokens on two experts, then balanced again. The sync-free EP
-transport is captured the same way in ``tests/distributed/test_cuda_graphs.py`` (2+ GPUs, NCCL).
+gradient; bitwise, as the same kernels run). Replays: balanced routing, a skewed bias, an expert with
+no rows, all tokens on two experts, then balanced again. The sync-free EP transport is captured the
+same way in ``tests/distributed/test_cuda_graphs.py`` (2+ GPUs, NCCL).
+
+bf16 (and FP8 experts) only: torch 2.11's grouped GEMM copies its offsets to the host for fp32 on
+CUDA (measured: capture fails with "Cannot copy between CPU and CUDA tensors during CUDA graph
+capture" inside ``torch._grouped_mm``), so an fp32 layer on CUDA syncs there and cannot be captured.
 """
 
 from __future__ import annotations
@@ -34,11 +38,11 @@ def _grads(layer: MoE, x: torch.Tensor) -> list[torch.Tensor]:
     return [x.grad] + [p.grad for _, p in sorted(layer.named_parameters())]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("precision", ["bf16", "fp8_rowwise"])
-def test_layer_forward_and_backward_replay_with_new_routing(dtype, precision):
-    if precision == "fp8_rowwise" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability() < (9, 0)):
-        pytest.skip("FP8 experts: bf16 layers on sm90+")
+def test_layer_forward_and_backward_replay_with_new_routing(precision):
+    if precision == "fp8_rowwise" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 experts: sm90+")
+    dtype = torch.bfloat16
     torch.manual_seed(0)
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, num_shared_experts=1, aux_loss_coeff=0.01,
                     expert_precision=precision)
