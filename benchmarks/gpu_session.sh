@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | fp8peer | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | fp8peer | syncfree | all (default all)
 set -uo pipefail
 PART=${1:-all}
 # everything is written under a scratch folder and packed into ONE archive in $OUT at the end (the device
@@ -55,6 +55,15 @@ if [ "$PART" = fp8peer ] || [ "$PART" = all ]; then
     timeout 280 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --fp8 --tokens $T --out "$OUT/bench_peer_fp8.md" \
       > "$OUT/log_peer_fp8_$T.txt" 2>&1; tail -3 "$OUT/log_peer_fp8_$T.txt"
   done
+fi
+if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
+  if [ "$NGPU" -gt 1 ]; then
+    echo "== sync-free EP: a 4-layer stack, sync eager vs sync-free eager and graphed (issue 13)"
+    for T in 4096 16384; do
+      timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/sync_free.py --tokens $T --out "$OUT/bench_sync_free.md" \
+        > "$OUT/log_sync_free_$T.txt" 2>&1; tail -2 "$OUT/log_sync_free_$T.txt"
+    done
+  fi
 fi
 echo "== summary"
 cat "$OUT"/bench_*.md 2>/dev/null

@@ -64,11 +64,14 @@ def _step(layer, x, g):
 TOTAL = 41
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8_rowwise"])
 @pytest.mark.parametrize("plan_name", ["sp_ep", "ep"])
-def test_bitwise_equal_to_the_sync_transport(world, device, request, plan_name):
-    """The experts see the same rows in the same order as with the sync transport: equal bit for bit."""
-    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=3)
-    plan = build_plan(plan_name, reference_moe(cfg, 3, device), TOTAL, world, request, ep_mode="sync_free")
+def test_bitwise_equal_to_the_sync_transport(world, device, request, plan_name, precision):
+    """The experts see the same rows in the same order as with the sync transport: equal bit for bit (the
+    FP8 experts too: their quantizers read the capacity buffer's valid rows only)."""
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=3, expert_precision=precision)
+    plan = build_plan(plan_name, reference_moe(cfg, 3, device), TOTAL, world, request, ep_mode="sync_free",
+                      **({"max_tokens": TOTAL} if plan_name == "ep" else {}))
     x = reference_tensor((TOTAL, D), 7, device=device)[plan.rows]
     g = reference_tensor((TOTAL, D), 8, device=device)[plan.rows]
     free = _step(plan.layer, x, g)

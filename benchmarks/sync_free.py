@@ -1,0 +1,167 @@
+"""Sync-free EP against sync EP: a stack of MoE layers fwd+bwd, eager and CUDA-graphed, and the row moves.
+
+    torchrun --nproc-per-node N benchmarks/sync_free.py [--tokens 4096] [--layers 4] [--out FILE]
+    torchrun --nproc-per-node 4 benchmarks/sync_free.py --smoke      # CPU/gloo: runs every candidate once
+
+bf16, D=2048, F=1408, E=64, K=6, EP = N (each rank its own T tokens; ``max_tokens = T``), a stack of
+``--layers`` MoE layers (the output of one is the input of the next). Candidates, interleaved
+(``timing.timed``), median, max over ranks:
+
+* ``sync eager``: ``ep_mode="sync"``, one host read of the split sizes per layer forward;
+* ``sync-free eager``: ``ep_mode="sync_free"`` lossless (``S = T * min(K, e)`` rows per rank pair);
+* ``sync-free graphed``: the same stack's forward and backward captured in ONE CUDA graph, replayed;
+* ``sync-free graphed, capacity_factor c`` for c in 1.25 and 2 (smaller buffers; overflow checked once
+  after the timing, as ``update_expert_bias`` would).
+
+Also: peak memory of one step per candidate, and the row moves alone: the sync-free dispatch + combine
+exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows each) against one even exchange of the
+routed rows' bytes (the NCCL floor for the same data) and the sync transport's uneven exchange.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
+from spmdmoe.moe.sync_free import slot_rows
+
+FACTORS = (1.25, 2.0)
+
+
+def build(cfg: MoEConfig, layers: int, dtype: torch.dtype, device: torch.device, T: int, **ep: object) -> torch.nn.ModuleList:
+    torch.manual_seed(0)  # the same weights on every rank and for every candidate
+    stack = [MoE(cfg).to(device=device, dtype=dtype) for _ in range(layers)]
+    return torch.nn.ModuleList([parallelize_moe(m, ep_mesh=dist.group.WORLD, **ep) for m in stack])
+
+
+def run(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    h = x
+    for layer in stack:
+        h = layer(h)
+    (h.float() * g).sum().backward()
+    return h
+
+
+def graphed(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor):
+    """The stack's fwd+bwd captured once (after a warm-up on a side stream); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            stack.zero_grad(set_to_none=True)
+            x.grad = None
+            run(stack, x, g)
+    torch.cuda.current_stream().wait_stream(side)
+    stack.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(stack, x, g)
+    return graph.replay
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny dims, fp32: every candidate once, no timing")
+    args = ap.parse_args()
+    smoke = args.smoke
+    if smoke:
+        dist.init_process_group("gloo")
+        device, dtype, (D, F, E, K) = torch.device("cpu"), torch.float32, (32, 16, 8, 2)
+    else:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device, dtype, (D, F, E, K) = torch.device("cuda", local), torch.bfloat16, (2048, 1408, 64, 6)
+        dist.init_process_group("nccl", device_id=device)
+    n, rank, T, L = dist.get_world_size(), dist.get_rank(), args.tokens, args.layers
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance_coeff=1e-3)
+    gen = torch.Generator(device=device).manual_seed(1 + rank)
+    x = torch.randn(T, D, device=device, dtype=dtype, generator=gen).requires_grad_()
+    g = torch.randn(T, D, device=device, dtype=torch.float32, generator=gen)
+    stacks = {"sync eager": build(cfg, L, dtype, device, T),
+              "sync-free eager": build(cfg, L, dtype, device, T, ep_mode="sync_free", max_tokens=T)}
+    for c in FACTORS:
+        stacks[f"sync-free, capacity_factor {c}"] = build(cfg, L, dtype, device, T, ep_mode="sync_free",
+                                                          max_tokens=T, capacity_factor=c)
+
+    # the lossless sync-free stack and the sync stack agree bit for bit (same rows, same order)
+    outs = {}
+    for name in ("sync eager", "sync-free eager"):
+        stacks[name].zero_grad(set_to_none=True)
+        x.grad = None
+        outs[name] = (run(stacks[name], x, g).detach(), x.grad.clone())
+    same = all(torch.equal(a, b) for a, b in zip(*outs.values()))
+    if smoke:
+        if rank == 0:
+            print(f"OK: smoke, {n} ranks, sync-free == sync bitwise: {same}, candidates {list(stacks)}", flush=True)
+        assert same
+        dist.destroy_process_group()
+        return
+
+    from timing import report, timed
+
+    steps, mem = {}, {}
+    for name, stack in stacks.items():
+        def eager(stack: torch.nn.ModuleList = stack) -> None:
+            stack.zero_grad(set_to_none=True)
+            x.grad = None
+            run(stack, x, g)
+        torch.cuda.synchronize()  # peak memory of one eager step (a graph's pool is reserved at capture)
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        eager()
+        torch.cuda.synchronize()
+        mem[name] = (torch.cuda.max_memory_allocated() - start) / 2**30
+        if name in ("sync eager", "sync-free eager"):
+            steps[name] = eager
+        if name != "sync eager":
+            xs = x.detach().clone().requires_grad_()
+            steps[name.replace("eager", "graphed") if "eager" in name else f"{name} (graphed)"] = graphed(stack, xs, g)
+    t = timed(steps, args.iters, args.reps)
+    overflowed = []
+    for c in FACTORS:
+        try:
+            for layer in stacks[f"sync-free, capacity_factor {c}"]:
+                layer.check_capacity()
+        except Exception as exc:  # SPMDCapacityError: the factor was too small for this routing
+            overflowed.append(f"{c}: {type(exc).__name__}")
+
+    # the row moves alone: Q rows each way (dispatch, combine) vs the routed rows' bytes in one even exchange
+    S = slot_rows(T, K, E // n, n, None)
+    rows_free = torch.randn(n * S, D, device=device, dtype=dtype)
+    out_free = torch.empty_like(rows_free)
+    routed = T * K // n * n
+    rows_even = torch.randn(routed, D, device=device, dtype=dtype)
+    out_even = torch.empty_like(rows_even)
+    moves = timed({
+        "sync-free dispatch + combine (2 x Q rows)": lambda: [dist.all_to_all_single(out_free, rows_free) for _ in range(2)],
+        "even all_to_all_single of the routed rows x 2": lambda: [dist.all_to_all_single(out_even, rows_even) for _ in range(2)],
+    }, args.iters, args.reps)
+
+    base = t["sync eager"]
+    lines = [f"device: {n}x {torch.cuda.get_device_name()}, torch {torch.__version__}, EP={n}, D={D} F={F} E={E} K={K}, "
+             f"T/rank={T}, {L} layers, bf16; sync-free == sync bitwise: {same}",
+             "", "| candidate | stack fwd+bwd ms | vs sync eager |", "|---|---|---|"]
+    lines += [f"| {name} | {ms:.3f} | {base / ms:.2f}x |" for name, ms in t.items()]
+    lines += ["", "| stack (eager step) | peak step GiB above the inputs |", "|---|---|"]
+    lines += [f"| {name} | {gib:.2f} |" for name, gib in mem.items()]
+    lines += ["", f"capacity overflow after the timing: {overflowed or 'none'}; lossless slot S = {S} rows "
+                  f"(Q = {n * S} rows per buffer vs {T * K} routed rows per rank)", "",
+              "| row moves | ms |", "|---|---|"]
+    lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
+    if rank == 0:
+        report("\n".join(lines), args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
