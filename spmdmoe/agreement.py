@@ -295,8 +295,9 @@ class ProblemFlag:
         return self.home() if self.home is not None else None
 
     def _tensors(self) -> list[torch.Tensor]:
+        """The flag's storage; a meta layer's (a plan without data, nothing to read) is left out."""
         home = self._home()
-        return ([home] if home is not None else []) + list(self._bits.values())
+        return [t for t in ([home] if home is not None else []) + list(self._bits.values()) if not t.is_meta]
 
     def record(self, bits: Union[int, torch.Tensor], device: torch.device, details: Sequence[str] = ()) -> None:
         """OR ``bits`` (a host int, or a device int64 scalar: no sync) into this rank's flag."""

@@ -34,6 +34,7 @@ from .checkpoint import install_hooks
 from .config import MoEConfig
 from .dispatch import LocalTransport, Problem
 from .experts import GroupedExperts, SharedExperts
+from .init import init_parameters
 from .permute import count_per_expert
 from .router import Router
 
@@ -53,6 +54,8 @@ class _Layer(nn.Module):
     """Parameters, buffers and the bias/load API shared by ``MoE`` and the parallel layer."""
 
     config: MoEConfig
+    expert_slice: slice  # the global experts this layer holds
+    hidden_slice: slice  # the hidden units of each expert it holds (tensor-parallel experts: a slice)
     load_axes: tuple[MeshAxis, ...] = ()  # every token holder of a step: load counts, bias update
     aux_axes: tuple[MeshAxis, ...] = ()  # the ranks one batch spans: the aux loss is per batch
 
@@ -84,6 +87,19 @@ class _Layer(nn.Module):
             source = moved if bias.is_meta else bias
             self._buffers["expert_bias"] = source.to(device=moved.device, dtype=torch.float32)
         return out
+
+    def init_weights(self, init_std: float = 0.02, generator: Optional[torch.Generator] = None) -> None:
+        """Truncated-normal init (torchtitan's: std 0.02 for ``w1``, ``init_std`` elsewhere); ``expert_bias``
+        and the load counts to zero. A parallel layer initialises only its shards and gets exactly the
+        weights the single-device ``MoE`` gets from the same generator state (``spmdmoe.moe.init``): pass
+        the same state on every rank. Parameters on the meta device are skipped."""
+        init_parameters(self, init_std, generator, self.expert_slice, self.hidden_slice, self.config.hidden_dim)
+
+    def reset_buffers(self) -> None:
+        """Zero the layer's buffers (bias, load counts, problem and capacity flags): after ``to_empty``."""
+        for buf in self.buffers():
+            if not buf.is_meta:
+                buf.zero_()
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The dense parameters the pipeline reads (router, shared experts), by name.
@@ -191,18 +207,10 @@ class MoE(_Layer):
         )
         experts = GroupedExperts(config.num_experts, config.dim, config.hidden_dim, config.expert_precision)
         self._build(config, Router(config), experts, shared, torch.zeros(config.num_experts, dtype=torch.float32))
+        self.expert_slice, self.hidden_slice = slice(0, config.num_experts), slice(0, config.hidden_dim)
         self.transport = LocalTransport(config.num_experts)
         install_hooks(self, None)
         self.init_weights()
-
-    @torch.no_grad()
-    def init_weights(self, init_std: float = 0.02, generator: Optional[torch.Generator] = None) -> None:
-        """Truncated-normal init (torchtitan's): std 0.02 for ``w1``, ``init_std`` elsewhere."""
-        for name, p in self.named_parameters():
-            std = 0.02 if name.endswith("w1") or name.endswith("w1.weight") else init_std
-            nn.init.trunc_normal_(p, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
-        self.expert_bias.zero_()
-        self.tokens_per_expert.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         D = self.config.dim

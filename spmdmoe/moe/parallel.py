@@ -83,6 +83,7 @@ def parallelize_moe(
     ep_mode: Literal["sync", "sync_free"] = "sync",
     capacity_factor: Optional[float] = None,
     max_tokens: Optional[int] = None,
+    device: Optional[Union[str, torch.device]] = None,
 ) -> "ParallelMoE":
     """This rank's part of ``moe`` over the given axes (same parameter names, sliced experts).
 
@@ -123,6 +124,15 @@ def parallelize_moe(
     ``SPMDCapacityError`` on every rank. Without EP both modes are the local,
     sync-free transport.
 
+    A ``moe`` on the meta device (``with torch.device("meta"): moe = MoE(cfg)``)
+    is never materialised: the layer allocates only this rank's shards,
+    uninitialised, on ``device`` (default: the meshes' device; ``"meta"`` keeps
+    them on meta, e.g. to plan without memory), zeroes its buffers, and
+    ``layer.init_weights(generator=g)`` then gives exactly the weights
+    ``MoE(cfg).init_weights(generator=g)`` gives on one device (every rank
+    passing the same generator state; ``spmdmoe.moe.init``). The weights
+    agreement is skipped for meta layers (there are no values to compare).
+
     Raises ``MoEConfigError``: configs, plans or weights that
     differ between ranks, ``E % ep != 0``, an unknown ``sp_mode``, gather mode
     without ``sp_mesh`` or with ``ep_mesh`` equal to ``sp_mesh``, a layer that is
@@ -132,7 +142,15 @@ def parallelize_moe(
     """
     transport = (ep_mode, capacity_factor, max_tokens)
     sp, ep, dp, over = agree_plan(moe, sp_mesh, ep_mesh, dp_mesh, sp_mode, MoE, agree_over, transport)
-    return ParallelMoE(moe, sp, ep, sp_mode, dp, over, transport)
+    layer = ParallelMoE(moe, sp, ep, sp_mode, dp, over, transport)
+    if moe.router.gate.weight.is_meta:
+        axis = next(a for a in (sp, ep, dp) if a is not None) if (sp or ep or dp) else None
+        target = torch.device(device) if device is not None else (
+            axis.metadata_device() if axis is not None else torch.device("meta"))
+        if target.type != "meta":
+            layer.to_empty(device=target)
+            layer.reset_buffers()
+    return layer
 
 
 def _expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
@@ -174,12 +192,16 @@ class ParallelMoE(_Layer):
         else:
             hidden = slice(0, cfg.hidden_dim)
         src = moe.experts
-        experts = GroupedExperts(e, cfg.dim, hidden.stop - hidden.start, cfg.expert_precision).to(device=src.w1.device, dtype=src.w1.dtype)
-        with torch.no_grad():
-            experts.w1.copy_(src.w1[experts_slice, hidden])
-            experts.w2.copy_(src.w2[experts_slice, :, hidden])
-            experts.w3.copy_(src.w3[experts_slice, hidden])
+        with torch.device("meta" if src.w1.is_meta else "cpu"):  # a meta layer's shards: never allocated here
+            experts = GroupedExperts(e, cfg.dim, hidden.stop - hidden.start, cfg.expert_precision)
+        experts = experts.to(device=src.w1.device, dtype=src.w1.dtype)
+        if not src.w1.is_meta:
+            with torch.no_grad():
+                experts.w1.copy_(src.w1[experts_slice, hidden])
+                experts.w2.copy_(src.w2[experts_slice, :, hidden])
+                experts.w3.copy_(src.w3[experts_slice, hidden])
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
+        self.expert_slice, self.hidden_slice = experts_slice, hidden
         self.load_axes = _distinct(sp, ep, dp)
         ep_mode, self.capacity_factor, self.max_tokens = transport
         # the sync-free transport's worst overflow since the last check (sync_free.py), on the layer's device
