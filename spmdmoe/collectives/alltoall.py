@@ -88,6 +88,25 @@ def exchange_with_codes(
     return [c for r in mine for c in r[:width]], [c for r in theirs for c in r[:width]], codes, received[:, :width]
 
 
+def exchange_split_sizes(
+    counts_ne: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
+) -> tuple[list[int], list[int], list[int], list[int], torch.Tensor]:
+    """The EP dispatch's count exchange: :func:`exchange_with_codes` of ``(n, e)`` per-(rank, local expert)
+    counts, with the sums the dispatch needs taken on the device first, so the one host read carries
+    ``3n + e`` ints, not ``2n(e + 1)``, and no host loop grows with ``n * e``. Returns the rows to send to
+    and receive from each rank, the received rows per local expert, every rank's problem bits, and the
+    received ``(n, e)`` counts on the device."""
+    n, e = counts_ne.shape
+    payload = torch.empty((n, e + 1), dtype=torch.int64, device=counts_ne.device)
+    payload[:, :e] = counts_ne
+    payload[:, e] = code
+    received = torch.empty_like(payload)
+    all_to_all_single(received, payload, group=axis.group)
+    recv_ne = received[:, :e]
+    host = to_host(torch.cat([payload[:, :e].sum(1), recv_ne.sum(1), recv_ne.sum(0), received[:, e]]))
+    return host[:n], host[n:2 * n], host[2 * n:2 * n + e], host[2 * n + e:], recv_ne
+
+
 def _exchange(send_counts: torch.Tensor, axis: MeshAxis, rows: Optional[int], width: int, op: str,
               bad: Optional[str] = None) -> tuple[list[int], list[int]]:
     """The count exchange at an agreed ``width``; a rank whose counts have another shape (or ``bad``,

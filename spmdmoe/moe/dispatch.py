@@ -35,7 +35,7 @@ from typing import Optional, Union
 import torch
 
 from ..agreement import ProblemFlag, raise_problems
-from ..collectives.alltoall import exchanged_op, exchange_with_codes
+from ..collectives.alltoall import exchange_split_sizes, exchanged_op
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
 from .permute import gather_rows, sort_by_expert, weighted_combine
@@ -126,7 +126,7 @@ class AllToAllTransport:
         n, e = self.axis.size, self.local_experts
         x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)
         counts = counts_E.view(n, e).to(self.axis.metadata_device())
-        send_flat, recv_flat, codes, recv_ne = exchange_with_codes(counts, problem.bits, self.axis)
+        send, recv, sizes, codes, recv_ne = exchange_split_sizes(counts, problem.bits, self.axis)
         if torch.compiler.is_compiling():  # no data-dependent raise in a graph: the step boundary raises
             problem.record(problem.bits, x_TD.device)
         elif any(codes):
@@ -134,19 +134,17 @@ class AllToAllTransport:
             if self.raises:
                 raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
             problem.record(mine, x_TD.device)
-        send = [sum(send_flat[r * e : (r + 1) * e]) for r in range(n)]
-        recv = [sum(recv_flat[r * e : (r + 1) * e]) for r in range(n)]
         if torch.compiler.is_compiling():  # facts about the traced counts that the tracer cannot see
-            for c in send_flat + recv_flat:
+            for c in send + recv + sizes:
                 torch._check(c >= 0)
             torch._check(sum(send) == x_ND.shape[0])
+            torch._check(sum(sizes) == sum(recv))
         x_recv = exchanged_op(x_ND, send, recv, self.axis, 0)
         R = sum(recv)
         perm_R, offsets = _expert_major(recv_ne.to(x_ND.device), R)
         inv_R = torch.empty_like(perm_R)
         inv_R.scatter_(0, perm_R, torch.arange(R, device=perm_R.device))
         x_RD = gather_rows(x_recv, inv_R.view(R, 1))
-        sizes = [sum(recv_flat[src * e + j] for src in range(n)) for j in range(e)]
         return RoutedTokens(x_RD, offsets, R, sizes, _Exchange(pos_TK, send, recv, perm_R, inv_R))
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
