@@ -103,7 +103,7 @@ class SyncFreeTransport:
         n, E = self.axis.size, counts_E.shape[0]
         if torch.compiler.is_compiling():
             return funcol.all_gather_tensor(counts_E, 0, self.axis.group).view(n, E)
-        mine = counts_E.to(self.axis.metadata_device())
+        mine = counts_E if counts_E.is_meta else counts_E.to(self.axis.metadata_device())  # meta: planning only
         table = torch.empty((n * E,), dtype=mine.dtype, device=mine.device)
         all_gather_single(table, mine, group=self.axis.group)
         return table.view(n, E).to(counts_E.device)

@@ -27,7 +27,8 @@ from .errors import SPMDDeviceError, SPMDMeshError
 
 __all__ = ["MeshAxis", "MeshLike", "mesh_axis", "init_mesh"]
 
-_BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "xccl": ("xpu",)}
+_BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "xccl": ("xpu",),
+                    "fake": ("cpu", "cuda", "meta")}  # torch's fake group (planning): meta tensors too
 
 
 class MeshAxis:
