@@ -142,13 +142,17 @@ def train_parallel(args, data, device, log) -> list[float]:
     sp_mesh, dp_mesh = mesh["sp"], mesh["dp"]
     ep_mesh = None if args.ep == 1 else (sp_mesh if args.ep == args.sp and args.ep_dim == "sp" else dp_mesh)
     model = build(args, device, args.expert_precision)
+    ep_options: dict = {}
+    if ep_mesh is not None and args.ep_mode == "sync_free":  # EP across dp batches: T_max is not the layout's
+        ep_options = {"ep_mode": "sync_free"} | ({} if ep_mesh is sp_mesh else
+                                                 {"max_tokens": spmdmoe.padded_local_tokens(args.seq_len, args.sp)})
     for block in model.blocks:
-        block.moe = parallelize_moe(block.moe, sp_mesh=sp_mesh, ep_mesh=ep_mesh)
+        block.moe = parallelize_moe(block.moe, sp_mesh=sp_mesh, ep_mesh=ep_mesh, **ep_options)
     replicate_grads(model, sp_mesh, include=lambda name: ".moe." not in name)
     experts_span_dp = ep_mesh is dp_mesh
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     b = dp_mesh.get_local_rank()
-    log(f"mesh: dp={dp} x sp={args.sp}, EP={args.ep}"
+    log(f"mesh: dp={dp} x sp={args.sp}, EP={args.ep} ({args.ep_mode})"
         f" ({'none' if ep_mesh is None else 'on the SP group' if ep_mesh is sp_mesh else 'across the dp batches'}),"
         f" {args.batch} sequences of {args.seq_len} tokens per step; "
         f"rank {rank} holds {spmdmoe.local_tokens(args.seq_len, args.sp, sp_mesh.get_local_rank())} tokens per sequence")
@@ -204,6 +208,8 @@ def main() -> int:
     ap.add_argument("--sp", type=int, default=None, help="SP size (default: all processes)")
     ap.add_argument("--ep", type=int, default=None, help="EP size: 1, the SP size, or processes / SP (default: --sp)")
     ap.add_argument("--ep-dim", choices=["sp", "dp"], default="sp", help="where EP runs when both would fit")
+    ap.add_argument("--ep-mode", choices=["sync", "sync_free"], default="sync",
+                    help="EP transport: one host read of the split sizes per layer, or static buffers and none")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=64)
