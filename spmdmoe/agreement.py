@@ -112,7 +112,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("state_dict", SPMDLayoutError, "state dict entry cannot be loaded"),
     Kind("nonfinite", SPMDRoutingError, "non-finite router logits (NaN or inf input)"),
     Kind("failed", AssertionError, "check failed"),
-    Kind("capacity", SPMDCapacityError, "more tokens than the sync-free EP buffers hold (max_tokens)"),
+    Kind("capacity", SPMDCapacityError, "more rows than the sync-free EP buffers hold"),
 )
 BIT = {kind.name: 1 << i for i, kind in enumerate(KINDS)}
 

@@ -6,15 +6,16 @@ received by this rank's experts.
 
 Interface (docs/design.md §5)::
 
-    routed = transport.dispatch(x_TD, ids_TK, problem=code, t_max=T_max)   # -> RoutedTokens
+    routed = transport.dispatch(x_TD, ids_TK, problem=code, capacity=cap)   # -> RoutedTokens
     out_TD = transport.combine(y_RD, routed, weights_TK)
 
 ``LocalTransport`` (no EP: every expert is local) and ``AllToAllTransport``
 (EP, sync mode) share the sort and the gathers of ``permute.py``; which one a
 layer uses follows from the meshes it was given and its ``ep_mode``
 (``SyncFreeTransport``, ``sync_free.py``, the static-capacity one).
-``T_max``: the most tokens any rank routes (a host int the layer derives from
-its layout); only the sync-free transport needs it.
+``capacity``: ``sync_free.Capacity`` (``T_max``, the most tokens any rank routes,
+a host int the layer derives from its layout, and the layer's overflow buffer);
+only the sync-free transport takes it.
 
 ``problem``: this rank's problem bits for the forward (``spmdmoe.agreement``:
 a bad input, non-finite router logits). ``AllToAllTransport`` carries them in
@@ -30,7 +31,7 @@ records its own (mode (c)) and the step boundary raises.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -78,7 +79,7 @@ class LocalTransport:
         self.num_experts = num_experts
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 t_max: Optional[int] = None) -> RoutedTokens:
+                 capacity: Any = None) -> RoutedTokens:
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)
@@ -121,7 +122,7 @@ class AllToAllTransport:
         self.raises = raises
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 t_max: Optional[int] = None) -> RoutedTokens:
+                 capacity: Any = None) -> RoutedTokens:
         problem = problem or Problem()
         n, e = self.axis.size, self.local_experts
         x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)

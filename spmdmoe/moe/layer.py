@@ -19,7 +19,7 @@ in its count exchange or records them in the sticky flag.
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -45,7 +45,7 @@ SHARED_WEIGHTS = ("shared_experts.w1.weight", "shared_experts.w2.weight", "share
 
 class Transport(Protocol):
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 t_max: Optional[int] = None) -> RoutedTokens: ...
+                 capacity: Any = None) -> RoutedTokens: ...
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor: ...
 
@@ -136,7 +136,7 @@ class _Layer(nn.Module):
 
     def _pipeline(
         self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Transport, own: Optional[torch.Tensor] = None,
-        problem: Optional[Problem] = None, t_max: Optional[int] = None,
+        problem: Optional[Problem] = None, capacity: Any = None,
     ) -> torch.Tensor:
         """Route, count, dispatch, experts, combine. ``own``: a bool mask of the rows this rank holds
         (load counting, aux loss, the non-finite check; ``None``: all). A mask, not a slice: its bounds
@@ -144,7 +144,7 @@ class _Layer(nn.Module):
 
         ``problem``: this rank's problem bits so far; the router adds non-finite
         logits of its own rows (checks on) and the transport carries or records them.
-        ``t_max``: the most rows any rank of the EP group routes (the sync-free transport's capacity).
+        ``capacity``: the sync-free transport's ``Capacity`` (``T_max`` and the overflow buffer), else ``None``.
         """
         cfg = self.config
         r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
@@ -164,7 +164,7 @@ class _Layer(nn.Module):
             if own is not None:
                 finite_TE = finite_TE | ~own.unsqueeze(1)
             problem.bits = problem.bits | (~finite_TE.all()).to(torch.int64) * BIT["nonfinite"]
-        routed = transport.dispatch(h_TD, r.ids_TK, problem=problem, t_max=t_max)
+        routed = transport.dispatch(h_TD, r.ids_TK, problem=problem, capacity=capacity)
         y_RD = self.experts(routed)
         return transport.combine(y_RD, routed, weights_TK)
 

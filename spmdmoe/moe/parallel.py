@@ -49,7 +49,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from .._dist import all_gather_single, all_reduce
-from ..agreement import Found, alone, global_rank, raise_problems
+from ..agreement import BIT, Found, alone, check_errors, global_rank, raise_problems
 from ..collectives import all_gather, reduce_scatter
 from ..host import to_host
 from ..types import layout
@@ -61,7 +61,7 @@ from ..types.product import product_axis
 from ..types.tensor import SPMDTensor
 from .checkpoint import ExpertLayout, grid_mesh, install_hooks
 from .dispatch import AllToAllTransport, LocalTransport, Problem
-from .sync_free import SyncFreeTransport
+from .sync_free import Capacity, SyncFreeTransport
 from .experts import GroupedExperts
 from .grads import GradReduction, sync_grads
 from .layer import MoE, _Layer
@@ -114,15 +114,16 @@ def parallelize_moe(
     on the host once per forward and sends exactly the routed rows.
     ``"sync_free"`` (``spmdmoe.moe.sync_free``) never syncs: static buffers of
     ``S`` rows per rank pair, sized from ``T_max``, the most tokens any rank
-    routes: with ``sp_mesh`` the SP input's padded local count (all SP rows in
-    gather mode); without it ``max_tokens`` (a larger input raises on every
-    rank), or, when that is ``None``, one host all-reduce of the token counts
-    per forward (the only sync left, not CUDA-graph capturable).
+    of the EP group routes: with EP on the SP axis the SP input's padded local
+    count; otherwise (EP across batches, gather mode) ``max_tokens`` (more
+    rows on a rank raise ``SPMDCapacityError`` on every rank at the step
+    boundary), or, when that is ``None``, one host all-reduce of the token
+    counts per forward (the only sync left, not CUDA-graph capturable).
     ``capacity_factor=None`` is lossless (``S = T_max * min(K, e)``); a factor
-    ``c`` sizes ``S`` to ``c`` times balanced traffic, and overflow is raised by
-    :meth:`ParallelMoE.check_capacity` (also run by ``update_expert_bias``) as
-    ``SPMDCapacityError`` on every rank. Without EP both modes are the local,
-    sync-free transport.
+    ``c`` sizes ``S`` to ``c`` times balanced traffic, and an overflow is
+    raised by :meth:`ParallelMoE.check_capacity` and ``update_expert_bias`` as
+    ``SPMDCapacityError`` on every rank of the layer. Without EP both modes are
+    the local, sync-free transport.
 
     A ``moe`` on the meta device (``with torch.device("meta"): moe = MoE(cfg)``)
     is never materialised: the layer allocates only this rank's shards,
@@ -228,23 +229,34 @@ class ParallelMoE(_Layer):
         if ep is None or ep.size == 1:
             self.transport: Any = LocalTransport(self.experts.num_experts)
         elif ep_mode == "sync_free":
-            self.transport = SyncFreeTransport(ep, cfg.num_experts, cfg.top_k, self.capacity_factor,
-                                               lambda: self.capacity_overflow)
+            self.transport = SyncFreeTransport(ep, cfg.num_experts, cfg.top_k, self.capacity_factor)
         else:
             # problems raise at the count exchange only when it reaches every rank the layer talks to
             spans = all(a == ep or a.size == 1 for a in self.load_axes)
             self.transport = AllToAllTransport(ep, cfg.num_experts, raises=spans)
 
-    def check_capacity(self) -> None:
-        """Raise ``SPMDCapacityError`` on every rank if a sync-free EP slot overflowed since the last check
-        (one host read of a device flag; the verdict is the same on every rank); a no-op otherwise."""
+    def _record_capacity(self) -> None:
+        """Sync-free EP: read the overflow buffer (one host read) and record an overflow as a problem in the
+        sticky flag, for the next step-boundary collective to raise on every rank."""
         if isinstance(self.transport, SyncFreeTransport):
-            self.transport.check_capacity(f"MoE layer ({self.ep_mode} EP over {self.ep})")
+            message = self.transport.overflow_message(self.capacity_overflow, f"MoE layer (sync-free EP over "
+                                                                              f"{self.ep})")
+            if message is not None:
+                self.problems.record(BIT["capacity"], self.capacity_overflow.device, [message])
+
+    def check_capacity(self) -> None:
+        """Raise ``SPMDCapacityError`` on every rank of the layer if a sync-free EP slot overflowed anywhere
+        since the last check (and whatever else a rank recorded: it is :func:`spmdmoe.check_errors` over the
+        layer's ``agree_over`` group, the world by default); a no-op in sync mode. A collective: call it on
+        every rank, e.g. once per step (``update_expert_bias`` makes the same check)."""
+        self._record_capacity()
+        check_errors(self.agree_over)
 
     def update_expert_bias(self) -> torch.Tensor:
-        """:meth:`MoE.update_expert_bias`; in sync-free mode it first runs :meth:`check_capacity` (one more
-        host read)."""
-        self.check_capacity()
+        """:meth:`MoE.update_expert_bias`; in sync-free mode it first records an overflow of the capacity since
+        the last step (one more host read), which its collective then raises on every rank as
+        ``SPMDCapacityError`` (dropping the step's load counts, as for any problem)."""
+        self._record_capacity()
         return super().update_expert_bias()
 
     @property
@@ -292,11 +304,12 @@ class ParallelMoE(_Layer):
         if self.sp is not None and self.sp_mode == "gather":
             out_TD = self._gathered(x, found, w, problem)
         else:
-            t_max = self._t_max(x, None if found else x_TD, found)
+            capacity = self._capacity(x, None if found else x_TD, found)
             problem = Problem(found.bits, found.details)
             if found:  # stand in zero rows: the same collectives as the peers, nothing routed
                 x_TD = self._zero_rows(0)
-            out_TD = self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem, t_max=t_max), x_TD, w)
+            out_TD = self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem, capacity=capacity),
+                                       x_TD, w)
         if found:
             return _stand_in(x, out_TD, self._zero_rows)
         return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD
@@ -316,14 +329,19 @@ class ParallelMoE(_Layer):
         h_TD = all_gather(x).local
         rows_T = torch.arange(h_TD.shape[0], device=h_TD.device)
         own_T = (rows_T >= start) & (rows_T < start + x.local_tokens)
-        t_max = self._t_max(None, h_TD, Found())  # EP on another axis: max_tokens or the all-reduce
-        partial_TD = self._pipeline(h_TD, w, self.transport, own=own_T, problem=problem, t_max=t_max)
+        # EP on another axis: max_tokens or the all-reduce; more rows than max_tokens (the whole SP group
+        # sees the same T) is recorded with this forward's problems, for the step boundary
+        over = Found()
+        capacity = self._capacity(None, h_TD, over)
+        if over:
+            problem.bits, problem.details = problem.bits | over.bits, problem.details + over.details
+        partial_TD = self._pipeline(h_TD, w, self.transport, own=own_T, problem=problem, capacity=capacity)
         out_TD = reduce_scatter(SPMDTensor._new(partial_TD, sp, Partial(), T, 0)).local
         return self._plus_shared(out_TD, x.local, w)
 
-    def _t_max(self, x: Input, x_TD: Optional[torch.Tensor], found: Found) -> Optional[int]:
-        """``T_max`` for the sync-free transport (``None`` for the others): the most rows any rank of the EP
-        group routes. EP on the SP axis: the SP input's padded local count (agreed over SP with checks on:
+    def _capacity(self, x: Input, x_TD: Optional[torch.Tensor], found: Found) -> Optional[Capacity]:
+        """The sync-free transport's :class:`Capacity` (``None`` for the others): ``T_max``, the most rows
+        any rank of the EP group routes, and the overflow buffer. EP on the SP axis: the SP input's padded local count (agreed over SP with checks on:
         one small all-gather, no host read on a rank whose input is good). Otherwise ``max_tokens`` (more
         rows here: a problem, raised on every rank at the step boundary; this rank stands in zero rows),
         or one host all-reduce (MAX) of the routed rows over EP: the documented sync of that case."""
@@ -331,17 +349,18 @@ class ParallelMoE(_Layer):
         if not isinstance(self.transport, SyncFreeTransport) or ep is None:
             return None
         if self.sp is not None and self.sp == ep:
-            return layout.padded_local_tokens(max(self._gather_tokens(x, found), 0), ep.size)
+            T = layout.padded_local_tokens(max(self._gather_tokens(x, found), 0), ep.size)
+            return Capacity(T, self.capacity_overflow)
         rows = 0 if x_TD is None else x_TD.shape[0]
         if self.max_tokens is not None:
             if rows > self.max_tokens:
                 found.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than max_tokens="
                                       f"{self.max_tokens}, which sizes the sync-free EP buffers; split the batch "
                                       "or pass a larger max_tokens to parallelize_moe")
-            return self.max_tokens
+            return Capacity(self.max_tokens, self.capacity_overflow)
         most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
         all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
-        return int(to_host(most)[0])
+        return Capacity(int(to_host(most)[0]), self.capacity_overflow)
 
     def _gather_tokens(self, x: Input, found: Found) -> int:
         """The ``T`` every SP rank gathers. With checks on, one all-gather of ``(T, bad)`` per rank; only a

@@ -35,6 +35,7 @@ nothing is exchanged and local problems raise locally.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any, Optional
 
@@ -185,7 +186,7 @@ def _values(moe: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Option
         _MODES.get(sp_mode, -1),
         int(sp is not None and sp == ep),
         _EP_MODES.get(ep_mode, -1),
-        -1 if not isinstance(factor, (int, float)) else round(factor * 1e6),
+        _factor_code(factor),
         max_tokens if isinstance(max_tokens, int) else -1,
         dtype_code(weight.dtype),
         _DEVICES.get(weight.device.type, 3),
@@ -193,12 +194,19 @@ def _values(moe: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Option
     ]
 
 
+def _factor_code(factor: Any) -> int:
+    """``capacity_factor`` as an agreement field: micro-units, or -1 for ``None`` and anything unusable."""
+    ok = isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor) and 0 < factor < 1e9
+    return round(factor * 1e6) if ok else -1
+
+
 def _transport_problems(ep_mode: Any, factor: Any, max_tokens: Any, found: Found) -> None:
     rank = global_rank()
     if ep_mode not in _EP_MODES:
         found.add("config", f"rank {rank}: ep_mode must be 'sync' or 'sync_free', found {ep_mode!r}")
-    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
-        found.add("config", f"rank {rank}: capacity_factor must be None (lossless) or a number > 0, found {factor!r}")
+    if factor is not None and _factor_code(factor) < 0:
+        found.add("config", f"rank {rank}: capacity_factor must be None (lossless) or a finite number > 0, found "
+                            f"{factor!r}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
         found.add("config", f"rank {rank}: max_tokens must be None or an int >= 0, found {max_tokens!r}")
     if ep_mode == "sync" and (factor is not None or max_tokens is not None):

@@ -10,9 +10,9 @@ once per forward. This one never does: every size is a host int fixed before
 any data is seen, so a forward and backward make no host sync and can be
 captured in a CUDA graph.
 
-* ``T_max``, the most tokens any rank routes, comes from the layout (the SP
-  input's padded local count, or all SP rows in gather mode) or from
-  ``max_tokens``; the layer passes it in (``ParallelMoE``).
+* ``T_max``, the most tokens any rank routes, and the layer's overflow buffer come in a
+  :class:`Capacity` from the layer (``ParallelMoE``): with EP on the SP axis ``T_max`` is the SP input's
+  padded local count; otherwise ``max_tokens``, or one host all-reduce per forward when that is ``None``.
 * ``S = T_max * min(K, e)`` rows per (source, destination) slot is lossless
   (a token picks at most ``min(K, e)`` of one rank's experts); with
   ``capacity_factor = c``, ``S = ceil(c * T_max * K / n)`` (``c`` times
@@ -33,13 +33,14 @@ captured in a CUDA graph.
   gather-sum over the ``K`` copies (a dropped copy reads a zero row).
   Backward: the same moves reversed (gathers and sums, no scatter-add).
 
-Overflow (only with a ``capacity_factor``) is never silent: the worst slot
-demand since the last check is kept on the device (identical on every rank,
-computed from the same table), and :meth:`SyncFreeTransport.check_capacity`
-(one host read; called by the layer's ``check_capacity()`` and its
-``update_expert_bias()``) raises :class:`spmdmoe.SPMDCapacityError` on every
-rank alike, naming the needed and configured capacity and a factor that fits.
-Dropped copies contribute zero to the output until then.
+Overflow (with a ``capacity_factor``, or when a rank routes more than ``T_max``) is never silent:
+the worst slot demand since the last check is kept in the layer's buffer (identical on every rank of
+the EP group, computed from the same table). The layer's ``check_capacity()`` and
+``update_expert_bias()`` read it (:meth:`SyncFreeTransport.overflow_message`, one host read) and
+record it as a problem in the sticky flag, which their collective over every rank of the layer turns
+into :class:`spmdmoe.SPMDCapacityError` on all of them (other EP groups included), naming the needed
+and configured rows and a factor that fits; that step's load counts are dropped. Dropped copies
+contribute zero to the output until then.
 
 Problem bits (a bad input on this rank) are recorded in the sticky flag
 (agreement mode (c)): the step boundary raises on every rank; the collectives
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -58,13 +59,22 @@ import torch.distributed._functional_collectives as funcol
 from .._dist import all_gather_single
 from ..collectives.alltoall import exchanged_op
 from ..host import to_host
-from ..types.errors import SPMDCapacityError
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
 from .dispatch import Problem
 from .permute import gather_rows, sort_by_expert, weighted_combine
 
-__all__ = ["SyncFreeTransport", "slot_rows"]
+__all__ = ["Capacity", "SyncFreeTransport", "slot_rows"]
+
+
+class Capacity(NamedTuple):
+    """What the layer hands the transport each forward: ``T_max`` (host int, the same on every rank of the EP
+    group) and its overflow buffer (int64 ``(4,)``: excess rows, needed rows, slot rows, ``T_max`` of the worst
+    overflow since the last check; a layer buffer, so it moves with the layer, has a static address for CUDA
+    graphs and is mutable under compile)."""
+
+    t_max: int
+    overflow: torch.Tensor
 
 
 def slot_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capacity_factor: Optional[float]) -> int:
@@ -87,16 +97,12 @@ class _Handle:
 class SyncFreeTransport:
     """EP over ``axis`` with static capacity and no host sync (see the module docstring)."""
 
-    def __init__(self, axis: MeshAxis, num_experts: int, top_k: int, capacity_factor: Optional[float],
-                 overflow: Callable[[], torch.Tensor]):
+    def __init__(self, axis: MeshAxis, num_experts: int, top_k: int, capacity_factor: Optional[float]):
         self.axis = axis
         self.num_experts = num_experts
         self.local_experts = num_experts // axis.size
         self.top_k = top_k
         self.capacity_factor = capacity_factor
-        # the worst overflow since the last check, (excess rows, needed rows, slot rows, T_max): an int64 (4,)
-        # buffer of the layer (moved with it, a static address for CUDA graphs, mutable under compile)
-        self.overflow = overflow
 
     def _count_table(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Every rank's ``(E,)`` counts, ``(n, E)``, the same on every rank (one all-gather, no host read)."""
@@ -108,15 +114,16 @@ class SyncFreeTransport:
         all_gather_single(table, mine, group=self.axis.group)
         return table.view(n, E).to(counts_E.device)
 
-    def _record(self, needed: torch.Tensor, S: int, t_max: int) -> None:
-        state = self.overflow()
+    @staticmethod
+    def _record(state: torch.Tensor, needed: torch.Tensor, S: int, t_max: int) -> None:
         now = torch.stack([needed - S, needed, torch.full_like(needed, S), torch.full_like(needed, t_max)])
         state.copy_(torch.where(now[0] > state[0], now, state))
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 t_max: Optional[int] = None) -> RoutedTokens:
-        if t_max is None:
-            raise TypeError("SyncFreeTransport.dispatch needs t_max (the most tokens any rank routes)")
+                 capacity: Optional[Capacity] = None) -> RoutedTokens:
+        if capacity is None:
+            raise TypeError("SyncFreeTransport.dispatch needs a Capacity (T_max and the overflow buffer)")
+        t_max = capacity.t_max
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         n, e, me = self.axis.size, self.local_experts, self.axis.rank
@@ -126,7 +133,7 @@ class SyncFreeTransport:
         pos_TK, counts_E = sort_by_expert(ids_TK, self.num_experts)
         table_nne = self._count_table(counts_E).view(n, n, e)  # [source, destination, local expert]
         needed = table_nne.sum(-1).max()
-        self._record(needed, S, t_max)
+        self._record(capacity.overflow, needed, S, t_max)
         # a copy of this rank's can be dropped only with a factor, or when it routes more than T_max rows
         droppable = self.capacity_factor is not None or x_TD.shape[0] > t_max
         # rows kept per (source, destination, expert): the first S of each slot, in expert order
@@ -171,20 +178,22 @@ class SyncFreeTransport:
             y_send = torch.cat([y_send, y_send.new_zeros((1, y_send.shape[1]))])
         return weighted_combine(y_send, h.send_pos_TK, weights_TK)
 
-    def check_capacity(self, layer: str = "MoE layer") -> None:
-        """Raise :class:`SPMDCapacityError` if a slot overflowed since the last check (one host read; the
-        verdict is the same on every rank), then start afresh."""
-        state = self.overflow()
+    def overflow_message(self, state: torch.Tensor, layer: str) -> Optional[str]:
+        """What overflowed since the last check (``None``: nothing), read from ``state`` (one host read; the
+        same on every rank of the EP group), which then starts afresh."""
         excess, needed, slot, t_max = to_host(state)
         state.zero_()
         if excess <= 0:
-            return
+            return None
         n, K = self.axis.size, self.top_k
+        head = (f"{layer}: rank {self.axis.rank}: sync-free EP capacity exceeded: a (source, destination) slot "
+                f"needed {needed} rows, the buffers hold {slot} per slot; the rows past them were dropped (their "
+                f"expert outputs counted as zero) since the last check")
+        if self.capacity_factor is None:  # lossless buffers overflow only when a rank routed more than T_max
+            return head + (f"; a rank routed more than T_max={t_max} tokens (max_tokens): split its batch or "
+                           "raise max_tokens")
         balanced = t_max * K / n
         fits = math.ceil(needed / balanced * 100) / 100 if balanced else float("inf")
-        raise SPMDCapacityError(
-            f"{layer}: EP capacity exceeded on rank {self.axis.rank} (every rank of the EP group sees the same): a "
-            f"(source, destination) slot needed {needed} rows, the capacity is {slot} rows per slot "
-            f"(capacity_factor={self.capacity_factor} x balanced traffic T_max*K/ep = {t_max}*{K}/{n}); the rows past "
-            f"it were dropped (their expert outputs counted as zero) since the last check. Use capacity_factor >= "
-            f"{fits} (or None: lossless), or rerun the step with layer.set_ep_mode('sync').")
+        return head + (f" (capacity_factor={self.capacity_factor} x balanced traffic T_max*K/ep = {t_max}*{K}/{n}). "
+                       f"Use capacity_factor >= {fits} (or None: lossless), or rerun the step with "
+                       "layer.set_ep_mode('sync')")

@@ -19,6 +19,7 @@ from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
 from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.moe import sync_free
 from spmdmoe.testing import assert_raises_everywhere, reference_tensor
+from spmdmoe.types import layout
 from test_moe_parity import run_parity
 
 D, F, E = 16, 16, 8
@@ -148,7 +149,7 @@ def test_dropped_copies_count_as_zero(world, device, request):
     dropped = torch.tensor([int((~kept).sum())])
     dist.all_reduce(dropped)
     assert int(dropped) > 0, "the test must drop copies somewhere"
-    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match="capacity is 6 rows per slot")
+    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match="the buffers hold 6 per slot")
 
 
 def test_max_tokens_exceeded_on_one_rank(world, device):
@@ -163,7 +164,7 @@ def test_max_tokens_exceeded_on_one_rank(world, device):
         layer(x).sum().backward()
         spmdmoe.check_errors()
 
-    assert_raises_everywhere(SPMDCapacityError, step, match=rf"rank {world.size() - 1}: more tokens than the sync-free EP buffers hold")
+    assert_raises_everywhere(SPMDCapacityError, step, match=rf"rank {world.size() - 1}: more rows than the sync-free EP buffers hold")
 
 
 def test_plans_that_differ_or_cannot_work(world, device):
@@ -175,6 +176,43 @@ def test_plans_that_differ_or_cannot_work(world, device):
         moe, ep_mesh=world, ep_mode="sync_free", capacity_factor=2.0 if last else 1.5), match="capacity_factor")
     assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(moe, ep_mesh=world, capacity_factor=2.0),
                              match="pass ep_mode='sync_free'")
-    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(
-        moe, ep_mesh=world, ep_mode="sync_free", capacity_factor=-1.0 if last else 1.0),
-        match=rf"rank {world.size() - 1}: MoE config or plan cannot work")
+    for bad in (-1.0, float("nan"), float("inf")):  # one rank's unusable factor: every rank raises, none hangs
+        assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(
+            moe, ep_mesh=world, ep_mode="sync_free", capacity_factor=bad if last else 1.0),
+            match=rf"rank {world.size() - 1}: MoE config or plan cannot work")
+
+
+def test_overflow_in_one_ep_group_raises_everywhere(world, device, request):
+    """2x2 (EP across the dp batches, SP inside): only the EP group of SP rank 0 overflows (its ranks hold
+    the rows; SP rank 1 holds none). Every rank of the layer raises SPMDCapacityError from the bias update
+    (no rank left in its collective), and the failed step's load counts are dropped."""
+    if world.size() != 4:
+        pytest.skip("the 2x2 plan needs 4 ranks")
+    mesh = request.getfixturevalue("mesh2x2")
+    moe = reference_moe(MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2), 6, device)
+    moe.expert_bias[:2] = 1e3
+    layer = parallelize_moe(moe, sp_mesh=mesh["sp"], ep_mesh=mesh["dp"], ep_mode="sync_free", capacity_factor=0.01,
+                            max_tokens=16)
+    T = 1  # per batch: SP rank 0 holds the row, SP rank 1 none
+    rows = layout.local_tokens(T, 2, mesh["sp"].get_local_rank())
+    x = spmdmoe.from_local(torch.randn(rows, D, device=device, requires_grad=True), mesh["sp"], global_tokens=T)
+    layer(x).local.sum().backward()
+    assert_raises_everywhere(SPMDCapacityError, layer.update_expert_bias, match="more rows than the sync-free")
+    assert int(layer.tokens_per_expert.sum()) == 0, "the failed step's load counts are dropped"
+
+
+def test_gather_mode_over_max_tokens_raises_everywhere(world, device, request):
+    """Gather mode with EP across batches: the SP group gathers more rows than max_tokens; recorded with
+    the forward's problems, raised on every rank at the step boundary (not only as a slot overflow)."""
+    if world.size() != 4:
+        pytest.skip("the 2x2 plan needs 4 ranks")
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+    plan = build_plan("gather_ep", reference_moe(cfg, 7, device), 40, world, request, ep_mode="sync_free",
+                      max_tokens=5)
+    x = plan.wrap(reference_tensor((40, D), 12, device=device)[plan.rows].clone())
+
+    def step():
+        plan.layer(x)
+        spmdmoe.check_errors()
+
+    assert_raises_everywhere(SPMDCapacityError, step, match="20 tokens routed, more than max_tokens=5|more rows than")
