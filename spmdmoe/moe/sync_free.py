@@ -147,7 +147,8 @@ class SyncFreeTransport:
         send_pos_TK = torch.where(within_TK < S, dst_TK * S + within_TK, Q)
         send_QD = gather_rows(x_TD, send_pos_TK, Q + 1)[:Q]
         recv_QD = exchanged_op(send_QD, [S] * n, [S] * n, self.axis, 0)
-        # receiver: received row q = i*S + k holds expert l's k-th... row from source i (expert-major order)
+        # receiver: received row q = i*S + k is the k-th row source i sent here (in local-expert order); it goes
+        # to expert-major row dst_start[l, i] + (k - the rows of i's earlier experts), or to the dump row Q
         recv_ne = kept_nne[:, me, :]
         cum_ne = recv_ne.cumsum(-1)
         k_nS = torch.arange(S, device=dev).expand(n, S).contiguous()
