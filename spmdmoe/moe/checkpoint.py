@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor import Shard as DShard
 
 from ..agreement import Field, Found, agree, exchange_rows
@@ -254,10 +254,11 @@ def _shape_problem(name: str, found: tuple[int, ...], want: Any) -> str:
 def _local_value(name: str, value: Any, layout: Optional[ExpertLayout], config: Any) -> torch.Tensor:
     """This rank's slice of a saved expert weight (DTensor of any layout, or a full tensor)."""
     if isinstance(value, DTensor):
-        if layout is not None and layout.mesh is not None and value.device_mesh == layout.mesh \
-                and list(value.placements) == layout.placements(name):
-            return value.to_local()
-        value = value.full_tensor()
+        if layout is not None and layout.mesh is not None and value.device_mesh == layout.mesh:
+            # the same mesh: this layout's shards by redistribution (all-to-alls, no full tensor anywhere)
+            want = [p if p is not None else Replicate() for p in layout.placements(name)]
+            return (value if list(value.placements) == want else value.redistribute(layout.mesh, want)).to_local()
+        value = value.full_tensor()  # another mesh: gathered whole (DCP, loading into state_dict(), never does)
     want = _global_shape(name, config)
     if tuple(value.shape) != want:
         raise SPMDLayoutError(f"{name}: {_shape_problem(name, tuple(value.shape), want)}")

@@ -30,7 +30,7 @@ def _check(plan, ref, what):
 
 @pytest.mark.parametrize("source", ["sp_ep", "gather", "gather_ep"])
 @pytest.mark.parametrize("target", ["sp_ep", "sp_x_ep", "sp", "gather", "gather_ep"])
-def test_dcp_save_and_load_across_layouts(world, device, request, shared_tmp, source, target):
+def test_dcp_save_and_load_across_layouts(world, device, request, shared_tmp, source, target, monkeypatch):
     ref = reference_moe(CFG, 1, device)
     with torch.no_grad():
         ref.expert_bias.copy_(torch.linspace(-1, 1, CFG.num_experts))
@@ -42,8 +42,12 @@ def test_dcp_save_and_load_across_layouts(world, device, request, shared_tmp, so
 
     plan = build_plan(target, reference_moe(CFG, 2, device), 8, world, request)
     target_sd = plan.layer.state_dict()
+    full = []  # no rank materialises a full expert tensor: DCP reads each rank's shards only
+    real = DTensor.full_tensor
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: (full.append(self.shape), real(self, **kw))[1])
     dcp.load(target_sd, checkpoint_id=shared_tmp)
     plan.layer.load_state_dict(target_sd)
+    assert full == [], f"full_tensor() called on {full}"
     _check(plan, ref, f"saved by {source}, loaded by {target}")
 
 
@@ -121,3 +125,19 @@ def test_bad_entry_on_one_rank_raises_everywhere(world, device, request, bad):
     own = {"shape": "router.gate.weight: expected shape", "missing": "experts.w2 is missing",
            "kind": "", "transposed": "orientation='EDF'"}[bad]
     assert dist.get_rank() != last or own in str(err), str(err)
+
+
+@pytest.mark.parametrize("source,target", [("sp_ep", "gather"), ("gather", "sp_ep"), ("sp_ep", "sp_ep")])
+def test_in_memory_state_dict_of_another_layout_on_the_same_mesh(world, device, request, source, target,
+                                                                monkeypatch):
+    """A state dict whose experts are DTensors of another layout on the same mesh (EP blocks into a
+    tensor-parallel layer and back) loads by redistribution: exact, and no full expert tensor on any rank."""
+    ref = reference_moe(CFG, 5, device)
+    sd = build_plan(source, ref, 8, world, request).layer.state_dict()
+    plan = build_plan(target, reference_moe(CFG, 6, device), 8, world, request)
+    full = []
+    real = DTensor.full_tensor
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: (full.append(self.shape), real(self, **kw))[1])
+    plan.layer.load_state_dict(sd)
+    assert full == [], f"full_tensor() called on {full}"
+    _check(plan, ref, f"{source} state dict into {target}")
