@@ -66,6 +66,19 @@ def exchanged_op(local: torch.Tensor, send: list[int], recv: list[int], axis: Me
     return restore_dim(funcol.all_to_all_single_autograd(rows, recv, send, axis.group), dim)
 
 
+def _counts_with_codes(counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(payload, received)``: the ``(n, W)`` counts with this rank's problem bits as column ``W``, and what
+    every rank sent here (one ``all_to_all_single``; nothing read on the host)."""
+    n, width = counts_nW.shape
+    payload = torch.empty((n, width + 1), dtype=torch.int64, device=counts_nW.device)
+    payload[:, :width] = counts_nW
+    payload[:, width] = code
+    received = torch.empty_like(payload)
+    all_to_all_single(received, payload, group=axis.group)
+    return payload, received
+
+
 def exchange_with_codes(
     counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
 ) -> tuple[list[int], list[int], list[int], torch.Tensor]:
@@ -77,12 +90,8 @@ def exchange_with_codes(
     so callers raise together without another collective; and the received
     counts still on the device, ``(n, W)`` (for device-side index building).
     """
-    n, width = counts_nW.shape
-    payload = torch.empty((n, width + 1), dtype=torch.int64, device=counts_nW.device)
-    payload[:, :width] = counts_nW
-    payload[:, width] = code
-    received = torch.empty_like(payload)
-    all_to_all_single(received, payload, group=axis.group)
+    width = counts_nW.shape[1]
+    payload, received = _counts_with_codes(counts_nW, code, axis)
     mine, theirs = to_host(torch.stack([payload, received]))
     codes = [row[width] for row in theirs]
     return [c for r in mine for c in r[:width]], [c for r in theirs for c in r[:width]], codes, received[:, :width]
@@ -97,11 +106,7 @@ def exchange_split_sizes(
     and receive from each rank, the received rows per local expert, every rank's problem bits, and the
     received ``(n, e)`` counts on the device."""
     n, e = counts_ne.shape
-    payload = torch.empty((n, e + 1), dtype=torch.int64, device=counts_ne.device)
-    payload[:, :e] = counts_ne
-    payload[:, e] = code
-    received = torch.empty_like(payload)
-    all_to_all_single(received, payload, group=axis.group)
+    payload, received = _counts_with_codes(counts_ne, code, axis)
     recv_ne = received[:, :e]
     host = to_host(torch.cat([payload[:, :e].sum(1), recv_ne.sum(1), recv_ne.sum(0), received[:, e]]))
     return host[:n], host[n:2 * n], host[2 * n:2 * n + e], host[2 * n + e:], recv_ne
