@@ -1,0 +1,25 @@
+"""The GPU benchmarks that can run on CPU keep running: their ``--smoke`` modes, on gloo, in subprocesses.
+
+``benchmarks/sync_free.py --smoke`` builds every candidate stack (sync, sync-free lossless and with
+capacity factors) on 2 gloo processes and checks that sync-free and sync agree bit for bit, so the
+script is known to work before a 2-GPU host is lent to time it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(300)
+def test_sync_free_benchmark_smoke():
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(ROOT / "benchmarks" / "sync_free.py"), "--smoke", "--tokens", "37"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK: smoke, 2 ranks, sync-free == sync bitwise: True" in out.stdout, out.stdout[-2000:]
