@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.sync_free import slot_rows
+from spmdmoe.testing import capture_training_step
 
 FACTORS = (1.25, 2.0)
 
@@ -48,19 +49,7 @@ def run(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor) -> torch.T
 
 def graphed(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor):
     """The stack's fwd+bwd captured once (after a warm-up on a side stream); returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            stack.zero_grad(set_to_none=True)
-            x.grad = None
-            run(stack, x, g)
-    torch.cuda.current_stream().wait_stream(side)
-    stack.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(stack, x, g)
+    graph, _ = capture_training_step(lambda: run(stack, x, g), stack, x)
     return graph.replay
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "check_layout",
     "single_process_group",
     "sync_error_mode",
+    "capture_training_step",
 ]
 
 
@@ -158,3 +159,29 @@ def sync_error_mode(fn: Callable[[], Any]) -> Any:
         return fn()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def capture_training_step(step: Callable[[], Any], module: torch.nn.Module, *leaves: torch.Tensor,
+                          warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``step()`` (a forward and its backward) captured in one CUDA graph: ``(graph, what the captured step
+    returned)``. ``warmup`` eager calls on a side stream first (allocator pools, Triton compiles, caches);
+    ``module``'s and the ``leaves``' gradients are set to ``None`` before each call, so the captured
+    backward allocates them from the graph's pool and every ``graph.replay()`` rewrites them in place."""
+
+    def reset() -> None:
+        module.zero_grad(set_to_none=True)
+        for leaf in leaves:
+            leaf.grad = None
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            reset()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

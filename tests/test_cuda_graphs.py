@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from spmdmoe.moe import MoE, MoEConfig
+from spmdmoe.testing import capture_training_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -56,19 +57,7 @@ def test_layer_forward_and_backward_replay_with_new_routing(precision):
         ((y * static_g).sum() + m.aux_loss).backward()
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: allocator pools, Triton compiles, the FP8 weight cache
-        for _ in range(3):
-            layer.zero_grad(set_to_none=True)
-            static_x.grad = None
-            step(layer, static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    layer.zero_grad(set_to_none=True)
-    static_x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = step(layer, static_x)
+    graph, static_y = capture_training_step(lambda: step(layer, static_x), layer, static_x)
     for i, bias in enumerate(_biases()):
         x = torch.randn(T, D, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(i))
         with torch.no_grad():

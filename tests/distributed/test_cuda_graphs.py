@@ -19,7 +19,7 @@ import torch
 from moe_plans import build_plan, reference_moe
 from spmdmoe import SPMDCapacityError, SPMDTensor
 from spmdmoe.moe import MoEConfig
-from spmdmoe.testing import assert_raises_everywhere, reference_tensor
+from spmdmoe.testing import assert_raises_everywhere, capture_training_step, reference_tensor
 
 D, F, E, TOTAL = 64, 32, 8, 301
 
@@ -41,20 +41,7 @@ def _capture(layer, x_in, leaf, g):
         (y.float() * g).sum().backward()
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            layer.zero_grad(set_to_none=True)
-            leaf.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    layer.zero_grad(set_to_none=True)
-    leaf.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = step()
-    return graph, y
+    return capture_training_step(step, layer, leaf)
 
 
 @pytest.mark.parametrize("plan_name", ["sp_ep", "ep"])
