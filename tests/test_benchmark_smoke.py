@@ -2,7 +2,9 @@
 
 ``benchmarks/sync_free.py --smoke`` builds every candidate stack (sync, sync-free lossless and with
 capacity factors) on 2 gloo processes and checks that sync-free and sync agree bit for bit, so the
-script is known to work before a 2-GPU host is lent to time it.
+script is known to work before a 2-GPU host is lent to time it. ``benchmarks/sp_grad_overlap.py
+--smoke`` builds its four stacks (no SP sums, sums waited for at their use, per layer, per block) on 2
+gloo processes and checks that the three real ones give the same gradients.
 """
 
 from __future__ import annotations
@@ -23,3 +25,12 @@ def test_sync_free_benchmark_smoke():
                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK: smoke, 2 ranks, sync-free == sync bitwise: True" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_sp_grad_overlap_benchmark_smoke():
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(ROOT / "benchmarks" / "sp_grad_overlap.py"), "--smoke"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gradients of the three anchorings equal: True" in out.stdout, out.stdout[-2000:]

@@ -6,6 +6,7 @@
 ``parallelize_moe``        the same layer over SP (local / gather) and EP axes
 ``sync_grads``             views whose backward sums fresh gradients over an axis
 ``replicate_grads``        the same for a whole module's replicated parameters
+``overlap_grads``          let those sums overlap backward until a module's input
 ``LocalTransport``         dispatch/combine with every expert local
 ``AllToAllTransport``      dispatch/combine over an EP axis (sync mode)
 ``grad_reductions``        per parameter: the group and divide factor its
@@ -23,6 +24,7 @@ from .data_parallel import ddp, grad_reductions, reduce_grads
 from .fsdp import fully_shard_moe, register_spmd_hooks
 from .grads import GradReduction, replicate_grads, sync_grads
 from .layer import MoE
+from .overlap import overlap_grads
 from .parallel import ParallelMoE, parallelize_moe
 from .router import Routing, route
 
@@ -33,6 +35,7 @@ __all__ = [
     "parallelize_moe",
     "sync_grads",
     "replicate_grads",
+    "overlap_grads",
     "GradReduction",
     "grad_reductions",
     "reduce_grads",

@@ -29,21 +29,29 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._dist import all_reduce
 from ..types.errors import SPMDLayoutError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
+from .overlap import Anchor, active_anchor, call_anchored
 
 __all__ = ["sync_grads", "replicate_grads", "GradReduction"]
 
 
 class _SyncGrads(torch.autograd.Function):
-    """Identity forward; backward sums the incoming gradients over the axis."""
+    """Views (or casts to ``dtypes``) forward; backward sums the incoming gradients over the axis:
+    here and now, or, inside an anchored call, launched into its buckets (``overlap.py``)."""
 
     @staticmethod
-    def forward(ctx: Any, axis: MeshAxis, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.axis = axis
-        return tuple(t.view_as(t) for t in tensors)
+    def forward(ctx: Any, axis: MeshAxis, anchor: Optional[Anchor], dtypes: list[torch.dtype],  # type: ignore[override]
+                token: Optional[torch.Tensor], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.axis, ctx.anchor, ctx.in_dtypes = axis, anchor, [t.dtype for t in tensors]
+        if anchor is not None:
+            ctx.slots = [anchor.slots[id(t)] for t in tensors]
+        return tuple(t.view_as(t) if d == t.dtype else t.to(d) for t, d in zip(tensors, dtypes))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        if ctx.anchor is not None:  # the anchor's join hands the sums to the parameters
+            ctx.anchor.submit(ctx.axis.group, ctx.slots, grads)
+            return (None,) * (4 + len(grads))
         out: list[Optional[torch.Tensor]] = [None] * len(grads)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, g in enumerate(grads):
@@ -54,17 +62,22 @@ class _SyncGrads(torch.autograd.Function):
             if flat.numel():
                 all_reduce(flat, group=ctx.axis.group)
             for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
-                out[i] = part.view_as(grads[i])
-        return (None, *out)
+                out[i] = part.view_as(grads[i]).to(ctx.in_dtypes[i])
+        return (None, None, None, None, *out)
 
 
-def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike) -> list[torch.Tensor]:
+def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
+               dtypes: Optional[Sequence[torch.dtype]] = None) -> list[torch.Tensor]:
     """Views of ``tensors`` whose backward sums their fresh gradients over ``mesh``.
 
     Use the returned views in place of the parameters in the forward; every
     rank of the axis must call this once per forward, with the same tensors
-    in the same order (also a rank with no tokens). A 1-rank axis, or no
-    tensor that needs a gradient, returns the tensors unchanged.
+    in the same order (also a rank with no tokens). ``dtypes``: cast the views
+    (e.g. a bf16 router weight read in fp32); the gradients are then summed in
+    that dtype and rounded once. A 1-rank axis, or no tensor that needs a
+    gradient, returns the tensors (cast) without a reduction. Inside an
+    anchored call covering ``tensors`` (``spmdmoe.moe.overlap``) the sum is
+    launched asynchronously and waited for at the call's input.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -75,13 +88,18 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike) -> list[torch.Te
     """
     axis = mesh_axis(mesh)
     tensors = list(tensors)
+    dtypes = [t.dtype for t in tensors] if dtypes is None else list(dtypes)
     if axis.size == 1 or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
-        return tensors
-    return list(_SyncGrads.apply(axis, *tensors))
+        return [t if d == t.dtype else t.to(d) for t, d in zip(tensors, dtypes)]
+    anchor = None if torch.compiler.is_compiling() else active_anchor()
+    if anchor is not None and not anchor.covers(tensors):
+        anchor = None
+    token = None if anchor is None else anchor.token
+    return list(_SyncGrads.apply(axis, anchor, dtypes, token, *tensors))
 
 
 def replicate_grads(
-    module: nn.Module, mesh: MeshLike, *, include: Optional[Callable[[str], bool]] = None
+    module: nn.Module, mesh: MeshLike, *, include: Optional[Callable[[str], bool]] = None, overlap: bool = True
 ) -> nn.Module:
     """Make ``module``'s replicated parameters get SP-summed gradients; returns ``module``.
 
@@ -89,7 +107,10 @@ def replicate_grads(
     optimizers are unchanged): during each call the parameters (those whose
     name ``include`` accepts, default all that require grad) are swapped for
     :func:`sync_grads` views. For model code such as attention and norm
-    weights replicated along the SP axis. Call it once per module.
+    weights replicated along the SP axis. Call it once per module. Each call is
+    an anchored call on its first tensor argument (``spmdmoe.moe.overlap``):
+    the sums wait at that input's gradient, or at an enclosing
+    :func:`spmdmoe.moe.overlap_grads` module's; ``overlap=False``: at their use.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -103,15 +124,14 @@ def replicate_grads(
             f"rank {axis.rank}: replicate_grads was already applied to this {type(module).__name__}; "
             "applying it twice would reduce its gradients twice"
         )
+    names = [n for n, p in module.named_parameters() if p.requires_grad and (include is None or include(n))]
     entries = []
-    for name, p in module.named_parameters():
-        if p.requires_grad and (include is None or include(name)):
-            owner, _, leaf = name.rpartition(".")
-            entries.append((module.get_submodule(owner) if owner else module, leaf))
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        entries.append((module.get_submodule(owner) if owner else module, leaf))
     inner = module.forward
 
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def body(*args: Any, **kwargs: Any) -> Any:
         params = [owner._parameters[leaf] for owner, leaf in entries]
         views = sync_grads(params, axis)  # type: ignore[arg-type]
         for (owner, leaf), view in zip(entries, views):
@@ -122,8 +142,13 @@ def replicate_grads(
             for (owner, leaf), p in zip(entries, params):
                 owner._parameters[leaf] = p
 
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        params = lambda: [owner._parameters[leaf] for owner, leaf in entries] if axis.size > 1 else []  # noqa: E731
+        return call_anchored(body, args, kwargs, params) if overlap else body(*args, **kwargs)
+
     module.forward = forward  # type: ignore[method-assign]
-    object.__setattr__(module, "_spmdmoe_replicated", axis)
+    object.__setattr__(module, "_spmdmoe_replicated", (axis, names if overlap else []))
     return module
 
 

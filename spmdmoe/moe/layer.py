@@ -108,10 +108,15 @@ class _Layer(nn.Module):
         fp32 by default), so its gradient is made in fp32 and rounded once. The
         routed experts read their own parameters (``GroupedExperts.forward``).
         """
-        w = {n: p for n, p in self.named_parameters() if not n.startswith("experts.")}
-        if self.config.router_dtype == "float32":
-            w["router.gate.weight"] = w["router.gate.weight"].float()
-        return w
+        return {n: p.to(self.read_dtype(n, p)) for n, p in self.dense_params().items()}
+
+    def dense_params(self) -> dict[str, torch.Tensor]:
+        """The parameters :meth:`weights` reads, by name, uncast."""
+        return {n: p for n, p in self.named_parameters() if not n.startswith("experts.")}
+
+    def read_dtype(self, name: str, p: torch.Tensor) -> torch.dtype:
+        """The dtype the pipeline reads dense parameter ``name`` in (the router: ``router_dtype``)."""
+        return torch.float32 if name == "router.gate.weight" and self.config.router_dtype == "float32" else p.dtype
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the layer computes in, and so expects its input in: its router gate's."""

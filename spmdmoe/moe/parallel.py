@@ -64,6 +64,7 @@ from .dispatch import AllToAllTransport, LocalTransport, Problem
 from .sync_free import Capacity, SyncFreeTransport
 from .experts import GroupedExperts
 from .grads import GradReduction, sync_grads
+from .overlap import call_anchored, is_fsdp_unit
 from .layer import MoE, _Layer
 from .plan import agree_plan
 
@@ -218,6 +219,7 @@ class ParallelMoE(_Layer):
         else:
             self.sp_synced = ()
         self._reductions: Optional[tuple[GradReduction, GradReduction]] = None
+        self.grad_overlap = True  # False: each SP gradient sum waits at its use (sp_sync_params)
 
     def set_ep_mode(self, ep_mode: Literal["sync", "sync_free"]) -> None:
         """Switch the EP transport (e.g. ``"sync"`` to rerun a step that overflowed a sync-free capacity, then
@@ -288,11 +290,27 @@ class ParallelMoE(_Layer):
         return self._reductions
 
     def weights(self) -> dict[str, torch.Tensor]:
-        w = super().weights()
-        if self.sp is not None and self.sp_synced:
-            views = sync_grads([w[n] for n in self.sp_synced], self.sp)
-            w.update(zip(self.sp_synced, views))
+        if self.sp is None or not self.sp_synced:
+            return super().weights()
+        w = self.dense_params()
+        synced = [w[n] for n in self.sp_synced]
+        views = sync_grads(synced, self.sp, [self.read_dtype(n, p) for n, p in zip(self.sp_synced, synced)])
+        w.update(zip(self.sp_synced, views))
         return w
+
+    def sp_sync_params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients this layer sums over SP (``grads.py``): the dense ones, and
+        the experts when they are replicated along SP, unless they are an FSDP2 unit of their own
+        (their sum must then be done before that unit's reduce-scatter, inside the experts).
+        Empty with ``grad_overlap = False``: each sum then waits at its use (``overlap.py``)."""
+        if not self.grad_overlap or not self.sp_synced:
+            return []
+        w = self.dense_params()
+        params = [w[n] for n in self.sp_synced]
+        experts = self.experts
+        if experts.grad_axis is not None and not is_fsdp_unit(experts):
+            params += [experts.w1, experts.w2, experts.w3]
+        return params
 
     def forward(self, x: Input) -> Input:
         found = Found()
@@ -300,16 +318,18 @@ class ParallelMoE(_Layer):
         if found and alone():  # the only process of the job: nobody to leave waiting
             raise_problems("MoE layer", [found.bits], found.details)
         problem = Problem(found.bits, found.details)
-        w = self.weights()
+        # the body is an anchored call on the rows it reads (overlap.py): the SP gradient sums of
+        # sp_sync_params() overlap the rest of the layer's backward (or the enclosing overlap_grads')
         if self.sp is not None and self.sp_mode == "gather":
-            out_TD = self._gathered(x, found, w, problem)
+            h, T = self._gather_input(x, found)
+            out_TD = call_anchored(lambda h: self._gathered(h, T, problem), (h,), {}, self.sp_sync_params)
         else:
             capacity = self._capacity(x, None if found else x_TD, found)
             problem = Problem(found.bits, found.details)
             if found:  # stand in zero rows: the same collectives as the peers, nothing routed
                 x_TD = self._zero_rows(0)
-            out_TD = self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem, capacity=capacity),
-                                       x_TD, w)
+            out_TD = call_anchored(lambda x_TD: self._local(x_TD, problem, capacity), (x_TD,), {},
+                                   self.sp_sync_params)
         if found:
             return _stand_in(x, out_TD, self._zero_rows)
         return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD
@@ -317,14 +337,27 @@ class ParallelMoE(_Layer):
     def _zero_rows(self, rows: int) -> torch.Tensor:
         return torch.zeros((rows, self.config.dim), dtype=self.compute_dtype(), device=self.expert_bias.device)
 
-    def _gathered(self, x: Input, found: Found, w: dict[str, torch.Tensor], problem: Problem) -> torch.Tensor:
-        """Gather mode: route all SP rows, TP experts, combine, reduce-scatter; + shared on the local rows."""
+    def _local(self, x_TD: torch.Tensor, problem: Problem, capacity: Optional[Capacity]) -> torch.Tensor:
+        """Local mode: this rank's rows through the pipeline, + shared experts."""
+        w = self.weights()
+        return self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem, capacity=capacity), x_TD, w)
+
+    def _gather_input(self, x: Input, found: Found) -> tuple[SPMDTensor, int]:
+        """Gather mode's input and the ``T`` the SP axis agrees on: ``x``, or on a rank whose input is
+        bad its chunk as zeros, at that ``T``."""
         sp = self.sp
         assert sp is not None
         T = self._gather_tokens(x, found)
-        if found:  # this rank's chunk as zeros, at the T its peers gather
+        if found:
             x = SPMDTensor._new(self._zero_rows(layout.local_tokens(T, sp.size, sp.rank)), sp, Shard(0), T, 0)
         assert isinstance(x, SPMDTensor)
+        return x, T
+
+    def _gathered(self, x: SPMDTensor, T: int, problem: Problem) -> torch.Tensor:
+        """Gather mode: route all SP rows, TP experts, combine, reduce-scatter; + shared on the local rows."""
+        sp = self.sp
+        assert sp is not None
+        w = self.weights()
         start = layout.chunk_offset(T, sp.size, sp.rank)
         h_TD = all_gather(x).local
         rows_T = torch.arange(h_TD.shape[0], device=h_TD.device)

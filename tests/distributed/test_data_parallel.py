@@ -26,7 +26,8 @@ import torch.nn as nn
 import spmdmoe
 from moe_plans import reference_moe
 from spmdmoe import SPMDTensor, init_mesh
-from spmdmoe.moe import GradReduction, MoEConfig, ddp, fully_shard_moe, grad_reductions, parallelize_moe, reduce_grads, replicate_grads
+from spmdmoe.moe import (GradReduction, MoEConfig, ddp, fully_shard_moe, grad_reductions, overlap_grads, parallelize_moe,
+                         reduce_grads, replicate_grads)
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
 
@@ -140,25 +141,31 @@ WRAPPERS = {
     "fsdp2_blocks": lambda net: fully_shard_moe(net, blocks=[net.inp, net.moe]),
     "reduce_grads": lambda net: net,
 }
+# the same with the whole net anchored by overlap_grads (dp_sp: its SP sums then overlap backward)
+OVERLAPPED = {f"{name}+overlap": (lambda wrap: lambda net: wrap(overlap_grads(net)))(wrap)
+              for name, wrap in WRAPPERS.items()}
 
 
 @pytest.mark.parametrize(
     "plan, wrapper",
-    [(p, w) for p in ("dp_ep", "dp_sp") for w in WRAPPERS] + [("ep", "ddp"), ("ep", "reduce_grads")],
+    [(p, w) for p in ("dp_ep", "dp_sp") for w in WRAPPERS] + [("ep", "ddp"), ("ep", "reduce_grads")]
+    + [("dp_sp", w) for w in OVERLAPPED],
 )
 def test_training_matches_single_device(device, plan, wrapper):
-    """dp x ep, dp x sp (every wrapper; FSDP2 also with the layers as their own units), and EP
-    alone (no dp: dense over EP, experts only divided; FSDP needs dp, see the rejection test)."""
+    """dp x ep, dp x sp (every wrapper; FSDP2 also with the layers as their own units; every wrapper
+    again with the net anchored by ``overlap_grads``, whose SP sums then wait at the net's input, or,
+    for FSDP2 units inside it, at their own), and EP alone (no dp: dense over EP, experts only
+    divided; FSDP needs dp, see the rejection test)."""
     ref_losses, ref_params, ref_bias = _reference(device, _batches(plan))
     net, batch, experts, n_batches = _plan(plan, device)
-    model = WRAPPERS[wrapper](net)
+    model = {**WRAPPERS, **OVERLAPPED}[wrapper](net)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         opt.zero_grad()
         X, Y, count = batch(step)
         loss = ((model(X) - Y) ** 2).sum() / count + net.moe.aux_loss
         loss.backward()
-        if wrapper == "reduce_grads":
+        if wrapper.startswith("reduce_grads"):
             reduce_grads(net)
         net.moe.update_expert_bias()
         opt.step()
@@ -191,6 +198,28 @@ def test_ddp_no_sync_accumulates_micro_batches(device):
     for name, p in net.named_parameters():
         want = ref_params[name][experts] if name.startswith("moe.experts.") else ref_params[name]
         _close(p, want, f"{name} after {STEPS} accumulated steps")
+
+
+def test_fsdp2_micro_batches_with_units_left_unsharded(device):
+    """dp x sp under FSDP2 with the layers as units inside an ``overlap_grads`` net, each step as two
+    halves of the loss, the units left unsharded between them (torchtitan's accumulation): the
+    first forward's net then sees the units' unsharded parameters, whose SP sums must still be done
+    inside each unit (before its reduce-scatter), not at the net's input. Same run as one device."""
+    cfg = dataclasses.replace(CFG, aux_loss_coeff=None)
+    ref_losses, ref_params, ref_bias = _reference(device, _batches("dp_sp"), cfg)
+    net, batch, experts, n_batches = _plan("dp_sp", device, cfg)
+    model = fully_shard_moe(overlap_grads(net), blocks=[net.inp, net.moe])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad()
+        X, Y, count = batch(step)
+        for last in (False, True):
+            model.set_reshard_after_backward(last, recurse=True)
+            (((model(X) - Y) ** 2).sum() / count / 2).backward()
+        net.moe.update_expert_bias()
+        opt.step()
+    for name, p in net.named_parameters():
+        _close(_full(p), ref_params[name], f"{name} after {STEPS} accumulated steps")
 
 
 def test_ddp_hook_with_several_groups_in_one_bucket(device):
