@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | fp8peer | syncfree | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | fp8peer | syncfree | overlap | all (default all)
 set -uo pipefail
 PART=${1:-all}
 # everything is written under a scratch folder and packed into ONE archive in $OUT at the end (the device
@@ -63,6 +63,15 @@ if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
       timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/sync_free.py --tokens $T --out "$OUT/bench_sync_free.md" \
         > "$OUT/log_sync_free_$T.txt" 2>&1; tail -2 "$OUT/log_sync_free_$T.txt"
     done
+  fi
+fi
+if [ "$PART" = overlap ] || [ "$PART" = all ]; then
+  echo "== SP gradient sums: CUDA check on one GPU (gloo, 2 ranks on cuda:0), exposed communication on NCCL (issue 14)"
+  timeout 200 torchrun --nproc-per-node 2 benchmarks/sp_grad_overlap.py --same-gpu > "$OUT/log_overlap_same_gpu.txt" 2>&1
+  grep -h "OK\|Error" "$OUT/log_overlap_same_gpu.txt" | head -5
+  if [ "$NGPU" -gt 1 ]; then
+    timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/sp_grad_overlap.py --out "$OUT/bench_sp_grad_overlap.md" \
+      > "$OUT/log_overlap.txt" 2>&1; tail -2 "$OUT/log_overlap.txt"
   fi
 fi
 echo "== summary"

@@ -61,7 +61,7 @@ class Anchor:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.token: Optional[torch.Tensor] = None
         self.open: dict[tuple[Any, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
-        self.launched: list[tuple[torch.Tensor, Any, list[tuple[int, torch.Tensor]]]] = []
+        self.launched: list[tuple[torch.Tensor, Any, list[tuple[int, torch.Size]]]] = []
 
     def covers(self, tensors: Sequence[torch.Tensor]) -> bool:
         return all(id(t) in self.slots for t in tensors)
@@ -78,7 +78,7 @@ class Anchor:
         items = self.open.pop(key)
         flat = torch.cat([g.reshape(-1) for _, g in items])
         work = all_reduce(flat, group=key[0], async_op=True) if flat.numel() else None
-        self.launched.append((flat, work, items))
+        self.launched.append((flat, work, [(slot, g.shape) for slot, g in items]))  # fresh grads freed
 
     def finish(self) -> list[Optional[torch.Tensor]]:
         """Launch what is still open, wait for everything; each parameter's summed gradient (or None)."""
@@ -88,8 +88,8 @@ class Anchor:
         for flat, work, items in self.launched:
             if work is not None:
                 work.wait()
-            for (slot, g), part in zip(items, flat.split([g.numel() for _, g in items])):
-                part = part.view_as(g)
+            for (slot, shape), part in zip(items, flat.split([shape.numel() for _, shape in items])):
+                part = part.view(shape)
                 out[slot] = part if out[slot] is None else out[slot] + part
         self.launched = []
         return [None if g is None else g.to(p.dtype) for g, p in zip(out, self.params)]
