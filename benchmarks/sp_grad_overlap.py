@@ -4,6 +4,10 @@
     torchrun --nproc-per-node 2 benchmarks/sp_grad_overlap.py --smoke           # CPU/gloo, tiny, no timing
     torchrun --nproc-per-node 2 benchmarks/sp_grad_overlap.py --same-gpu        # gloo, every rank on cuda:0
 
+``--same-gpu`` checks the CUDA stream handling of the anchors with one GPU: the dense blocks only
+(gloo carries CUDA all-reduces, not the MoE layer's collectives), fp32, D=1024, 4096 rows per rank;
+a sum read before its copy back from gloo would give different gradients.
+
 A stack of ``--layers`` blocks, each ``x + mlp(x)`` (a dense stand-in for attention: D -> 4D -> D,
 ``replicate_grads``) then ``h + moe(h)`` (SP local, no EP: the experts are replicated along SP, so
 every expert gradient, 3*E*F*D values per layer, is summed over SP). SP = N, ``--tokens`` rows per
@@ -39,28 +43,35 @@ MODES = ("no SP sums", "wait at use", "layer anchor", "block anchor")
 
 
 class Block(nn.Module):
-    def __init__(self, moe: nn.Module, D: int, mode: str, sp: dist.ProcessGroup):
+    def __init__(self, moe: "nn.Module | None", D: int, mode: str, sp: dist.ProcessGroup):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(D, 4 * D, bias=False), nn.GELU(), nn.Linear(4 * D, D, bias=False))
         if mode != "no SP sums":
             replicate_grads(self.mlp, sp, overlap=mode != "wait at use")
         self.moe = moe
 
-    def forward(self, x: spmdmoe.SPMDTensor) -> spmdmoe.SPMDTensor:
-        x = x.with_local(x.local + self.mlp(x.local))
-        return x.with_local(x.local + self.moe(x).local)
+    def forward(self, x: "spmdmoe.SPMDTensor | torch.Tensor") -> "spmdmoe.SPMDTensor | torch.Tensor":
+        local = x.local if isinstance(x, spmdmoe.SPMDTensor) else x
+        local = local + self.mlp(local)
+        if self.moe is None:  # --same-gpu: gloo cannot carry the MoE layer's CUDA collectives
+            return local
+        x = x.with_local(local)
+        return x.with_local(local + self.moe(x).local)
 
 
-def build(cfg: MoEConfig, layers: int, mode: str, dtype: torch.dtype, device: torch.device) -> nn.ModuleList:
+def build(cfg: MoEConfig, layers: int, mode: str, dtype: torch.dtype, device: torch.device,
+          dense_only: bool) -> nn.ModuleList:
     sp = dist.group.WORLD
     torch.manual_seed(0)  # the same weights on every rank and for every candidate
     blocks = []
     for _ in range(layers):
-        block = Block(parallelize_moe(MoE(cfg).to(device=device, dtype=dtype), sp_mesh=sp), cfg.dim, mode, sp)
+        moe = None if dense_only else parallelize_moe(MoE(cfg).to(device=device, dtype=dtype), sp_mesh=sp)
+        block = Block(moe, cfg.dim, mode, sp)
         block.mlp.to(device=device, dtype=dtype)
-        if mode == "no SP sums":
-            block.moe.sp_synced, block.moe.experts.grad_axis = (), None
-        block.moe.grad_overlap = mode != "wait at use"
+        if moe is not None:
+            if mode == "no SP sums":
+                moe.sp_synced, moe.experts.grad_axis = (), None
+            moe.grad_overlap = mode != "wait at use"
         blocks.append(overlap_grads(block) if mode == "block anchor" else block)
     return nn.ModuleList(blocks)
 
@@ -70,7 +81,11 @@ def step(stack: nn.ModuleList, x: spmdmoe.SPMDTensor, g: torch.Tensor) -> None:
     h = x
     for block in stack:
         h = block(h)
-    (h.local.float() * g).sum().backward()
+    (_local(h).float() * g).sum().backward()
+
+
+def _local(h: "spmdmoe.SPMDTensor | torch.Tensor") -> torch.Tensor:
+    return h.local if isinstance(h, spmdmoe.SPMDTensor) else h
 
 
 def main() -> None:
@@ -87,22 +102,23 @@ def main() -> None:
     if args.smoke:
         dist.init_process_group("gloo")
         device, dtype, (D, F, E, K) = torch.device("cpu"), torch.float32, (32, 16, 8, 2)
-    elif args.same_gpu:
+    elif args.same_gpu:  # the dense blocks only (gloo carries CUDA all-reduces, not the MoE layer's collectives)
         dist.init_process_group("gloo")
-        device, dtype, (D, F, E, K) = torch.device("cuda", 0), torch.bfloat16, (256, 128, 16, 4)
+        torch.cuda.set_device(0)
+        device, dtype, (D, F, E, K) = torch.device("cuda", 0), torch.float32, (1024, 128, 16, 4)
     else:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device, dtype, (D, F, E, K) = torch.device("cuda", local), torch.bfloat16, (2048, 1408, 64, 8)
         dist.init_process_group("nccl", device_id=device)
     n, rank, L = dist.get_world_size(), dist.get_rank(), args.layers
-    T = args.tokens if not check_only else 37
+    T = args.tokens if not check_only else (37 if args.smoke else 4096)
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K)
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     local_x = torch.randn(T, D, device=device, dtype=dtype, generator=gen).requires_grad_()
-    x = spmdmoe.from_local(local_x, dist.group.WORLD, global_tokens=None)
+    x = local_x if args.same_gpu else spmdmoe.from_local(local_x, dist.group.WORLD, global_tokens=None)
     g = torch.randn(T, D, device=device, dtype=torch.float32, generator=gen)
-    stacks = {mode: build(cfg, L, mode, dtype, device) for mode in MODES}
+    stacks = {mode: build(cfg, L, mode, dtype, device, args.same_gpu) for mode in MODES}
 
     grads = {}
     for mode in MODES[1:]:
