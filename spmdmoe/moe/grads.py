@@ -19,7 +19,7 @@ Reduction across replicas holding different batches comes after ``backward``:
 
 from __future__ import annotations
 
-import functools
+import types
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -29,14 +29,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._dist import all_reduce
 from ..types.errors import SPMDLayoutError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
-from .overlap import Anchor, active_anchor, call_anchored
+from .overlap import Anchor, active_anchor, by_dtype, call_anchored
 
 __all__ = ["sync_grads", "replicate_grads", "GradReduction"]
 
 
 class _SyncGrads(torch.autograd.Function):
     """Views (or casts to ``dtypes``) forward; backward sums the incoming gradients over the axis:
-    here and now, or, inside an anchored call, launched into its buckets (``overlap.py``)."""
+    here and now, or, inside an anchored call, launched for its join to wait for (``overlap.py``)."""
 
     @staticmethod
     def forward(ctx: Any, axis: MeshAxis, anchor: Optional[Anchor], dtypes: list[torch.dtype],  # type: ignore[override]
@@ -49,16 +49,11 @@ class _SyncGrads(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
-        if ctx.anchor is not None:  # the anchor's join hands the sums to the parameters
+        if ctx.anchor is not None and ctx.anchor.joins_this_backward():  # the join hands the sums over
             ctx.anchor.submit(ctx.axis.group, ctx.slots, grads)
             return (None,) * (4 + len(grads))
         out: list[Optional[torch.Tensor]] = [None] * len(grads)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, g in enumerate(grads):
-            by_dtype.setdefault(g.dtype, []).append(i)
-        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-            idx = by_dtype[dtype]
-            flat = torch.cat([grads[i].reshape(-1) for i in idx])
+        for idx, flat in by_dtype(grads):
             if flat.numel():
                 all_reduce(flat, group=ctx.axis.group)
             for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
@@ -125,11 +120,16 @@ def replicate_grads(
             "applying it twice would reduce its gradients twice"
         )
     names = [n for n, p in module.named_parameters() if p.requires_grad and (include is None or include(n))]
-    entries = []
-    for name in names:
-        owner, _, leaf = name.rpartition(".")
-        entries.append((module.get_submodule(owner) if owner else module, leaf))
-    inner = module.forward
+    object.__setattr__(module, "_spmdmoe_replicated", (axis, names, overlap))
+    object.__setattr__(module, "_spmdmoe_replicate_inner", module.forward)
+    object.__setattr__(module, "forward", types.MethodType(_replicated_forward, module))
+    return module
+
+
+def _replicated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``replicate_grads``' forward: a method bound to the module (``deepcopy`` rebinds it to the copy)."""
+    axis, names, overlap = self._spmdmoe_replicated
+    entries = [(self.get_submodule(owner), leaf) for owner, _, leaf in (n.rpartition(".") for n in names)]
 
     def body(*args: Any, **kwargs: Any) -> Any:
         params = [owner._parameters[leaf] for owner, leaf in entries]
@@ -137,19 +137,15 @@ def replicate_grads(
         for (owner, leaf), view in zip(entries, views):
             owner._parameters[leaf] = view  # type: ignore[assignment]
         try:
-            return inner(*args, **kwargs)
+            return self._spmdmoe_replicate_inner(*args, **kwargs)
         finally:
             for (owner, leaf), p in zip(entries, params):
                 owner._parameters[leaf] = p
 
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        params = lambda: [owner._parameters[leaf] for owner, leaf in entries] if axis.size > 1 else []  # noqa: E731
-        return call_anchored(body, args, kwargs, params) if overlap else body(*args, **kwargs)
-
-    module.forward = forward  # type: ignore[method-assign]
-    object.__setattr__(module, "_spmdmoe_replicated", (axis, names if overlap else []))
-    return module
+    if not overlap:
+        return body(*args, **kwargs)
+    params = lambda: [owner._parameters[leaf] for owner, leaf in entries] if axis.size > 1 else []  # noqa: E731
+    return call_anchored(body, args, kwargs, params)
 
 
 class GradReduction(NamedTuple):

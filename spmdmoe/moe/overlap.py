@@ -1,42 +1,47 @@
-"""Overlapped SP gradient reduction: launch at the use, wait at the anchor (docs/design.md §5.2).
+"""Overlapped SP gradient sums: launched at the use, waited for at the anchor (docs/design.md §5.2).
 
 ``sync_grads`` (``grads.py``) sums the fresh gradients of replicated
 parameters over an SP axis at their use. Alone, it waits for that all-reduce
 right there, and the rest of backward waits with it. Inside an *anchored*
-call (a :class:`ParallelMoE` forward, or a module wrapped by
-:func:`overlap_grads`, e.g. a transformer block) it only launches it: the
-fresh gradients go into buckets of about ``bucket_mb`` per (group, dtype), a
-full bucket is all-reduced asynchronously at once, and the call's *join* node
-waits for all of them when the gradient of the call's input is complete, i.e.
-when backward leaves the call. Only then do the parameters receive their
-gradients, through autograd (``AccumulateGrad``), so DDP's and FSDP2's hooks
-see final values, in order, in the same backward:
+call (a :class:`ParallelMoE` forward, a ``replicate_grads`` module call, or a
+module wrapped by :func:`overlap_grads`, e.g. a transformer block) it only
+launches it, asynchronously, and the call's *join* node waits for it when the
+gradient of the call's input is complete, i.e. when backward leaves the call.
+Only then do the parameters receive their sums, through autograd
+(``AccumulateGrad``), so DDP's and FSDP2's hooks see final values, in order,
+in the same backward:
 
 ====================  ===============================================================
 forward               ``x' , token = Join(x, *params)`` at the call's start; every
                       ``sync_grads`` inside takes ``token`` as an input
-backward, at a use    ``sync_grads`` node: fresh gradients into the open bucket;
-                      launch it when full; return nothing to the parameters
+backward, at a use    ``sync_grads`` node: its fresh gradients, one buffer per dtype
+                      (the bucket), all-reduced with ``async_op=True``; nothing
+                      returned to the parameters
 backward, at ``x``    ``Join`` (runs after every use: each depends on ``token``):
-                      launch the open buckets, wait, return ``dx`` and each
-                      parameter's summed gradient, cast to its dtype
+                      waits, returns ``dx`` and each parameter's sum, cast to its dtype
 ====================  ===============================================================
 
-Exact as before: only fresh gradients are reduced (micro-batch accumulation),
-recomputation under activation checkpointing builds its own join, and every
-rank launches the same buckets in the same order (the backward order and the
-parameters' shapes are the same on every rank of the axis). Not anchored:
-under ``torch.compile`` (the collectives are functional there and inductor
-places their waits), with grad off, or when the call's input is not floating
-point. An input that needs no gradient is anchored anyway (backward then
-computes one): whether a call anchors must not differ between ranks.
+Buckets are per ``sync_grads`` call (a layer's dense weights, its experts, a
+module's replicated weights), the same collectives a compiled graph issues:
+ranks that run a block compiled and ranks that run it eagerly (a dynamo
+fallback on some ranks) still match. Exact as before: only fresh gradients
+are reduced (micro-batch accumulation), recomputation under activation
+checkpointing builds its own join, and every rank launches the same
+collectives in the same order (the backward order and the parameters' shapes
+are the same on every rank of the axis). A backward that will not run the
+join (a second-order backward reaching a use but not the call's input, a
+``torch.autograd.grad`` stopping short of it) sums at the use instead. Not
+anchored: under ``torch.compile`` (the collectives are functional there and
+inductor places their waits), with grad off, or when the call's input is not
+floating point. An input that needs no gradient is anchored anyway (backward
+then computes one): whether a call anchors must not differ between ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
+import types
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -45,58 +50,63 @@ import torch.nn as nn
 from .._dist import all_reduce
 from ..types.tensor import SPMDTensor
 
-__all__ = ["overlap_grads", "Anchor", "anchored", "active_anchor", "call_anchored", "sync_params"]
+__all__ = ["overlap_grads", "Anchor", "anchored", "active_anchor", "call_anchored", "sync_params", "by_dtype"]
 
-DEFAULT_BUCKET_MB = 25.0
 _local = threading.local()
 
 
-class Anchor:
-    """One anchored call's pending SP reductions: open buckets, launched ones, and the parameters
-    they belong to (the join's inputs, in order)."""
+def by_dtype(grads: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """The gradients flattened into one buffer per dtype (dtypes in a fixed order): ``(indices, flat)``
+    each. One collective per buffer, eager or compiled, waited for here or at an anchor: the same
+    collectives on every rank whichever way it runs."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        groups.setdefault(g.dtype, []).append(i)
+    return [(idx, torch.cat([grads[i].detach().reshape(-1) for i in idx]))
+            for _, idx in sorted(groups.items(), key=lambda kv: str(kv[0]))]
 
-    def __init__(self, params: Sequence[torch.Tensor], bucket_mb: float):
+
+class Anchor:
+    """One anchored call's launched SP sums and the parameters they belong to (the join's inputs)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
         self.params = list(params)
         self.slots = {id(p): i for i, p in enumerate(self.params)}
-        self.bucket_bytes = int(bucket_mb * 2**20)
         self.token: Optional[torch.Tensor] = None
-        self.open: dict[tuple[Any, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+        self.node: Any = None  # the join's autograd node
         self.launched: list[tuple[torch.Tensor, Any, list[tuple[int, torch.Size]]]] = []
 
     def covers(self, tensors: Sequence[torch.Tensor]) -> bool:
         return all(id(t) in self.slots for t in tensors)
 
-    def submit(self, group: Any, slots: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
-        """Add the fresh gradients of parameters ``slots`` (indices into ``params``) to their buckets."""
-        for slot, g in zip(slots, grads):
-            bucket = self.open.setdefault((group, g.dtype), [])
-            bucket.append((slot, g))
-            if sum(x.numel() * x.element_size() for _, x in bucket) >= self.bucket_bytes:
-                self._launch((group, g.dtype))
+    def joins_this_backward(self) -> bool:
+        """Whether the running backward will run this anchor's join (not so in a second-order
+        backward that reaches a use but not the call's input, or one that stops short of it)."""
+        return self.node is not None and torch._C._will_engine_execute_node(self.node)
 
-    def _launch(self, key: tuple[Any, torch.dtype]) -> None:
-        items = self.open.pop(key)
-        flat = torch.cat([g.reshape(-1) for _, g in items])
-        work = all_reduce(flat, group=key[0], async_op=True) if flat.numel() else None
-        self.launched.append((flat, work, [(slot, g.shape) for slot, g in items]))  # fresh grads freed
+    def submit(self, group: Any, slots: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
+        """All-reduce the fresh gradients of parameters ``slots`` (indices into ``params``) over
+        ``group`` asynchronously: one buffer per dtype (:func:`by_dtype`)."""
+        for idx, flat in by_dtype(grads):
+            work = all_reduce(flat, group=group, async_op=True) if flat.numel() else None
+            self.launched.append((flat, work, [(slots[i], grads[i].shape) for i in idx]))  # grads freed
 
     def finish(self) -> list[Optional[torch.Tensor]]:
-        """Launch what is still open, wait for everything; each parameter's summed gradient (or None)."""
-        for key in list(self.open):  # insertion order: the same on every rank
-            self._launch(key)
+        """Wait for every launched sum; each parameter's summed gradient over its uses (or None)."""
         out: list[Optional[torch.Tensor]] = [None] * len(self.params)
-        for flat, work, items in self.launched:
+        launched, self.launched = self.launched, []
+        for flat, work, items in launched:
             if work is not None:
                 work.wait()
             for (slot, shape), part in zip(items, flat.split([shape.numel() for _, shape in items])):
                 part = part.view(shape)
                 out[slot] = part if out[slot] is None else out[slot] + part
-        self.launched = []
         return [None if g is None else g.to(p.dtype) for g, p in zip(out, self.params)]
 
 
 class _Join(torch.autograd.Function):
-    """Identity on ``x`` plus a 0-d ``token``; backward: the anchor's summed parameter gradients."""
+    """Identity on ``x`` plus a 0-d ``token``; backward: ``dx`` as it came (so a second-order backward
+    through the call still works) and the anchor's summed parameter gradients."""
 
     @staticmethod
     def forward(ctx: Any, anchor: Anchor, x: torch.Tensor, *params: torch.Tensor) -> Any:  # type: ignore[override]
@@ -104,9 +114,10 @@ class _Join(torch.autograd.Function):
         return x.view_as(x), x.new_zeros(())
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dx: torch.Tensor, _dtoken: Any) -> Any:  # type: ignore[override]
-        return (None, dx, *ctx.anchor.finish())
+        with torch.no_grad():
+            sums = ctx.anchor.finish()
+        return (None, dx, *sums)
 
 
 def active_anchor() -> Optional[Anchor]:
@@ -121,7 +132,7 @@ def _covered(params: Sequence[torch.Tensor]) -> bool:
 
 
 @contextlib.contextmanager
-def anchored(x: Any, params: Sequence[torch.Tensor], bucket_mb: float = DEFAULT_BUCKET_MB) -> Iterator[Any]:
+def anchored(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
     """Run the body as an anchored call on input ``x`` (a tensor or an ``SPMDTensor``); yields the
     ``x`` to use instead. Yields ``x`` unchanged, anchoring nothing, when an enclosing anchored call
     already covers ``params``, when there are none, under ``torch.compile``, with grad off, or when
@@ -133,8 +144,9 @@ def anchored(x: Any, params: Sequence[torch.Tensor], bucket_mb: float = DEFAULT_
             or not isinstance(local, torch.Tensor) or not local.is_floating_point() or _covered(params)):
         yield x
         return
-    anchor = Anchor(params, bucket_mb)
+    anchor = Anchor(params)
     local, anchor.token = _Join.apply(anchor, local, *params)
+    anchor.node = anchor.token.grad_fn
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(anchor)
     try:
@@ -155,8 +167,8 @@ def sync_params(module: nn.Module) -> list[torch.Tensor]:
         m = todo.pop()
         replicated = getattr(m, "_spmdmoe_replicated", None)
         if replicated is not None:
-            axis, names = replicated
-            params = [m.get_parameter(n) for n in names] if axis.size > 1 else []
+            axis, names, overlap = replicated
+            params = [m.get_parameter(n) for n in names] if axis.size > 1 and overlap else []
         else:
             provider = getattr(m, "sp_sync_params", None)
             params = provider() if callable(provider) else []
@@ -171,29 +183,41 @@ def is_fsdp_unit(module: nn.Module) -> bool:
     return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
 
 
+def inside_fsdp_unit(root: nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` of ``root`` lives in an FSDP2 unit below ``root``."""
+    m = root
+    for part in name.split(".")[:-1]:
+        m = getattr(m, part)
+        if is_fsdp_unit(m):
+            return True
+    return False
+
+
 def call_anchored(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  params: Callable[[], Sequence[torch.Tensor]], bucket_mb: float = DEFAULT_BUCKET_MB) -> Any:
+                  params: Callable[[], Sequence[torch.Tensor]]) -> Any:
     """``fn(*args, **kwargs)`` as an anchored call on its first tensor (or ``SPMDTensor``) argument,
     deferring the reductions of ``params()`` (not called under ``torch.compile``)."""
     i = next((i for i, a in enumerate(args) if isinstance(a, (torch.Tensor, SPMDTensor))), None)
     if i is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    with anchored(args[i], params(), bucket_mb) as x:
+    with anchored(args[i], params()) as x:
         return fn(*args[:i], x, *args[i + 1:], **kwargs)
 
 
-def overlap_grads(module: nn.Module, *, bucket_mb: float = DEFAULT_BUCKET_MB) -> nn.Module:
-    """Anchor the SP gradient reductions inside ``module`` at its input; returns ``module``.
+def overlap_grads(module: nn.Module) -> nn.Module:
+    """Anchor the SP gradient sums inside ``module`` at its input; returns ``module``.
 
-    Wraps ``module.forward`` in place (names, ``state_dict`` unchanged). The
-    all-reduces of the replicated parameters of the ``ParallelMoE`` layers and
-    ``replicate_grads`` modules inside it are launched as their gradients are
-    ready, in buckets of about ``bucket_mb``, and waited for when the gradient
-    of ``module``'s first tensor argument is complete (module docstring). Give
-    it the transformer blocks: the MoE layer's expert gradients then reduce
-    behind the block's attention backward. With FSDP2, wrap the modules you
-    make units (the wait then comes before the unit's reduce-scatter). Without
-    it each ``ParallelMoE`` and ``replicate_grads`` module anchors at its own input.
+    Wraps ``module.forward`` in place (names, ``state_dict`` unchanged; a
+    ``deepcopy`` wraps the copy). The all-reduces of the replicated parameters
+    of the ``ParallelMoE`` layers and ``replicate_grads`` modules inside it are
+    launched asynchronously as their gradients are ready and waited for when
+    the gradient of ``module``'s first tensor argument is complete (module
+    docstring). Give it the transformer blocks: the MoE layer's expert
+    gradients then reduce behind the block's attention backward. Works with
+    DDP and FSDP2 in either order of wrapping; FSDP2 units inside ``module``
+    keep their own anchors. Without it each ``ParallelMoE`` and
+    ``replicate_grads`` module anchors at its own input. Applying it twice
+    changes nothing.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -201,11 +225,13 @@ def overlap_grads(module: nn.Module, *, bucket_mb: float = DEFAULT_BUCKET_MB) ->
     >>> block(torch.ones(1, 2, requires_grad=True)).shape
     torch.Size([1, 2])
     """
-    inner = module.forward
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return call_anchored(inner, args, kwargs, lambda: sync_params(module), bucket_mb)
-
-    module.forward = forward  # type: ignore[method-assign]
+    if getattr(module, "_spmdmoe_overlap_inner", None) is not None:  # already anchored
+        return module
+    object.__setattr__(module, "_spmdmoe_overlap_inner", module.forward)
+    object.__setattr__(module, "forward", types.MethodType(_anchored_forward, module))
     return module
+
+
+def _anchored_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``overlap_grads``' forward: a method bound to the module, so ``deepcopy`` rebinds it to the copy."""
+    return call_anchored(self._spmdmoe_overlap_inner, args, kwargs, lambda: sync_params(self))

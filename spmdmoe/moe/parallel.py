@@ -64,7 +64,7 @@ from .dispatch import AllToAllTransport, LocalTransport, Problem
 from .sync_free import Capacity, SyncFreeTransport
 from .experts import GroupedExperts
 from .grads import GradReduction, sync_grads
-from .overlap import call_anchored, is_fsdp_unit
+from .overlap import call_anchored, inside_fsdp_unit
 from .layer import MoE, _Layer
 from .plan import agree_plan
 
@@ -300,17 +300,16 @@ class ParallelMoE(_Layer):
 
     def sp_sync_params(self) -> list[torch.Tensor]:
         """The parameters whose gradients this layer sums over SP (``grads.py``): the dense ones, and
-        the experts when they are replicated along SP, unless they are an FSDP2 unit of their own
-        (their sum must then be done before that unit's reduce-scatter, inside the experts).
-        Empty with ``grad_overlap = False``: each sum then waits at its use (``overlap.py``)."""
+        the experts when they are replicated along SP; not those inside an FSDP2 unit of their own
+        (e.g. the experts under ``fully_shard_moe``: their sum must be done inside that unit, before
+        its reduce-scatter). Empty with ``grad_overlap = False``: each sum then waits at its use
+        (``overlap.py``)."""
         if not self.grad_overlap or not self.sp_synced:
             return []
-        w = self.dense_params()
-        params = [w[n] for n in self.sp_synced]
-        experts = self.experts
-        if experts.grad_axis is not None and not is_fsdp_unit(experts):
-            params += [experts.w1, experts.w2, experts.w3]
-        return params
+        names = list(self.sp_synced)
+        if self.experts.grad_axis is not None:
+            names += ["experts.w1", "experts.w2", "experts.w3"]
+        return [self.get_parameter(n) for n in names if not inside_fsdp_unit(self, n)]
 
     def forward(self, x: Input) -> Input:
         found = Found()

@@ -102,6 +102,13 @@ class MeshAxis:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)
 
+    def __copy__(self) -> "MeshAxis":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "MeshAxis":
+        """Itself: an axis names a process group, which a copied module shares (groups cannot be copied)."""
+        return self
+
     def device_problem(self, tensor: torch.Tensor) -> str | None:
         """Why ``tensor`` cannot be communicated on this axis, or ``None``."""
         dev = tensor.device

@@ -4,17 +4,22 @@ A block ``moe(inp(x)) + inp(x)`` (``inp`` a ``replicate_grads`` Linear, ``moe`` 
 with a shared expert; experts replicated along SP, so their gradients are summed too) on the world as
 one SP axis, 3 or 13 tokens (3: a rank with none on 4 ranks). What is checked:
 
-* the order: every sum is launched (``async_op=True``) before any is waited for, and the first wait
-  comes after ``inp``'s backward (the anchor is the block's input);
-* buckets: ``bucket_mb=0`` launches one collective per parameter as its gradient arrives; a large
-  cap launches one per dtype, at the join;
+* the order: every sum is launched (``async_op=True``) before any is waited for, the MoE's during
+  the MoE's backward, and the first wait comes after ``inp``'s backward (the anchor is the block's
+  input); one bucket per ``sync_grads`` call and dtype (here 3, all fp32);
 * values: gradients equal those of the same block with every sum waited for at its use (itself
   checked against one device by test_moe_training / test_data_parallel), fp32,
   ``rtol = 1e-6, atol = 1e-6 * max|reference|``; over two micro-batches (only fresh gradients
   summed) and under activation checkpointing, reentrant or not;
 * ``torch.compile(fullgraph=True)`` of the wrapped block (the sums are then in the graph), against
-  the eager reference at test_compile_moe's tolerance (``rtol = 1e-5``, ``atol = 1e-5 * max``).
+  the eager reference at test_compile_moe's tolerance (``rtol = 1e-5``, ``atol = 1e-5 * max``),
+  also with rank 0 compiled and the others eager (a dynamo fallback on some ranks): the same
+  collectives, no hang;
+* a second-order backward (a gradient penalty) through ``replicate_grads`` modules in an
+  ``overlap_grads`` module, and a ``deepcopy`` of the block.
 """
+
+import copy
 
 import pytest
 import torch
@@ -63,12 +68,12 @@ class Block(nn.Module):
         return self.moe(h).local + h.local
 
 
-def _block(device, overlap_on=True, bucket_mb=25.0, events=None):
+def _block(device, overlap_on=True, events=None):
     sp = dist.group.WORLD
     layer = parallelize_moe(reference_moe(CFG, 3, device), sp_mesh=sp)
     block = Block(layer, sp, events).to(device)
     if overlap_on:
-        return overlap_grads(block, bucket_mb=bucket_mb)
+        return overlap_grads(block)
     layer.grad_overlap = False  # every sum waits at its use: the reference
     return block
 
@@ -105,25 +110,22 @@ class _Recorder:
         return Work()
 
 
-@pytest.mark.parametrize("bucket_mb", [0.0, 1000.0])
-def test_sums_launch_at_use_and_wait_behind_the_block(device, monkeypatch, bucket_mb):
+def test_sums_launch_at_use_and_wait_behind_the_block(device, monkeypatch):
     events = []
     monkeypatch.setattr(overlap, "all_reduce", _Recorder(events))
-    block = _block(device, bucket_mb=bucket_mb, events=events)
+    block = _block(device, events=events)
     _local, x = _input(13, device)
     block(x).pow(2).sum().backward()
     launches = [e for e in events if isinstance(e, tuple)]
     synced = [p for _, p in block.named_parameters()]  # every parameter is replicated along SP here
     assert all(async_op for *_, async_op in launches), events
     assert sum(n for _, n, _, _ in launches) == sum(p.numel() for p in synced), events
+    # one bucket per sync_grads call: the layer's dense weights, its experts, inp's weights
+    assert len(launches) == 3, events
     first_wait, done = events.index("wait"), events.index("inp backward done")
     assert max(i for i, e in enumerate(events) if isinstance(e, tuple)) < first_wait, events
     assert done < first_wait, f"waited before the block's input gradient was done: {events}"
-    if bucket_mb == 0.0:  # each gradient launched on its own, the MoE's before inp's backward
-        assert len(launches) == len(synced), events
-        assert events.index(launches[0]) < done, events
-    else:  # one bucket per dtype (all fp32), launched at the join
-        assert len(launches) == 1 and events.index(launches[0]) > done, events
+    assert events.index(launches[0]) < done and events.index(launches[1]) < done, events  # the MoE's
     for name, p in block.named_parameters():
         assert p.grad is not None, name
 
@@ -166,3 +168,56 @@ def test_compiled_block_fullgraph(device):
     _close(leaf2.grad, leaf.grad, "input gradient, compiled", COMPILED_RTOL)
     for (n, p), q in zip(got_block.named_parameters(), want_block.parameters()):
         _close(p.grad, q.grad, f"{n} gradient, compiled", COMPILED_RTOL)
+
+
+def test_compiled_on_one_rank_eager_on_the_others(device):
+    """A dynamo fallback to eager on some ranks only: the buckets are the compiled graph's collectives."""
+    want_block, got_block = _block(device, False), _block(device, True)
+    leaf, x = _input(13, device)
+    want_block(x).pow(2).sum().backward()
+    torch._dynamo.reset()
+    run = torch.compile(got_block, backend="aot_eager", fullgraph=True) if dist.get_rank() == 0 else got_block
+    leaf2, x2 = _input(13, device)
+    run(x2).pow(2).sum().backward()
+    for (n, p), q in zip(got_block.named_parameters(), want_block.parameters()):
+        _close(p.grad, q.grad, f"{n} gradient, rank 0 compiled", COMPILED_RTOL)
+
+
+def _dense(device, overlap_on):
+    torch.manual_seed(0)
+    sp = dist.group.WORLD
+    a, b = nn.Linear(D, D), nn.Linear(D, D)
+    net = nn.Sequential(replicate_grads(a, sp, overlap=overlap_on), nn.Tanh(), replicate_grads(b, sp, overlap=overlap_on))
+    return (overlap_grads(net) if overlap_on else net).to(device)
+
+
+def test_second_order_backward(device):
+    """A gradient penalty through replicated dense modules (the MoE layer's own kernels are
+    first-order): the join passes dx on with its graph; the second backward, which reaches the
+    uses and not the join, sums at the use."""
+    results = []
+    for overlap_on in (False, True):
+        net = _dense(device, overlap_on)
+        leaf = reference_tensor((5, D), 50 + dist.get_rank(), device=device).requires_grad_()
+        (dx,) = torch.autograd.grad(net(leaf).pow(2).sum(), leaf, create_graph=True)
+        dx.pow(2).sum().backward()
+        results.append(_grads(net))
+    want, got = results
+    for n in want:
+        _close(got[n], want[n], f"{n} second-order gradient")
+
+
+def test_deepcopy_runs_the_copy(device):
+    """Both wrappers' forwards are methods bound to the module: a copy runs with its own weights
+    (``replicate_grads``' too; a copy shares the process groups)."""
+    block = _block(device)
+    copy_ = copy.deepcopy(block)
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.mul_(2)
+    leaf, x = _input(13, device)
+    y, y_copy = block(x), copy_(x)
+    assert not torch.equal(y, y_copy)
+    y_copy.pow(2).sum().backward()
+    assert all(p.grad is None for p in block.parameters())
+    assert all(p.grad is not None for p in copy_.parameters())
