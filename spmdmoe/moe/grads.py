@@ -123,7 +123,15 @@ def replicate_grads(
     object.__setattr__(module, "_spmdmoe_replicated", (axis, names, overlap))
     object.__setattr__(module, "_spmdmoe_replicate_inner", module.forward)
     object.__setattr__(module, "forward", types.MethodType(_replicated_forward, module))
+    object.__setattr__(module, "_spmdmoe_sync_params", types.MethodType(_replicated_params, module))
     return module
+
+
+def _replicated_params(self: nn.Module) -> list[torch.Tensor]:
+    """The parameters an anchored call defers the sums of (``overlap.sync_params``): none with
+    ``overlap=False`` or a 1-rank axis."""
+    axis, names, overlap = self._spmdmoe_replicated
+    return [self.get_parameter(n) for n in names] if axis.size > 1 and overlap else []
 
 
 def _replicated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -142,10 +150,7 @@ def _replicated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             for (owner, leaf), p in zip(entries, params):
                 owner._parameters[leaf] = p
 
-    if not overlap:
-        return body(*args, **kwargs)
-    params = lambda: [owner._parameters[leaf] for owner, leaf in entries] if axis.size > 1 else []  # noqa: E731
-    return call_anchored(body, args, kwargs, params)
+    return call_anchored(body, args, kwargs, self._spmdmoe_sync_params) if overlap else body(*args, **kwargs)
 
 
 class GradReduction(NamedTuple):

@@ -157,7 +157,8 @@ def anchored(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
 
 def sync_params(module: nn.Module) -> list[torch.Tensor]:
     """The parameters whose SP reductions an anchored call on ``module`` defers: those of every
-    ``ParallelMoE`` (``sp_sync_params()``) and ``replicate_grads`` module inside it, read at call
+    module inside it that says (``_spmdmoe_sync_params()``: ``ParallelMoE``, ``replicate_grads``
+    modules), read at call
     time (so FSDP2's unsharded parameters are the ones listed). FSDP2 units nested inside
     ``module`` are left out: their sums must be done before their own reduce-scatter, so they
     anchor themselves."""
@@ -165,14 +166,8 @@ def sync_params(module: nn.Module) -> list[torch.Tensor]:
     todo = [module]
     while todo:
         m = todo.pop()
-        replicated = getattr(m, "_spmdmoe_replicated", None)
-        if replicated is not None:
-            axis, names, overlap = replicated
-            params = [m.get_parameter(n) for n in names] if axis.size > 1 and overlap else []
-        else:
-            provider = getattr(m, "sp_sync_params", None)
-            params = provider() if callable(provider) else []
-        for p in params:
+        provider = getattr(m, "_spmdmoe_sync_params", None)
+        for p in provider() if provider is not None else ():
             seen.setdefault(id(p), p)
         todo += [c for c in m.children() if not is_fsdp_unit(c)]
     return list(seen.values())

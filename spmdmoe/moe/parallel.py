@@ -311,6 +311,8 @@ class ParallelMoE(_Layer):
             names += ["experts.w1", "experts.w2", "experts.w3"]
         return [self.get_parameter(n) for n in names if not inside_fsdp_unit(self, n)]
 
+    _spmdmoe_sync_params = sp_sync_params  # what overlap.sync_params asks
+
     def forward(self, x: Input) -> Input:
         found = Found()
         x_TD = self._accept(x, found) if checks_enabled() else (x.local if isinstance(x, SPMDTensor) else x)
