@@ -75,6 +75,7 @@ class Anchor:
         self.token: Optional[torch.Tensor] = None
         self.node: Any = None  # the join's autograd node
         self.launched: list[tuple[torch.Tensor, Any, list[tuple[int, torch.Size]]]] = []
+        self.task = -1  # the backward (autograd graph task) the launched sums belong to
 
     def covers(self, tensors: Sequence[torch.Tensor]) -> bool:
         return all(id(t) in self.slots for t in tensors)
@@ -86,7 +87,12 @@ class Anchor:
 
     def submit(self, group: Any, slots: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
         """All-reduce the fresh gradients of parameters ``slots`` (indices into ``params``) over
-        ``group`` asynchronously: one buffer per dtype (:func:`by_dtype`)."""
+        ``group`` asynchronously: one buffer per dtype (:func:`by_dtype`). Sums left by an earlier
+        backward of the same graph that stopped before the join (an exception, then a retry with
+        ``retain_graph``) are dropped, not added in."""
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.launched, self.task = [], task
         for idx, flat in by_dtype(grads):
             work = all_reduce(flat, group=group, async_op=True) if flat.numel() else None
             self.launched.append((flat, work, [(slots[i], grads[i].shape) for i in idx]))  # grads freed

@@ -16,7 +16,8 @@ one SP axis, 3 or 13 tokens (3: a rank with none on 4 ranks). What is checked:
   also with rank 0 compiled and the others eager (a dynamo fallback on some ranks): the same
   collectives, no hang;
 * a second-order backward (a gradient penalty) through ``replicate_grads`` modules in an
-  ``overlap_grads`` module, and a ``deepcopy`` of the block.
+  ``overlap_grads`` module, a ``deepcopy`` of the block, and a backward that raises between the
+  MoE's launches and the join, retried on the retained graph (the stale sums are not added in).
 """
 
 import copy
@@ -221,3 +222,29 @@ def test_deepcopy_runs_the_copy(device):
     y_copy.pow(2).sum().backward()
     assert all(p.grad is None for p in block.parameters())
     assert all(p.grad is not None for p in copy_.parameters())
+
+
+class _FailOnce(list):
+    """An event list whose first append raises (an error in the middle of a backward)."""
+
+    def append(self, item):
+        super().append(item)
+        if len(self) == 1:
+            raise RuntimeError("injected")
+
+
+def test_backward_retried_after_an_exception(device):
+    want_block = _block(device, False)
+    got_block = _block(device, True, events=_FailOnce())  # raises after inp's backward, before the join
+    leaf, x = _input(13, device)
+    want_block(x).pow(2).sum().backward()
+    leaf2, x2 = _input(13, device)
+    loss = got_block(x2).pow(2).sum()
+    with pytest.raises(RuntimeError, match="injected"):
+        loss.backward(retain_graph=True)
+    got_block.zero_grad(set_to_none=True)
+    leaf2.grad = None
+    loss.backward()
+    _close(leaf2.grad, leaf.grad, "input gradient, retried")
+    for (n, p), q in zip(got_block.named_parameters(), want_block.parameters()):
+        _close(p.grad, q.grad, f"{n} gradient, retried")
