@@ -318,10 +318,10 @@ class ParallelMoE(_Layer):
         x_TD = self._accept(x, found) if checks_enabled() else (x.local if isinstance(x, SPMDTensor) else x)
         if found and alone():  # the only process of the job: nobody to leave waiting
             raise_problems("MoE layer", [found.bits], found.details)
-        problem = Problem(found.bits, found.details)
         # the body is an anchored call on the rows it reads (overlap.py): the SP gradient sums of
         # sp_sync_params() overlap the rest of the layer's backward (or the enclosing overlap_grads')
         if self.sp is not None and self.sp_mode == "gather":
+            problem = Problem(found.bits, found.details)
             h, T = self._gather_input(x, found)
             out_TD = call_anchored(lambda h: self._gathered(h, T, problem), (h,), {}, self.sp_sync_params)
         else:
