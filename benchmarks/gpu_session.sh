@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | fp8peer | syncfree | overlap | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | numerics | syncfree | overlap | all (default all)
+#   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 set -uo pipefail
 PART=${1:-all}
 # everything is written under a scratch folder and packed into ONE archive in $OUT at the end (the device
 # tool returns a handful of files at most)
 DEST=${OUT:-/tmp/out}; OUT=/tmp/gpu_session; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
-trap 'tar czf "$DEST/gpu_session.tgz" -C /tmp gpu_session' EXIT
+trap 'tar czf "$DEST/gpu_session_$PART.tgz" -C /tmp gpu_session' EXIT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
@@ -28,33 +29,33 @@ if [ "$PART" = bench ] || [ "$PART" = all ]; then
   [ "$NGPU" -gt 1 ] && timeout 200 torchrun --nproc-per-node "$NGPU" benchmarks/moe_layer.py --out "$OUT/bench_moe.md" --profile "$OUT/profile_moe_ep.txt" 2>&1 | grep -v "^W1" | tail -3
 fi
 if [ "$PART" = peer ] || [ "$PART" = all ]; then
-  echo "== side by side with torchtitan"
+  # one run per model shape (benchmarks/shapes.py): bf16 and FP8, eager and compiled, both FP8 weight policies,
+  # step memory, the ceiling table; all five shapes, or those in SHAPES (`SHAPES="dsmoe16b" gpu_session.sh peer`)
+  echo "== side by side with torchtitan, bf16 and FP8, per model shape"
   python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
-  for T in 16384 65536; do
-    timeout 240 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --tokens $T --out "$OUT/bench_peer.md" 2>&1 | grep -v "^W1" | tail -4
-    [ "$NGPU" -gt 1 ] && timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/vs_torchtitan.py --tokens $T --out "$OUT/bench_peer.md" 2>&1 | grep -v "^W1" | tail -4
+  for S in ${SHAPES:-dsmoe16b dsmoe16b-64k qwen3-30b qwen3-235b dsv3-ep8}; do
+    timeout 480 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --shape "$S" --out "$OUT/bench_peer.md" \
+      > "$OUT/log_peer_$S.txt" 2>&1; echo "$S: exit $?"; grep -v "^W1" "$OUT/log_peer_$S.txt" | tail -3
   done
 fi
 if [ "$PART" = fp8 ] || [ "$PART" = all ]; then
-  echo "== FP8: GPU tests (compile on aot_eager and inductor), kernels (swept), the layer (bf16 vs fp8_rowwise, profiled)"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_fp8.py -rs -s > "$OUT/tests_fp8.txt" 2>&1; grep SQNR "$OUT/tests_fp8.txt"
-  tail -4 "$OUT/tests_fp8.txt"
-  FP8_TEST_BACKEND=inductor timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k compiled \
+  echo "== FP8: GPU tests (compile on aot_eager and inductor, CUDA graphs), the weight cache's kernels, numerics"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_fp8.py tests/test_cuda_graphs.py \
+    -rs -s > "$OUT/tests_fp8.txt" 2>&1; grep SQNR "$OUT/tests_fp8.txt"; tail -4 "$OUT/tests_fp8.txt"
+  FP8_TEST_BACKEND=inductor timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k compiled \
     > "$OUT/tests_fp8_inductor.txt" 2>&1; tail -2 "$OUT/tests_fp8_inductor.txt"
+  if [ -d .old/spmdmoe ]; then  # the same CUDA-graph test against the code before the weight cache's check
+    (cd .old && PYTHONPATH=$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider ../tests/test_cuda_graphs.py \
+      -k optimizer_steps > "$OUT/tests_cuda_graphs_old.txt" 2>&1); grep -E "passed|failed|AssertionError: \(" "$OUT/tests_cuda_graphs_old.txt" | tail -3
+  fi
   python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
-  timeout 240 python3 benchmarks/kernels.py --sweep --out "$OUT/bench_kernels.md" > "$OUT/log_kernels.txt" 2>&1; tail -4 "$OUT/log_kernels.txt"
-  for P in bf16 fp8_rowwise; do
-    timeout 150 torchrun --nproc-per-node 1 benchmarks/moe_layer.py --precision $P --out "$OUT/bench_moe.md" \
-      --profile "$OUT/profile_moe_$P.txt" > "$OUT/log_moe_$P.txt" 2>&1; tail -2 "$OUT/log_moe_$P.txt"
-  done
+  timeout 200 python3 benchmarks/kernels.py --sweep-only fingerprint --only "fingerprint,weight cache,FP8 weights" \
+    --out "$OUT/bench_kernels.md" > "$OUT/log_kernels.txt" 2>&1; tail -9 "$OUT/log_kernels.txt"
 fi
-if [ "$PART" = fp8peer ] || [ "$PART" = all ]; then
-  echo "== FP8 side by side with torchtitan's FP8 and bf16 layers"
-  python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
-  for T in 16384 65536; do
-    timeout 280 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --fp8 --tokens $T --out "$OUT/bench_peer_fp8.md" \
-      > "$OUT/log_peer_fp8_$T.txt" 2>&1; tail -3 "$OUT/log_peer_fp8_$T.txt"
-  done
+if [ "$PART" = numerics ] || [ "$PART" = all ]; then
+  echo "== FP8 numerics: each GEMM with fast accumulation on and off, the layer's gates per setting"
+  timeout 270 python3 benchmarks/fp8_numerics.py --out "$OUT/bench_fp8_numerics.md" > "$OUT/log_numerics.txt" 2>&1
+  tail -3 "$OUT/log_numerics.txt"
 fi
 if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
   if [ "$NGPU" -gt 1 ]; then

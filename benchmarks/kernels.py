@@ -13,7 +13,9 @@ unfused pair of kernels); the FP8 quantizers: rowwise scale+cast of the N routed
 and the dual per-group colwise quantization of the wgrad operands (N x D and
 N x F, E=64 groups) into the 16-aligned layout, each beside torchao's kernel
 for the same job when torchao is importable (bytes: bf16 in once, e4m3 and
-fp32 scales out). Candidates interleaved (benchmarks/timing.py), median. ``--sweep``
+fp32 scales out); the FP8 weight cache: the fingerprint of the weights alone, and
+one use of the cache with the weights unchanged and changed (bytes: the weights
+read by the fingerprint, plus the quantizers' traffic when they changed). Candidates interleaved (benchmarks/timing.py), median. ``--sweep``
 first times every launch configuration of each kernel and keeps the fastest.
 """
 
@@ -26,8 +28,8 @@ import torch
 
 import importlib
 
-fo, gs, sw, fr, fc, sq = (importlib.import_module(f"spmdmoe.kernels.{m}")
-                          for m in ("fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols", "swiglu_fp8"))
+fo, gs, sw, fr, fc, sq, fg = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in (
+    "fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols", "swiglu_fp8", "fingerprint"))
 from timing import report, timed
 
 CEILING = 4.2e12
@@ -96,6 +98,21 @@ def main() -> None:
     nw = w13.numel() + w2.numel()
     cases["FP8 weights, both layouts of [w1|w3] and w2 (E=64)"] = (
         lambda: quantize_weights(w1v, w2, w3v), weights_by_copies, nw * (2 + 2 + 1 + 1))
+    # the FP8 weight cache (spmdmoe.moe.fp8_cache): its fingerprint alone, then a whole use with the weights
+    # unchanged (fingerprint + gated quantizers that write nothing) and changed (one element flipped first)
+    from spmdmoe.moe.fp8_cache import Fp8WeightCache
+    state = fg.new_state(dev)
+    cache = Fp8WeightCache(w1v, w2, w3v)
+    cache.get(w1v, w2, w3v)
+    one = w2[:1, :1, :1]
+
+    def changed() -> None:
+        one.neg_()
+        cache.get(w1v, w2, w3v)
+    cases["fingerprint of the expert weights ([w1|w3], w2; E=64)"] = (
+        lambda: fg.fingerprint_triton([w13, w2], state), None, nw * 2)
+    cases["FP8 weight cache, weights unchanged (fingerprint, no write)"] = (lambda: cache.get(w1v, w2, w3v), None, nw * 2)
+    cases["FP8 weight cache, weights changed (fingerprint + both layouts)"] = (changed, None, nw * (2 + 2 + 2 + 1 + 1))
     # the same jobs unfused: the SwiGLU kernel, then the rowwise quantizer reading its output back
     unfused = {
         "FP8 weights, both layouts of [w1|w3] and w2 (E=64)": weights_by_copies,
@@ -117,7 +134,7 @@ def main() -> None:
         sweep(cases, args)
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, T={T} K={K} D={D} F={F}; "
              f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}, fp8_rows {fr.CONFIG}, "
-             f"fp8_cols {fc.CONFIG}, swiglu_fp8 {sq.CONFIG}", "",
+             f"fp8_cols {fc.CONFIG}, swiglu_fp8 {sq.CONFIG}, fingerprint {fg.CONFIG}", "",
              "| kernel | Triton ms | TB/s | % of 4.2 | torch eager ms | torch compiled ms | Triton vs compiled | "
              "torchao ms (TB/s) | ours vs torchao |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -126,8 +143,7 @@ def main() -> None:
     for name, (tri, ref, nbytes) in cases.items():
         if not any(k in name for k in keep):
             continue
-        comp = torch.compile(ref)
-        fns = {"triton": tri, "eager": ref, "compiled": comp}
+        fns = {"triton": tri} if ref is None else {"triton": tri, "eager": ref, "compiled": torch.compile(ref)}
         if name in torchao:
             fns["torchao"] = torchao[name]
         if name in unfused:
@@ -136,8 +152,9 @@ def main() -> None:
         tbs = nbytes / (t["triton"] * 1e-3) / 1e12
         tao = (f"{t['torchao']:.3f} ({nbytes / (t['torchao'] * 1e-3) / 1e12:.2f}) | {t['torchao'] / t['triton']:.2f}x"
                if "torchao" in t else "– | –")
-        lines.append(f"| {name} | {t['triton']:.3f} | {tbs:.2f} | {tbs * 1e12 / CEILING:.0%} | {t['eager']:.3f} | "
-                     f"{t['compiled']:.3f} | {t['compiled'] / t['triton']:.2f}x | {tao} |")
+        torch_cols = (f"{t['eager']:.3f} | {t['compiled']:.3f} | {t['compiled'] / t['triton']:.2f}x" if "eager" in t
+                      else "– | – | –")
+        lines.append(f"| {name} | {t['triton']:.3f} | {tbs:.2f} | {tbs * 1e12 / CEILING:.0%} | {torch_cols} | {tao} |")
         if "unfused" in t:
             notes.append(f"{name}: {t['triton']:.3f} ms vs unfused Triton {t['unfused']:.3f} ms "
                          f"({t['unfused'] / t['triton']:.2f}x)")
@@ -156,6 +173,9 @@ def sweep(cases, args) -> None:
                                                              "num_warps": [2, 4, 8, 16]}),
         sq: ("SwiGLU backward + FP8 rows of dh13 (fused)", {"block_r": [1, 2, 4], "max_block_f": [512, 2048],
                                                             "num_warps": [4, 8]}),
+        fg: ("fingerprint of the expert weights ([w1|w3], w2; E=64)", {"block": [1024, 2048, 4096, 8192],
+                                                                       "programs_per_sm": [2, 4, 8],
+                                                                       "num_warps": [4, 8, 16]}),
     }
     only = set(args.sweep_only.split(",")) if args.sweep_only else None
     for module, (case, grid) in grids.items():

@@ -26,6 +26,10 @@ with a bf16 gate GEMM (``router_dtype="input"``, the fp32 default's cost);
 the time of one ``update_expert_bias`` (its all-reduce and the one host read
 of the agreement flags); and, under ``torch.cuda.set_sync_debug_mode("warn")``,
 the synchronizing calls of one forward, backward and bias update.
+
+``--precision fp8_rowwise`` profiles the FP8 layer alone. Do not set its figures beside a bf16 run of this
+script: two processes timed apart disagreed (FP8 / bf16 1.03x here, 0.88x interleaved); the FP8 / bf16
+comparison is ``benchmarks/vs_torchtitan.py``, every candidate in one rotation.
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="write rank 0's top CUDA kernels of one step here")
-    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp8_rowwise"], help="the routed experts' GEMMs")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp8_rowwise"],
+                    help="the routed experts' GEMMs (to profile one precision; compare precisions with "
+                         "vs_torchtitan.py, which interleaves them in one process)")
     args = ap.parse_args()
 
     torch._dynamo.config.capture_scalar_outputs = True  # the EP split sizes, when compiled

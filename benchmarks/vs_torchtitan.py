@@ -1,30 +1,57 @@
-"""spmdmoe's MoE layer next to torchtitan 0.3.0's MoE module: same config, weights and inputs, one run.
+"""spmdmoe's MoE layer next to torchtitan 0.3.0's, bf16 and FP8, eager and compiled, at one model shape per run.
 
-    torchrun --nproc-per-node N benchmarks/vs_torchtitan.py [--tokens 16384] [--out FILE]
-    torchrun --nproc-per-node N benchmarks/vs_torchtitan.py --smoke     # CPU (gloo), tiny, no timing
+    torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --shape dsmoe16b [--out FILE]
+    torchrun --nproc-per-node N benchmarks/vs_torchtitan.py --shape dsmoe16b --precision bf16   # N > 1: EP
+    torchrun --nproc-per-node 2 benchmarks/vs_torchtitan.py --smoke     # CPU (gloo), tiny, no timing
 
-torchtitan is a benchmark-only extra (``pip install --no-deps .whl/*.whl``: torchtitan, spmd_types,
-torchao, tyro, docstring_parser, typeguard); without it the script says so and exits 0.
+Shapes (``--shape``, ``benchmarks/shapes.py``): dsmoe16b (2048 / 1408 / 64 / 6, 16k tokens), dsmoe16b-64k,
+qwen3-30b (2048 / 768 / 128 / 8), qwen3-235b (4096 / 1536 / 128 / 8), dsv3-ep8 (7168 / 2048 / 32 / 8: one
+EP-8 rank's 32 experts taking all 16k x 8 copies); ``--tokens`` overrides T. torchtitan is a benchmark-only
+extra (``pip install --no-deps .whl/*.whl``: torchtitan, spmd_types, torchao, tyro, docstring_parser,
+typeguard); without it the script says so and exits 0.
 
-bf16, D=2048, F=1408, E=64, K=6, softmax scores, no shared experts, ``load_balance_coeff`` set (the
-bias update is not timed), gate GEMM in fp32 in both, T tokens per rank. N = 1: both on one GPU.
-N > 1: EP over all ranks for both (ours: ``parallelize_moe(ep_mesh=world)``; torchtitan's: its
-all-to-all dispatcher wired to a 1-D "ep" mesh, each rank holding its slice of the experts). Rows:
+Both layers: same weights and inputs, bf16 activations, softmax scores, no shared experts,
+``load_balance_coeff`` set (the bias update is not timed), the gate GEMM in fp32, T tokens per rank.
+N = 1: both on one GPU. N > 1: EP over all ranks (ours: ``parallelize_moe(ep_mesh=world)``; torchtitan's:
+its all-to-all dispatcher wired to a 1-D "ep" mesh, each rank holding its slice of the experts).
+Every candidate is timed in ONE rotation (``timing.timed``: interleaved, median of reps, max over ranks):
 
-* spmdmoe eager / compiled: ``MoE`` (checks on) and ``torch.compile(layer, fullgraph=True)`` ("graph
-  breaks": fullgraph raised, so compiled with ``fullgraph=False``);
-* torchtitan eager / compiled: its ``MoE`` from ``make_moe_config``, compiled as torchtitan does
-  (``module.compile(fullgraph=True)``, ``capture_scalar_outputs=True``, set for all rows). Where that
-  fails (EP under its default ``spmd_types`` backend) the reason is shown, and the compiled row runs
-  under its ``partial_dtensor`` backend (functional all-to-alls; the eager row keeps the default);
-* ms: one fwd+bwd, gradients set to None first, candidates interleaved, median of reps, max over
-  ranks; peak step GiB: the most one step allocates above what was allocated before it (weights and
-  inputs excluded, gradients included), max over ranks; speedup: torchtitan's ms / the row's ms.
+* spmdmoe bf16 / FP8 (``expert_precision="fp8_rowwise"``), eager and compiled (``torch.compile(layer,
+  fullgraph=True)``; "graph breaks": fullgraph raised, so compiled without it);
+* torchtitan bf16 / FP8, eager and compiled as torchtitan compiles a block (``fullgraph=True``,
+  ``capture_scalar_outputs=True``, set for all rows). Its FP8: ``Float8GroupedExpertsConverter`` (torchao
+  0.18's ``Float8TrainingOpConfig``: dynamic rowwise scales rounded to powers of two, fast accumulation
+  in all three GEMMs, token groups padded to 16 by its dispatcher), with bf16 parameters (what FSDP2's
+  bf16 ``param_dtype`` hands a block); it has no weight cache: it quantizes the weights every call.
+  Where compiling fails (EP under its default ``spmd_types`` backend) the reason is shown and the
+  compiled row runs under its ``partial_dtensor`` backend.
 
-Before timing, every candidate's output and input gradient are compared with torchtitan eager's on
-the same input: max abs diff, relative error ||diff|| / ||ref||, and the fraction of token rows whose
-own relative error exceeds 2e-2 (a row can flip experts on a near-tie, which fp32 gate GEMMs of other
-summation orders break differently); with more than 1 % of such rows the run stops.
+Each FP8 figure of ours comes under two weight policies, each on its own layer (own cache):
+(a) "weights changed every step": one weight element is flipped in place before every step (what an
+optimizer step does to the bytes), so the cache re-quantizes every step, fingerprint included: what a
+training step costs without gradient accumulation; "(a) no cache" is the same with ``fp8_cache = None``
+(quantized every call, no fingerprint: ``fully_shard_moe``'s setting, and the cheaper choice when weights
+change every step); (b) "cached": the weights do not change between calls (micro-batches under
+gradient accumulation, recomputes). Columns: fwd+bwd ms; step peak GiB (the most one step allocates
+above what was allocated before it: weights, inputs and the FP8 cache excluded, gradients included; max
+over ranks); persistent FP8 GiB (the cache: two e4m3 layouts of every weight and their scales); ratios.
+
+Before timing, every candidate's output and input gradient are compared with torchtitan bf16 eager's on
+the same input: max abs diff, relative error ||diff|| / ||ref||, and the fraction of token rows whose own
+relative error exceeds 2e-2 (bf16) or 0.25 (FP8: about 24 dB of quantization noise; gross errors only;
+a row can flip experts on a near-tie, which fp32 gate GEMMs of other summation orders break
+differently); with more than 1 % of such rows the run stops.
+
+Then the ceiling table, on the same GPU in the same run (N = 1, CUDA): the device-to-device copy
+bandwidth; each of the experts' six GEMMs (``benchmarks/expert_gemms.py``) in bf16 and in FP8 on the group
+sizes this layer routed (the GEMMs alone, operands prepared); and the best FP8 / bf16 step ratio the
+physics allows: ``best FP8 step = ours bf16 eager step - bf16 GEMMs + FP8 GEMMs + FP8-only bytes / copy
+bandwidth``, where the FP8-only bytes are the least any FP8 path must move beyond bf16's (N = T * K):
+every FP8 operand written once, 1 byte per element, by the kernel that produces its source (no re-read),
+except ``x``, read once more and quantized once per token: ``3 T D + N (3 D + 6 F)`` bytes (rowwise
+``x``; rowwise and per-group colwise ``h``, ``dy``, ``dh13``; colwise ``x``), plus their fp32 scales;
+with the weights quantized every step (a), plus ``12 e F D`` (the weights read once, two e4m3 layouts
+written).
 """
 
 from __future__ import annotations
@@ -35,21 +62,32 @@ import datetime
 import importlib.metadata
 import os
 import sys
+import traceback
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from expert_gemms import gemms, operands
+from shapes import SHAPES, Shape
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.checkpoint import to_torchtitan
 from timing import report, timed
 
 Fwd = Callable[[torch.Tensor], torch.Tensor]
 TOLERANCE = 2e-2  # relative error of one row (output or input gradient) in bf16
-TOLERANCE_FP8 = 0.25  # the same with FP8 experts on both sides (gross errors only)
+TOLERANCE_FP8 = 0.25  # the same for FP8 rows against the bf16 reference (gross errors only)
 ROWS_OFF = 1e-2  # fraction of rows allowed beyond it (routing flips on near-ties)
+
+
+class Candidate(NamedTuple):
+    fwd: Fwd
+    module: torch.nn.Module  # whose gradients a step resets
+    fp8: bool
+    before: Optional[Callable[[], None]] = None  # run before every step (policy (a): change the weights)
+    cache_gib: float = 0.0  # persistent FP8 weight bytes
 
 
 def build_torchtitan(cfg: MoEConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -73,8 +111,13 @@ def build_torchtitan(cfg: MoEConfig, state: dict[str, torch.Tensor], dtype: torc
         tt_cfg = Converter(Converter.Config(model_compile_enabled=True)).convert(tt_cfg)
     with torch.device(device):
         moe = tt_cfg.build()
-    for p in moe.parameters():  # not moe.to(dtype): that would round its fp32 buffers too
-        p.data = p.data.to(dtype)
+    # parameters in dtype, buffers kept fp32. Not `p.data = p.data.to(dtype)`: on torchao's FP8 weight wrappers
+    # that leaves the wrapper's dtype and its data's apart, and Dynamo then fails with "bf16 != fp32"
+    buffers = {n: b.dtype for n, b in moe.named_buffers()}
+    moe.to(dtype)
+    for name, b in list(moe.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        moe.get_submodule(owner)._buffers[leaf] = b.to(buffers[name])
     moe.load_state_dict(to_torchtitan(state))  # its orientation is ours: w1/w3 (E, F, D), w2 (E, D, F)
     if ep_mesh is not None:  # this rank's contiguous slice of the experts, as its all-to-all expects
         e, r = E // ep_mesh.size(), ep_mesh.get_local_rank()
@@ -107,6 +150,7 @@ def first_step(fwd: Fwd, x: torch.Tensor, g: torch.Tensor) -> Optional[str]:
         fwd(x).backward(g)
     except Exception as exc:  # noqa: BLE001 - the row's result
         error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:200]
+        traceback.print_exc(limit=-12, file=sys.stderr)  # the row shows one line; the log keeps where it came from
     if dist.is_initialized():
         errors: list[Optional[str]] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
@@ -147,28 +191,87 @@ def peak_gib(step: Callable[[], None], modules: list[torch.nn.Module], x: torch.
     return t.item()
 
 
-def table(head: str, T: int, t: dict[str, float], mem: dict[str, float], failed: dict[str, str],
-          checks: dict[str, list[float]], refs: tuple[str, ...], tolerance: float) -> str:
-    def speedup(ref: str, ms: float) -> str:
-        ref_ms = [v for n, v in t.items() if n.startswith(ref)]
-        return f"{ref_ms[0] / ms:.2f}" if ref_ms else "–"
+def table(head: str, T: int, t: dict[str, float], mem: dict[str, float], cands: dict[str, Candidate],
+          failed: dict[str, str], checks: dict[str, list[float]]) -> str:
+    refs = [r for r in ("spmdmoe bf16 eager", "torchtitan bf16 compiled", "torchtitan FP8 compiled") if r in t]
+    worst = {fp8: max((c for n, c in checks.items() if cands[n].fp8 == fp8), key=lambda c: c[1], default=None)
+             for fp8 in (False, True)}
+    agreement = "; ".join(f"{'FP8' if fp8 else 'bf16'} rows vs torchtitan bf16 eager (output, input grad): rel error "
+                          f"<= {c[1]:.2g}, rows off by > {TOLERANCE_FP8 if fp8 else TOLERANCE}: <= {c[2]:.2%}"
+                          for fp8, c in worst.items() if c is not None)
+    lines = [head, agreement, "", "| candidate | fwd+bwd ms | tokens/s per GPU | step peak GiB | persistent FP8 GiB | "
+             + " | ".join(f"speedup vs {r}" for r in refs) + " |", "|---|---|---|---|---|" + "---|" * len(refs)]
+    lines += [f"| {n} | {ms:.3f} | {T / ms * 1e3:,.0f} | {mem[n]:.2f} | {cands[n].cache_gib:.2f} | "
+              + " | ".join(f"{t[r] / ms:.2f}" for r in refs) + " |" for n, ms in t.items()]
+    return "\n".join(lines + [f"| {n} | {why} |" + " |" * (3 + len(refs)) for n, why in failed.items()])
 
-    agreement = (f"vs {refs[-1]} (output, input grad): rel error <= {max(c[1] for c in checks.values()):.2g}"
-                 f", rows off by > {tolerance}: <= {max(c[2] for c in checks.values()):.2%}")
-    lines = [head, agreement, "", "| candidate | fwd+bwd ms | tokens/s per GPU | peak step GiB | "
-             + " | ".join(f"speedup vs {r}" for r in refs) + " |", "|---|---|---|---|" + "---|" * len(refs)]
-    lines += [f"| {n} | {ms:.3f} | {T / ms * 1e3:,.0f} | {mem[n]:.2f} | "
-              + " | ".join(speedup(r, ms) for r in refs) + " |" for n, ms in t.items()]
-    return "\n".join(lines + [f"| {n} | {why} |" + " |" * (2 + len(refs)) for n, why in failed.items()])
+
+def copy_tbps() -> float:
+    """Device-to-device copy bandwidth (bytes read + written) of a 2 GiB bf16 buffer, TB/s."""
+    a = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = timed({"copy": lambda: b.copy_(a)}, 10, 15)["copy"]
+    return 2 * a.numel() * a.element_size() / ms / 1e9
+
+
+def ceilings(shape: Shape, sizes: list[int], t_bf16: float, t_fp8: dict[str, float], iters: int, reps: int) -> str:
+    """The ceiling table (module docstring): copy bandwidth, the six GEMMs in bf16 and FP8, best FP8/bf16."""
+    D, F, T, K = shape.D, shape.F, shape.T, shape.K
+    e, N = len(sizes), sum(sizes)
+    bw = copy_tbps()
+    calls = gemms(operands(D, F, sizes, "cuda", seed=1))
+    fns = {f"{name} {p}": fn for name, (_, bf16, fp8) in calls.items() for p, fn in (("bf16", bf16), ("fp8", fp8))}
+    t = timed(fns, iters, reps)
+    flops = {"forward up": 4, "forward down": 2, "dgrad down": 2, "dgrad up": 4, "wgrad down": 2, "wgrad up": 4}
+    lines = [f"Ceilings on this GPU (same run): copy {bw:.2f} TB/s; the experts' GEMMs alone on this routing "
+             f"(N = {N} rows in {e} groups, sizes {min(sizes)}..{max(sizes)})", "",
+             "| GEMM | kind | bf16 ms | FP8 ms | bf16 / FP8 | bf16 TFLOP/s | FP8 TFLOP/s |", "|---|---|---|---|---|---|---|"]
+    for name, (kind, _, _) in calls.items():
+        fl = next(v for k, v in flops.items() if name.startswith(k)) * N * D * F
+        a, b = t[f"{name} bf16"], t[f"{name} fp8"]
+        lines.append(f"| {name} | {kind} | {a:.3f} | {b:.3f} | {a / b:.2f} | {fl / a / 1e9:.0f} | {fl / b / 1e9:.0f} |")
+    sum_bf16 = sum(v for k, v in t.items() if k.endswith("bf16"))
+    sum_fp8 = sum(v for k, v in t.items() if k.endswith("fp8"))
+    bytes_b = 3 * T * D + N * (3 * D + 6 * F) + 4 * (T + 3 * N) + 4 * e * (2 * D + 3 * F)
+    bytes_a = bytes_b + 12 * e * F * D
+    lines += [f"| all six | | {sum_bf16:.3f} | {sum_fp8:.3f} | {sum_bf16 / sum_fp8:.2f} | | |", "",
+              "| weights | FP8-only bytes (floor) | their time at copy bandwidth ms | best FP8 step ms | "
+              "best FP8 / bf16 (speedup) | measured: ours FP8 eager (b: cached, a: no cache), ms (vs ours bf16 eager) |",
+              "|---|---|---|---|---|---|"]
+    for label, nbytes, key in (("cached (b)", bytes_b, "b"), ("quantized every step (a)", bytes_a, "a")):
+        best = t_bf16 - sum_bf16 + sum_fp8 + nbytes / bw / 1e9
+        got = t_fp8.get(key)
+        measured = f"{got:.3f} ({t_bf16 / got:.2f}x)" if got else "–"
+        lines.append(f"| {label} | {nbytes / 2**30:.2f} GiB | {nbytes / bw / 1e9:.3f} | {best:.3f} | "
+                     f"{t_bf16 / best:.2f}x | {measured} |")
+    lines.append(f"(bf16 step: ours bf16 eager, {t_bf16:.3f} ms. Without the FP8-only bytes, the GEMMs alone bound "
+                 f"the step at {t_bf16 - sum_bf16 + sum_fp8:.3f} ms, {t_bf16 / (t_bf16 - sum_bf16 + sum_fp8):.2f}x.)")
+    return "\n".join(lines)
+
+
+def routed_sizes(layer: torch.nn.Module, x: torch.Tensor) -> list[int]:
+    """The rows per local expert of one forward of ``layer`` on ``x`` (a host read: benchmark set-up only)."""
+    seen: dict[str, Any] = {}
+
+    def grab(module: torch.nn.Module, args: tuple, out: Any) -> None:  # returning a value would replace the output
+        seen["offs"] = args[0].group_offsets
+    hook = layer.experts.register_forward_hook(grab)
+    with torch.no_grad():
+        layer(x)
+    hook.remove()
+    ends = seen["offs"].tolist()
+    return [b - a for a, b in zip([0, *ends[:-1]], ends)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    for flag, default in (("--tokens", 16384), ("--reps", 15), ("--iters", 5)):
+    ap.add_argument("--shape", default="dsmoe16b", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, default=None, help="override the shape's tokens per rank")
+    ap.add_argument("--precision", default="both", choices=["both", "bf16", "fp8"])
+    for flag, default in (("--reps", 15), ("--iters", 5)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims, fp32, compile with aot_eager, no timing")
-    ap.add_argument("--fp8", action="store_true", help="FP8 rowwise experts on both sides (+ bf16 rows to compare)")
     args = ap.parse_args()
     try:
         from torchtitan.distributed.spmd_types import set_spmd_meshes
@@ -179,15 +282,20 @@ def main() -> None:
     if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch 2.11 lacks it; its EP dispatcher calls it
         torch.compiler._is_non_strict_tracing = lambda: False  # type: ignore[attr-defined]
     torch._dynamo.config.capture_scalar_outputs = True  # as torchtitan's trainer sets it
+    torch._dynamo.config.cache_size_limit = 64  # several layers of one class compiled in one process
 
     world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    shape = SHAPES[args.shape]
     if args.smoke:
         warnings.filterwarnings("ignore", message="In CPU autocast")  # its fp32 gate autocast: a no-op on CPU
-        device, dtype, backend, (D, F, E, K, T) = torch.device("cpu"), torch.float32, "aot_eager", (64, 32, 8, 2, 37)
+        device, dtype, backend = torch.device("cpu"), torch.float32, "aot_eager"
+        shape = Shape(64, 32, 8, 2, 37, "smoke")
     else:
         torch.cuda.set_device(local_rank)
         device, dtype, backend = torch.device("cuda", local_rank), torch.bfloat16, "inductor"
-        D, F, E, K, T = 2048, 1408, 64, 6, args.tokens
+    if args.tokens:
+        shape = shape._replace(T=args.tokens)
+    D, F, E, K, T = shape.D, shape.F, shape.E, shape.K, shape.T
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance_coeff=1e-3)
     ep_mesh = None
     if world > 1:
@@ -195,105 +303,123 @@ def main() -> None:
         ep_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
         set_spmd_meshes(dense_mesh=ep_mesh, sparse_mesh=ep_mesh)
     rank = dist.get_rank() if world > 1 else 0
+    precisions = {"both": (False, True), "bf16": (False,), "fp8": (True,)}[args.precision]
 
     torch.manual_seed(0)  # the same full weights on every rank
-    moe = MoE(cfg).to(device=device, dtype=dtype)
-    state = {k: v.detach().clone() for k, v in moe.state_dict().items()}
-    bf16_rows: dict[str, torch.nn.Module] = {}
-    if args.fp8:  # the bf16 rows to beat: our eager layer and torchtitan's compiled one
-        bf16_rows["spmdmoe bf16 eager"] = parallelize_moe(moe, ep_mesh=dist.group.WORLD) if world > 1 else moe
-        bf16_rows["torchtitan bf16 compiled"] = build_torchtitan(cfg, state, dtype, device, ep_mesh)
-        moe = MoE(dataclasses.replace(cfg, expert_precision="fp8_rowwise")).to(device=device, dtype=dtype)
-        moe.load_state_dict(state)
-    ours = parallelize_moe(moe, ep_mesh=dist.group.WORLD) if world > 1 else moe
-    tt_eager, tt_comp = (build_torchtitan(cfg, state, dtype, device, ep_mesh, args.fp8) for _ in range(2))
-    tag = " FP8" if args.fp8 else ""
-    gen = torch.Generator(device=device).manual_seed(1 + rank)
-    x = torch.randn(T, D, device=device, dtype=dtype, generator=gen).requires_grad_()
-    g = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
+    state = {k: v.detach().clone() for k, v in MoE(cfg).to(device=device, dtype=dtype).state_dict().items()}
+
+    def ours(precision: str, cache: bool = True) -> torch.nn.Module:
+        m = MoE(dataclasses.replace(cfg, expert_precision=precision)).to(device=device, dtype=dtype)
+        m.load_state_dict(state)
+        if not cache:
+            m.experts.fp8_cache = None
+        return parallelize_moe(m, ep_mesh=dist.group.WORLD) if world > 1 else m
 
     def titan(m: torch.nn.Module) -> Fwd:
         return lambda t: m(t.view(1, T, D)).view(T, D)  # it takes (B, L, D)
 
-    # name -> (forward, the module whose grads a step resets); a compiled one compiles on its first step
-    cands: dict[str, tuple[Fwd, torch.nn.Module]] = {f"spmdmoe{tag} eager": (ours, ours)}
+    def flipper(layer: torch.nn.Module) -> Callable[[], None]:
+        one = layer.experts.w2[:1, :1, :1]  # one element, flipped in place: new bytes, as an optimizer step makes
+
+        def flip() -> None:
+            with torch.no_grad():
+                one.neg_()
+        return flip
+
+    gen = torch.Generator(device=device).manual_seed(1 + rank)
+    x = torch.randn(T, D, device=device, dtype=dtype, generator=gen).requires_grad_()
+    g = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
+    cands: dict[str, Candidate] = {}
     failed: dict[str, str] = {}
-    for fullgraph in (True, False):
-        ours_c = torch.compile(ours, fullgraph=fullgraph, backend=backend)
-        if (err := first_step(ours_c, x, g)) is None:
-            cands[f"spmdmoe{tag} compiled ({'fullgraph' if fullgraph else 'graph breaks'})"] = (ours_c, ours)
-            break
-        if rank == 0:
-            print(f"spmdmoe compiled, fullgraph={fullgraph}: {err}", flush=True)
-    else:
-        failed[f"spmdmoe{tag} compiled"] = f"does not compile: {err}"
-    if args.fp8:  # as a training step pays it: the weights change every step, so they are quantized every step
-        caches = [m.fp8_cache for m in ours.modules() if getattr(m, "fp8_cache", None) is not None]
 
-        def requantized(t: torch.Tensor) -> torch.Tensor:
-            for cache in caches:
-                cache.invalidate()
-            return ours(t)
-        cands[f"spmdmoe{tag} eager, weights quantized every step"] = (requantized, ours)
-    # gloo (smoke) lacks the uneven list all_to_all of its default backend: the functional one there
-    tt_eager_fwd = on_backend("partial_dtensor", titan(tt_eager)) if args.smoke and world > 1 else titan(tt_eager)
-    cands[f"torchtitan{tag} eager"] = (tt_eager_fwd, tt_eager)
-    tt_comp.compile(fullgraph=True, backend=backend)
-    name, tt_fwd = f"torchtitan{tag} compiled", titan(tt_comp)
-    if (err := first_step(tt_fwd, x, g)) is not None and world > 1:
+    def compiled(name: str, module: torch.nn.Module, fp8: bool, **extra: Any) -> None:
+        err = None
+        for fullgraph in (True, False):
+            fwd = torch.compile(module, fullgraph=fullgraph, backend=backend)
+            if (err := first_step(fwd, x, g)) is None:
+                cands[f"{name} ({'fullgraph' if fullgraph else 'graph breaks'})"] = Candidate(fwd, module, fp8, **extra)
+                return
+            if rank == 0:
+                print(f"{name}, fullgraph={fullgraph}: {err}", flush=True)
         failed[name] = f"does not compile: {err}"
-        name, tt_fwd = "torchtitan compiled, partial_dtensor backend", on_backend("partial_dtensor", tt_fwd)
-        err = first_step(tt_fwd, x, g)
-    if err is None:
-        cands[name] = (tt_fwd, tt_comp)
-    else:
-        failed[name] = f"does not compile: {err}"
-    for name, module in bf16_rows.items():
-        if "compiled" in name:
-            module.compile(fullgraph=True, backend=backend)
-        fwd = titan(module) if name.startswith("torchtitan") else module
-        if (err := first_step(fwd, x, g)) is None:
-            cands[name] = (fwd, module)
+
+    def titan_rows(fp8: bool) -> None:
+        tag = "FP8" if fp8 else "bf16"
+        try:
+            tt = build_torchtitan(cfg, state, dtype, device, ep_mesh, fp8)
+        except Exception as exc:  # noqa: BLE001 - e.g. its FP8 converter on a GPU without sm89
+            failed[f"torchtitan {tag}"] = f"does not build: {type(exc).__name__}: {exc}"[:200]
+            return
+        eager = on_backend("partial_dtensor", titan(tt)) if args.smoke and world > 1 else titan(tt)
+        cands[f"torchtitan {tag} eager"] = Candidate(eager, tt, fp8)
+        name, fwd = f"torchtitan {tag} compiled", titan(torch.compile(tt, fullgraph=True, backend=backend))
+        if (err := first_step(fwd, x, g)) is not None and world > 1:
+            failed[name] = f"does not compile: {err}"
+            name, fwd = f"torchtitan {tag} compiled, partial_dtensor backend", on_backend("partial_dtensor", fwd)
+            err = first_step(fwd, x, g)
+        if err is None:
+            cands[name] = Candidate(fwd, tt, fp8)
         else:
-            failed[name] = f"does not run: {err}"
+            failed[name] = f"does not compile: {err}"
 
+    if False in precisions:
+        bf16 = ours("bf16")
+        cands["spmdmoe bf16 eager"] = Candidate(bf16, bf16, False)
+        compiled("spmdmoe bf16 compiled", bf16, False)
+        titan_rows(False)
+    if True in precisions:
+        cached, changed, uncached = ours("fp8_rowwise"), ours("fp8_rowwise"), ours("fp8_rowwise", cache=False)
+        gib = cached.experts.fp8_cache.nbytes() / 2**30
+        cands["spmdmoe FP8 eager, cached (b)"] = Candidate(cached, cached, True, cache_gib=gib)
+        cands["spmdmoe FP8 eager, weights changed every step (a)"] = Candidate(changed, changed, True, flipper(changed), gib)
+        cands["spmdmoe FP8 eager, no cache (a)"] = Candidate(uncached, uncached, True)
+        compiled("spmdmoe FP8 compiled, cached (b)", cached, True, cache_gib=gib)
+        compiled("spmdmoe FP8 compiled, weights changed every step (a)", changed, True, before=flipper(changed),
+                 cache_gib=gib)
+        titan_rows(True)
+
+    ref_fwd = cands.get("torchtitan bf16 eager", next(iter(cands.values()))).fwd
     x.grad = None
-    y_ref = tt_eager_fwd(x)
+    y_ref = ref_fwd(x)
     y_ref.backward(g)
     ref = (y_ref.detach(), x.grad.detach().clone())
-    # FP8 rows carry about 24 dB of quantization noise each (and the two sides round scales differently)
-    tolerance = TOLERANCE_FP8 if args.fp8 else TOLERANCE
-    checks = {n: compare(fwd, ref, x, g, tolerance) for n, (fwd, _) in cands.items() if n != f"torchtitan{tag} eager"}
+    checks = {n: compare(c.fwd, ref, x, g, TOLERANCE_FP8 if c.fp8 else TOLERANCE) for n, c in cands.items()
+              if n != "torchtitan bf16 eager"}
     for n, (abs_err, rel_err, off) in checks.items() if rank == 0 else ():
-        print(f"{n} vs torchtitan{tag} eager (output, input grad): max abs diff {abs_err:.3g}, rel error "
-              f"{rel_err:.3g}, rows off by > {tolerance}: {off:.3%}", flush=True)
+        print(f"{n} vs the reference (output, input grad): max abs diff {abs_err:.3g}, rel error {rel_err:.3g}, "
+              f"rows off by > {TOLERANCE_FP8 if cands[n].fp8 else TOLERANCE}: {off:.3%}", flush=True)
     if bad := {n: c for n, c in checks.items() if not c[2] <= ROWS_OFF}:
-        sys.exit(f"vs_torchtitan: more than {ROWS_OFF:.0%} of rows differ from torchtitan eager's beyond relative "
-                 f"error {tolerance}: {bad} (max abs, rel, fraction of rows): not the same layer; not timing it")
+        sys.exit(f"vs_torchtitan: more than {ROWS_OFF:.0%} of rows differ from the reference beyond their row "
+                 f"tolerance: {bad} (max abs, rel, fraction of rows): not the same layer; not timing it")
 
     if args.smoke:
         if rank == 0:
             print(f"OK: smoke, world {world}, candidates {list(cands)}, failed {failed or 'none'}", flush=True)
     else:
-        def step_of(fwd: Fwd, module: torch.nn.Module) -> Callable[[], None]:
+        def step_of(c: Candidate) -> Callable[[], None]:
             def step() -> None:  # as in training: gradients start from None (no accumulation add)
+                if c.before is not None:
+                    c.before()
                 x.grad = None
-                module.zero_grad(set_to_none=True)
-                fwd(x).backward(g)
+                c.module.zero_grad(set_to_none=True)
+                c.fwd(x).backward(g)
             return step
 
-        steps = {n: step_of(fwd, module) for n, (fwd, module) in cands.items()}
+        steps = {n: step_of(c) for n, c in cands.items()}
         t = timed(steps, args.iters, args.reps)
-        mem = {n: peak_gib(step, [ours, tt_eager, tt_comp, *bf16_rows.values()], x) for n, step in steps.items()}
+        mem = {n: peak_gib(step, [c.module for c in cands.values()], x) for n, step in steps.items()}
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         head = (f"device: {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}, torchtitan "
-                f"{importlib.metadata.version('torchtitan')}, {date}, "
+                f"{importlib.metadata.version('torchtitan')}, torchao {importlib.metadata.version('torchao')}, {date}, "
                 f"`torchrun --nproc-per-node {world} {' '.join(sys.argv)}`\n"
-                f"{'FP8 rowwise experts' if args.fp8 else 'bf16'}, D={D} F={F} E={E} K={K} T/rank={T}, EP={world}")
-        refs = (("spmdmoe bf16 eager", "torchtitan bf16 compiled", "torchtitan FP8 compiled", "torchtitan FP8 eager")
-                if args.fp8 else ("torchtitan compiled", "torchtitan eager"))
+                f"{shape.label()}: D={D} F={F} E={E} K={K} T/rank={T}, EP={world}")
+        text = table(head, T, t, mem, cands, failed, checks)
+        if world == 1 and "spmdmoe bf16 eager" in t:
+            t_fp8 = {"b": t.get("spmdmoe FP8 eager, cached (b)"), "a": t.get("spmdmoe FP8 eager, no cache (a)")}
+            text += "\n\n" + ceilings(shape, routed_sizes(cands["spmdmoe bf16 eager"].module, x), t["spmdmoe bf16 eager"],
+                                      t_fp8, args.iters, args.reps)
         if rank == 0:
-            report(table(head, T, t, mem, failed, checks, refs, tolerance), args.out)
+            report(text, args.out)
     if world > 1:
         dist.destroy_process_group()
 

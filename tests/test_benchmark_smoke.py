@@ -4,7 +4,8 @@
 capacity factors) on 2 gloo processes and checks that sync-free and sync agree bit for bit, so the
 script is known to work before a 2-GPU host is lent to time it. ``benchmarks/sp_grad_overlap.py
 --smoke`` builds its four stacks (no SP sums, sums waited for at their use, per layer, per block) on 2
-gloo processes and checks that the three real ones give the same gradients.
+gloo processes and checks that the three real ones give the same gradients. ``benchmarks/fp8_numerics.py
+--smoke`` runs its layer study (every fast-accumulation setting against fp64) at a tiny shape.
 """
 
 from __future__ import annotations
@@ -34,3 +35,12 @@ def test_sp_grad_overlap_benchmark_smoke():
                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gradients of the three anchorings equal: True" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_fp8_numerics_smoke():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_numerics.py"), "--smoke"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 8 / 2, 40 |")]
+    assert len(rows) == 4 and all(float(r.split("|")[-2]) > 0 for r in rows), out.stdout[-2000:]

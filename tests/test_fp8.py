@@ -116,18 +116,6 @@ def test_capacity_buffer_rows_past_valid_are_never_read():
         assert torch.equal(a, b)
 
 
-class _Counting:
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        real = fp8_mod.quantize_weights
-
-        def counted(*args):
-            self.calls += 1
-            return real(*args)
-
-        monkeypatch.setattr(fp8_mod, "quantize_weights", counted)
-
-
 def _fresh_output(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     fresh = copy.deepcopy(moe)
     fresh.experts.fp8_cache = None  # quantize now, from the current weights
@@ -135,40 +123,87 @@ def _fresh_output(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         return fresh(x)
 
 
-def test_weight_cache_follows_every_change(monkeypatch):
+class _DataSGD(torch.optim.Optimizer):
+    """Plain SGD written the old way, through ``p.data`` (bypasses the parameters' version counters)."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def test_weight_cache_follows_every_change():
+    """The cached FP8 weights follow every way weights change, each quantized exactly once per change.
+    The ``p.data`` writes (an optimizer and a user edit) were served stale before the content check."""
     _, fp8 = _layers()
-    counter = _Counting(monkeypatch)
+    cache = fp8.experts.fp8_cache
     x = torch.randn(21, D, generator=torch.Generator().manual_seed(9)).to(DEVICE, DTYPE)
     with torch.no_grad():
         first = fp8(x)
-        assert torch.equal(fp8(x), first) and counter.calls == 1, "unchanged weights: quantized once"
+        assert torch.equal(fp8(x), first) and cache.refreshes() == 1, "unchanged weights: quantized once"
 
     def check(what):
-        before = counter.calls
+        before = cache.refreshes()
         with torch.no_grad():
             y = fp8(x)
-        assert counter.calls == before + 1, f"{what}: the cache was not rebuilt"
+            assert torch.equal(fp8(x), y), f"{what}: a second forward differs"
+        assert cache.refreshes() == before + 1, f"{what}: quantized {cache.refreshes() - before} times, not once"
         assert torch.equal(y, _fresh_output(fp8, x)), f"{what}: stale FP8 weights served"
         assert not torch.equal(y, first)
         return y
 
-    # an optimizer step
-    opt = torch.optim.SGD(fp8.parameters(), lr=10.0)
-    fp8(x).float().square().sum().backward()
-    opt.step()
+    def train_step(opt):
+        fp8(x).float().square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    train_step(torch.optim.SGD(fp8.parameters(), lr=10.0))
     check("optimizer step")
-    # load_state_dict of other weights
+    train_step(_DataSGD(fp8.parameters(), lr=10.0))
+    check("optimizer step through p.data")
     other = MoE(FP8_CFG).to(DEVICE, DTYPE)
     fp8.load_state_dict(other.state_dict())
     check("load_state_dict")
-    # an in-place edit of one weight
+    fp8.load_state_dict(MoE(FP8_CFG).to(DEVICE, DTYPE).state_dict(), assign=True)
+    check("load_state_dict(assign=True)")
     with torch.no_grad():
         fp8.experts.w2.mul_(-2)
     check("in-place edit")
-    # a move that keeps the values (new storages) and an explicit invalidate after a .data edit
-    fp8.experts.w3.data.mul_(3)
-    fp8.experts.fp8_cache.invalidate()
-    check(".data edit + invalidate()")
+    fp8.experts.w2.data.mul_(2.0)
+    check("an edit through .data")
+    with torch.no_grad():
+        fp8.experts.w1[3, 2, 5] += 1.0  # one element of one weight
+    check("one element")
+    cache.invalidate()
+    before = cache.refreshes()
+    with torch.no_grad():
+        fp8(x)
+    assert cache.refreshes() == before + 1, "invalidate(): the next use quantizes"
+
+
+def test_weight_cache_moves_with_the_layer():
+    """``.to()`` of the layer re-homes the cache (and, with other dtypes, new bytes quantize once);
+    a deep copy has a cache of its own."""
+    _, fp8 = _layers()
+    x = torch.randn(9, D, generator=torch.Generator().manual_seed(2)).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        want = fp8(x)
+    twin = copy.deepcopy(fp8)
+    assert twin.experts.fp8_cache is not fp8.experts.fp8_cache
+    with torch.no_grad():
+        twin.experts.w2.mul_(3)
+        assert torch.equal(fp8(x), want), "editing a deep copy changed the original"
+    fp8.to(torch.float64).to(DTYPE)  # new storages, same values
+    assert fp8.experts.fp8_cache.matches(fp8.experts.w1, fp8.experts.w2, fp8.experts.w3)
+    with torch.no_grad():
+        assert torch.equal(fp8(x), want)
+    nbytes = fp8.experts.fp8_cache.nbytes()
+    weights = sum(p.numel() for p in (fp8.experts.w1, fp8.experts.w2, fp8.experts.w3))
+    assert 2 * weights <= nbytes < 2 * weights * 1.2, (nbytes, weights)  # two e4m3 layouts + scales
 
 
 def test_checkpointed_fp8_layer_matches_plain():
@@ -188,7 +223,7 @@ def test_checkpointed_fp8_layer_matches_plain():
 
 
 def test_compiled_fp8_layer_matches_eager():
-    """``fullgraph=True`` on the FP8 layer (weights quantized in the graph), over changing T, one graph:
+    """``fullgraph=True`` on the FP8 layer (the weight cache refreshed in the graph), over changing T, one graph:
     outputs and every gradient as eager (CPU: the emulation; an sm90 GPU: the FP8 GEMMs, where an
     ``autograd.Function`` form once compiled to zero gradients)."""
     torch._dynamo.reset()
@@ -210,6 +245,35 @@ def test_compiled_fp8_layer_matches_eager():
             # the experts run the same code (opaque ops); the router and combine around them may fuse differently
             assert sqnr(a, b) >= 40, (T, k, sqnr(a, b))
     assert len(_debug_get_cache_entry_list(type(compiled_layer).forward.__code__)) == 1, "one graph for every T"
+
+
+def test_compiled_fp8_layer_follows_weight_changes():
+    """Compiled (``fullgraph=True``), the layer keeps using the cache: the weights are quantized once per
+    change (before this cache, a compiled layer quantized them in the graph on every call), and an
+    optimizer step or a ``.data`` edit between calls reaches the next call's output."""
+    torch._dynamo.reset()
+    _, fp8 = _layers()
+    run = torch.compile(fp8, backend=os.environ.get("FP8_TEST_BACKEND", "aot_eager"), fullgraph=True)
+    cache = fp8.experts.fp8_cache
+    opt = torch.optim.SGD(fp8.parameters(), lr=10.0)
+    x = torch.randn(27, D, generator=torch.Generator().manual_seed(8)).to(DEVICE, DTYPE)
+
+    def step() -> torch.Tensor:
+        y = run(x)
+        y.float().square().sum().backward()
+        return y.detach()
+
+    for i in range(3):
+        y = step()
+        assert torch.equal(step(), y), "the same weights twice: the same output"
+        assert cache.refreshes() == i + 1, f"step {i}: quantized {cache.refreshes()} times in all"
+        assert sqnr(y, _fresh_output(fp8, x)) >= 40, f"step {i}: not the current weights"
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    fp8.experts.w2.data.mul_(2.0)
+    y = step()
+    assert cache.refreshes() == 4 and sqnr(y, _fresh_output(fp8, x)) >= 40, "a .data edit"
+    assert len(_debug_get_cache_entry_list(type(fp8).forward.__code__)) == 1, "one graph"
 
 
 @pytest.mark.cuda

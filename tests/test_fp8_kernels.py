@@ -158,3 +158,77 @@ def test_quantize_weight_cols(e, A, C, dtype):
     want = K.quantize_weight_cols_reference(w)
     _assert_equal(got, want, "weight cols")
     assert got[0].shape == (e, C, A) and got[1].shape == (e, C)
+
+
+@pytest.mark.parametrize("gate", [0, 1])
+def test_gated_writes_into_given_tensors(gate):
+    """The weight cache's quantizers write into its tensors exactly when the device flag is set: an open gate
+    gives the allocating kernel's bits, a closed one leaves the (poisoned) tensors untouched; kernel and
+    reference alike."""
+    from spmdmoe.kernels.fp8_cols import _launch_weight_cols, _weight_cols_kernel
+    from spmdmoe.kernels.fp8_common import write_where
+    from spmdmoe.kernels.fp8_rows import _launch, _rows_kernel
+
+    gen = torch.Generator().manual_seed(17 + gate)
+    x = _rows_input(7, 33, torch.bfloat16, gen)
+    w = _rows_input(2 * 9, 5, torch.bfloat16, gen).view(2, 9, 5)
+    flag = torch.tensor([gate], dtype=torch.int64, device=DEVICE)
+
+    def poisoned(*shapes_dtypes):
+        return [torch.full(s, 0x7F, dtype=torch.uint8, device=DEVICE).view(d) if d == torch.float8_e4m3fn
+                else torch.full(s, -3.0, dtype=d, device=DEVICE) for s, d in shapes_dtypes]
+
+    rows = [((7, 33), torch.float8_e4m3fn), ((7,), torch.float32)]
+    cols = [((2, 5, 9), torch.float8_e4m3fn), ((2, 5), torch.float32)]
+    for name, write, layout, fresh in (
+            ("rows kernel", lambda q, s: _launch(_rows_kernel, x, q, s, None, flag), rows, K.quantize_rows_triton(x)),
+            ("rows reference", lambda q, s: write_where(flag, (q, s), K.quantize_rows_reference(x)), rows,
+             K.quantize_rows_triton(x)),
+            ("cols kernel", lambda q, s: _launch_weight_cols(_weight_cols_kernel, w, q, s, flag), cols,
+             K.quantize_weight_cols_triton(w)),
+            ("cols reference", lambda q, s: write_where(flag, (q, s), K.quantize_weight_cols_reference(w)),
+             cols, K.quantize_weight_cols_triton(w))):
+        outs = poisoned(*layout)
+        write(*outs)
+        _assert_equal(outs, fresh if gate else poisoned(*layout), f"{name}, gate {gate}")
+
+
+FINGERPRINT_CASES = [  # (dtype, shapes): 32-bit words, 16-bit words (odd byte counts of 4), several tensors, empty
+    (torch.bfloat16, [(3, 5, 8), (4, 6)]), (torch.bfloat16, [(4, 6), (4, 6)]), (torch.bfloat16, [(3, 5, 7)]), (torch.float32, [(33,), (2, 3), (0,)]),
+    (torch.float16, [(5,), (9000,)]), (torch.float64, [(4, 4)])]
+
+
+@pytest.mark.parametrize("dtype,shapes", FINGERPRINT_CASES)
+def test_fingerprint_kernel_matches_reference_and_sees_every_change(dtype, shapes):
+    """Kernel and reference keep the same state bit for bit, call after call; the verdict is "changed" on
+    the first call, after any one-element edit (in any tensor, at either end), a swap of two elements, or
+    the tensors given in another order, and "unchanged" otherwise."""
+    gen = torch.Generator().manual_seed(len(shapes) * 7 + sum(map(len, shapes)))
+    ts = [torch.randn(s, generator=gen).to(DEVICE, dtype) for s in shapes]
+    states = {impl: K.fingerprint.new_state(DEVICE) for impl in (K.fingerprint_triton, K.fingerprint_reference)}
+
+    def verdict(tensors):
+        for impl, state in states.items():
+            impl(tensors, state)
+        (a, s_a), (b, s_b) = states.items()
+        assert torch.equal(s_a, s_b), (s_a.tolist(), s_b.tolist())
+        assert s_a[2:5].eq(0).all(), "accumulators and ticket are cleared for the next call"
+        return int(s_a[K.fingerprint.CHANGED])
+
+    assert verdict(ts) == 1, "first call"
+    assert verdict(ts) == 0, "unchanged"
+    big = max(range(len(ts)), key=lambda i: ts[i].numel())
+    flat = ts[big].view(-1)
+    for where in (0, flat.numel() - 1):
+        old = flat[where].clone()
+        flat[where] = old * 2 + 1
+        assert verdict(ts) == 1, f"one element at {where}"
+        assert verdict(ts) == 0
+        flat[where] = old
+        assert verdict(ts) == 1, "and back"
+    if flat.numel() > 1:
+        flat[[0, 1]] = flat[[1, 0]].clone()
+        assert verdict(ts) == 1, "a swap of two elements"
+    if len(ts) > 1 and ts[0].shape == ts[-1].shape:
+        assert verdict(ts[::-1]) == 1, "the same tensors in another order"
+    assert int(states[K.fingerprint_triton][K.fingerprint.COUNT]) >= 4

@@ -43,17 +43,20 @@ kernels that produce the operands would remove that read.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
-from .fp8_common import EPS_C, FP8, FP8_MAX_C, dequant_scale, quantize_reference, round_e4m3
+from .fp8_common import EPS_C, FP8, FP8_MAX_C, dequant_scale, quantize_reference, round_e4m3, write_where
 from .fp8_rows import quantize_rows_reference
 
 __all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",
-           "quantize_weight_cols", "quantize_weight_cols_reference", "quantize_weight_cols_triton"]
+           "quantize_weight_cols", "quantize_weight_cols_into", "quantize_weight_cols_reference",
+           "quantize_weight_cols_triton"]
 
 ALIGN = 16
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
@@ -124,11 +127,17 @@ def _cols_pair_kernel(a_ptr, b_ptr, qa_ptr, qb_ptr, sa_ptr, sb_ptr, offs_ptr, pa
 
 
 @triton.jit
-def _weight_cols_kernel(w_ptr, q_ptr, s_ptr, A, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Expert ``g`` = program 0 of a ``(e, A, C)`` weight: ``q[g] = e4m3(w[g]^T)`` per column, no padding."""
+def _weight_cols_kernel(w_ptr, q_ptr, s_ptr, gate_ptr, A, C, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+    """Expert ``g`` = program 0 of a ``(e, A, C)`` weight: ``q[g] = e4m3(w[g]^T)`` per column, no padding;
+    nothing written when ``HAS_GATE`` and the gate is zero."""
     g = tl.program_id(0).to(tl.int64)
-    _quantize_group_cols(w_ptr, q_ptr, s_ptr, C, C * A, A, g, tl.program_id(1) * BLOCK_C, g * A, g * A + A, 0, A,
-                         BLOCK_R, BLOCK_C)
+    go = tl.full([], 1, tl.int32)
+    if HAS_GATE:
+        go = (tl.load(gate_ptr) != 0).to(tl.int32)
+    if go != 0:
+        _quantize_group_cols(w_ptr, q_ptr, s_ptr, C, C * A, A, g, tl.program_id(1) * BLOCK_C, g * A, g * A + A, 0,
+                             A, BLOCK_R, BLOCK_C)
 
 
 def _empty_outputs(a_RA: torch.Tensor, b_RB: torch.Tensor, e: int, P: int) -> list[torch.Tensor]:
@@ -159,6 +168,16 @@ def quantize_cols_pair_triton(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e:
     return qa, qb, sa, sb, padded_e
 
 
+def _launch_weight_cols(kernel: Any, w_eAC: torch.Tensor, q_eCA: torch.Tensor, s_eC: torch.Tensor,
+                        gate: Optional[torch.Tensor]) -> None:
+    """``kernel`` (``_weight_cols_kernel``, or ``wrap_triton`` of it inside a ``triton_op``) over ``w_eAC``."""
+    e, A, C = w_eAC.shape
+    if e and A and C:
+        kernel[(e, triton.cdiv(C, CONFIG["block_c"]))](
+            w_eAC, q_eCA, s_eC, gate if gate is not None else s_eC, A, C, HAS_GATE=gate is not None,
+            BLOCK_R=CONFIG["block_r"], BLOCK_C=CONFIG["block_c"], num_warps=CONFIG["num_warps"])
+
+
 @triton_op("spmdmoe::quantize_weight_cols", mutates_args=())
 def quantize_weight_cols_triton(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A 3-D weight's transpose quantized per row without the transposing copy: ``(q_eCA, s_eC)``, equal to
@@ -167,10 +186,7 @@ def quantize_weight_cols_triton(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torc
     e, A, C = w_eAC.shape
     q_eCA = torch.empty((e, C, A), dtype=FP8, device=w_eAC.device)
     s_eC = torch.empty((e, C), dtype=torch.float32, device=w_eAC.device)
-    if e and A and C:
-        wrap_triton(_weight_cols_kernel)[(e, triton.cdiv(C, CONFIG["block_c"]))](
-            w_eAC, q_eCA, s_eC, A, C, BLOCK_R=CONFIG["block_r"], BLOCK_C=CONFIG["block_c"],
-            num_warps=CONFIG["num_warps"])
+    _launch_weight_cols(wrap_triton(_weight_cols_kernel), w_eAC, q_eCA, s_eC, None)
     return q_eCA, s_eC
 
 
@@ -185,6 +201,15 @@ def quantize_weight_cols(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
     impl = quantize_weight_cols_triton if use_triton("fp8_cols", w_eAC) else quantize_weight_cols_reference
     return impl(w_eAC)
+
+
+def quantize_weight_cols_into(w_eAC: torch.Tensor, q_eCA: torch.Tensor, s_eC: torch.Tensor, gate: torch.Tensor) -> None:
+    """``q_eCA, s_eC = quantize_weight_cols(w_eAC)`` in place where the one-element device tensor ``gate`` is
+    nonzero, else untouched (as :func:`spmdmoe.kernels.fp8_rows.quantize_rows_into`)."""
+    if use_triton("fp8_cols", w_eAC):
+        _launch_weight_cols(_weight_cols_kernel, w_eAC.contiguous(), q_eCA, s_eC, gate)
+    else:
+        write_where(gate, (q_eCA, s_eC), quantize_weight_cols_reference(w_eAC))
 
 
 def _cols_reference(x_RC: torch.Tensor, group_R: torch.Tensor, dest_R: torch.Tensor, e: int, P: int):

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8", "FP8_MAX", "EPS", "FP8_MAX_C", "EPS_C", "dequant_scale", "quantize_reference", "round_e4m3"]
+__all__ = ["FP8", "FP8_MAX", "EPS", "FP8_MAX_C", "EPS_C", "dequant_scale", "quantize_reference", "round_e4m3",
+           "write_where"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -60,3 +61,12 @@ def quantize_reference(v: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tenso
     q = (v * (torch.full_like(amax, FP8_MAX) / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     q = torch.where(q.view(torch.uint8) == 0x80, 0, q.view(torch.uint8)).view(FP8)  # -0 -> +0, as the kernels
     return q, dequant_scale(amax)
+
+
+def write_where(gate: torch.Tensor, outs: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> None:
+    """Each ``out.copy_(new)`` where the one-element device tensor ``gate`` is nonzero, else unchanged (device
+    ops only): how the references of the gated kernels write."""
+    take = gate.reshape(()) != 0
+    for out, value in zip(outs, new):
+        bits = (lambda t: t.view(torch.uint8)) if out.dtype == FP8 else (lambda t: t)
+        bits(out).copy_(torch.where(take, bits(value.reshape(out.shape)), bits(out)))

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from ..kernels import swiglu_backward, swiglu_forward
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
-from .fp8 import Fp8WeightCache, fp8_swiglu, quantize_weights
+from .fp8 import fp8_swiglu, quantize_weights
+from .fp8_cache import Fp8WeightCache, fresh_cache
 from .gemm import plain_tensor, grouped_mm, grouped_mm_pair, joined
 from .grads import sync_grads
 
@@ -36,8 +37,9 @@ class GroupedExperts(nn.Module):
     ``grad_axis``: an SP axis the parameters are replicated along (set by
     ``parallelize_moe``); their fresh gradients are summed over it.
     ``precision``: ``"bf16"`` (the activations' dtype) or ``"fp8_rowwise"`` (``spmdmoe.moe.fp8``; the
-    quantized weights are cached in ``fp8_cache`` until a parameter changes; ``fp8_cache = None``
-    quantizes them every call, as ``fully_shard_moe`` sets it).
+    quantized weights are kept in ``fp8_cache`` until the weights' bytes change, checked on the device
+    before every use (``spmdmoe.moe.fp8_cache``); ``fp8_cache = None`` quantizes them every call, as
+    ``fully_shard_moe`` sets it).
     """
 
     grad_axis: Optional[MeshAxis] = None
@@ -46,11 +48,12 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, precision: str = "bf16"):
         super().__init__()
         self.precision = precision
-        self.fp8_cache: Optional[Fp8WeightCache] = Fp8WeightCache() if precision == "fp8_rowwise" else None
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.pack()
+        self.fp8_cache: Optional[Fp8WeightCache] = (
+            Fp8WeightCache(self.w1, self.w2, self.w3) if precision == "fp8_rowwise" else None)
 
     def pack(self) -> None:
         """Put ``w1`` and ``w3`` side by side in one storage (``w3`` right after ``w1`` for each expert),
@@ -82,6 +85,7 @@ class GroupedExperts(nn.Module):
         out = super()._apply(fn, recurse)
         if self.packing:
             self.pack()
+        self.fp8_cache = fresh_cache(self.w1, self.w2, self.w3, self.fp8_cache)  # on the weights' new device
         return out
 
     @property
@@ -90,12 +94,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, routed: RoutedTokens) -> torch.Tensor:
         """``y_RD`` for ``routed.x_RD``."""
-        params = (self.w1, self.w2, self.w3)
-        weights = list(params)
+        weights = [self.w1, self.w2, self.w3]
         if self.grad_axis is not None:
             weights = sync_grads(weights, self.grad_axis)
         if self.precision == "fp8_rowwise" and weights[0].shape[1] > 0:
-            quantized = (self.fp8_cache.get(params, tuple(weights)) if self.fp8_cache is not None
+            quantized = (self.fp8_cache.get(*weights) if self.fp8_cache is not None
                          else quantize_weights(*weights))
             assert routed.valid_rows is not None
             return fp8_swiglu(routed.x_RD, routed.group_offsets, routed.valid_rows, *weights, quantized)

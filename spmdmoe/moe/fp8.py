@@ -19,9 +19,20 @@ master weights and their gradients) stays in the activations' precision:
   transposed into a 16-row-aligned layout with zero pad rows
   (:func:`spmdmoe.kernels.quantize_cols_pair`): the only padding of the path.
 
-Weights are quantized once per optimizer step, in the two layouts the GEMMs
-want (:class:`Fp8WeightCache`), and the forward's quantized weights are what
-its backward uses (saved, as autograd saves any operand). On CPU, on GPUs
+Weights are quantized in the two layouts the GEMMs want, kept by the weight
+cache until their bytes change (:mod:`spmdmoe.moe.fp8_cache`: checked on the
+device before every use, so never stale), and the forward's quantized weights
+are what its backward uses (saved, as autograd saves any operand).
+
+Fast accumulation (:data:`FAST_ACCUM`) is on in all three GEMMs, as in torchao
+0.18. Measured on an H200 (``benchmarks/fp8_numerics.py``): it lowers each
+GEMM's own accumulation SQNR from 55.5 dB to 48-55 dB (48 at 16k rows per
+expert in wgrad), noise 20 dB weaker than the e4m3 operands' (28.5 dB), so
+each GEMM's total SQNR moves by at most 0.04 dB and the layer's gates keep the
+same 1.5 dB margin (T = 300 and 16k, 1.5k and 4k rows per expert); precise
+accumulation costs 3-45 % more GEMM time.
+
+On CPU, on GPUs
 without sm90 and for dims that are not multiples of 16 the same path runs
 emulated: the same quantizers (their references on CPU), the same alignment,
 then dequantize and an ordinary GEMM (bf16 for a bf16 layer on CUDA, fp32
@@ -44,9 +55,13 @@ from ..host import to_host
 from ..kernels import quantize_cols_pair, quantize_rows, quantize_weight_cols, swiglu_backward, swiglu_quant_backward, swiglu_quant_forward
 from .gemm import grouped_mm, up_weights
 
-__all__ = ["Fp8Weights", "Fp8WeightCache", "fp8_native", "fp8_swiglu", "quantize_weights"]
+__all__ = ["FAST_ACCUM", "Fp8Weights", "fp8_native", "fp8_swiglu", "quantize_weights"]
 
 _scaled = getattr(torch, "_scaled_grouped_mm", None)
+# ``use_fast_accum`` of the scaled GEMMs, per kind: Hopper's FP8 tensor cores accumulate in reduced precision unless
+# the GEMM promotes partial sums to fp32 (``False``: slower). Chosen by measurement (module docstring;
+# ``benchmarks/fp8_numerics.py``, figures in ``benchmarks/RESULTS.md``).
+FAST_ACCUM: dict[str, bool] = {"forward": True, "dgrad": True, "wgrad": True}
 _grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _warned: list[bool] = [False]
 
@@ -85,6 +100,7 @@ class Fp8Weights(NamedTuple):
     down_s: torch.Tensor
     down_t: torch.Tensor
     down_t_s: torch.Tensor
+    ready: Optional[torch.Tensor] = None  # the cache's refresh token (spmdmoe.moe.fp8_cache); None: fresh values
 
 
 def _rows3(w_eAB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,41 +117,13 @@ def quantize_weights(w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.T
         return Fp8Weights(*_rows3(up), *quantize_weight_cols(up), *_rows3(w2_eDF), *quantize_weight_cols(w2_eDF))
 
 
-class Fp8WeightCache:
-    """The quantized weights of one ``GroupedExperts``, rebuilt when a parameter changes.
-
-    The key is each parameter's version counter (bumped by every in-place op: an optimizer step,
-    ``load_state_dict``'s copies, ``with torch.no_grad(): w.mul_(2)``), its data pointer and shape
-    (``.to()``, a ``.data`` swap), so a stale entry cannot be served. Edits through ``.data`` bypass
-    the version counter: call :meth:`invalidate` after them. Under ``torch.compile`` the weights are
-    quantized in the graph each call (a Python cache cannot be traced); with FSDP2
-    (``fully_shard_moe``) each forward's weights are freshly gathered, so the experts skip the cache.
-    The cache holds two e4m3 layouts of every weight: as many bytes as the bf16 weights themselves.
-    """
-
-    def __init__(self) -> None:
-        self._key: Optional[tuple] = None
-        self._weights: Optional[Fp8Weights] = None
-
-    def invalidate(self) -> None:
-        self._key, self._weights = None, None
-
-    def get(self, params: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...]) -> Fp8Weights:
-        """The quantized ``weights`` (the values of ``params``, perhaps through an autograd identity)."""
-        if torch.compiler.is_compiling():
-            return quantize_weights(*weights)
-        key = tuple((p._version, p.data_ptr(), tuple(p.shape), p.dtype, p.device) for p in params)
-        if key != self._key or self._weights is None:
-            self._weights, self._key = quantize_weights(*weights), key
-        return self._weights
-
-
 def _mm_rows(q_MK: torch.Tensor, s_M: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor,
-             offsets_e: torch.Tensor, out_dtype: torch.dtype, native: bool) -> torch.Tensor:
-    """``y[rows of g] = (q * s)[rows] @ (w[g] * s[g])^T`` (2-D x 3-D, any group sizes)."""
+             offsets_e: torch.Tensor, out_dtype: torch.dtype, native: bool, kind: str) -> torch.Tensor:
+    """``y[rows of g] = (q * s)[rows] @ (w[g] * s[g])^T`` (2-D x 3-D, any group sizes); ``kind``: "forward" or
+    "dgrad" (:data:`FAST_ACCUM`)."""
     if native:
         y = _scaled(q_MK, w_eNK.transpose(1, 2), s_M, s_eN, offs=offsets_e, out_dtype=torch.bfloat16,
-                    use_fast_accum=True)
+                    use_fast_accum=FAST_ACCUM[kind])
         return y.to(out_dtype)
     dt = _emulation_dtype(q_MK, out_dtype)
     x = (q_MK.to(torch.float32) * s_M[:, None]).to(dt)
@@ -150,7 +138,7 @@ def _mm_groups(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb
     e = padded_e.shape[0]
     if native:
         out = _scaled(qa_AP, qb_BP.t(), sa_eA.reshape(-1), sb_eB.reshape(-1), offs=padded_e,
-                      out_dtype=torch.bfloat16, use_fast_accum=True)
+                      out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM["wgrad"])
         return out.to(out_dtype)
     if _emulation_dtype(qa_AP, out_dtype) == torch.bfloat16:  # e4m3 values are exact in bf16
         out = _grouped(qa_AP.to(torch.bfloat16), qb_BP.to(torch.bfloat16).t(), offs=padded_e)
@@ -180,13 +168,13 @@ def _native(x_RD: torch.Tensor, F: int) -> bool:
 def _fp8_experts(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor,
                  offsets_e: torch.Tensor, valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor,
                  down: torch.Tensor, down_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
-                 down_t: torch.Tensor, down_t_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 down_t: torch.Tensor, down_t_s: torch.Tensor, ready: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y_RD, h13_R2F, h_RF)``: the output and the two activations the backward needs (the transposed
-    weights ride along for the backward)."""
+    weights ride along for the backward; ``ready`` orders the op after the cache's refresh, unused)."""
     native = _native(x_RD, w1_eFD.shape[1])
-    h13_R2F = _mm_rows(*quantize_rows(x_RD, valid), up, up_s, offsets_e, x_RD.dtype, native)
+    h13_R2F = _mm_rows(*quantize_rows(x_RD, valid), up, up_s, offsets_e, x_RD.dtype, native, "forward")
     h_RF, hq, sh = swiglu_quant_forward(h13_R2F, valid)  # h for the w2 wgrad, hq for the GEMM
-    return _mm_rows(hq, sh, down, down_s, offsets_e, x_RD.dtype, native), h13_R2F, h_RF
+    return _mm_rows(hq, sh, down, down_s, offsets_e, x_RD.dtype, native, "forward"), h13_R2F, h_RF
 
 
 @_fp8_experts.register_fake
@@ -205,12 +193,12 @@ def _fp8_experts_backward(g_RD: torch.Tensor, x_RD: torch.Tensor, h13_R2F: torch
     native = _native(x_RD, F)
     g_RD = g_RD.contiguous()
     # each temporary goes as soon as its GEMM is done (the peak is the step's peak)
-    dh_RF = _mm_rows(*quantize_rows(g_RD, valid), down_t, down_t_s, offsets_e, g_RD.dtype, native)
+    dh_RF = _mm_rows(*quantize_rows(g_RD, valid), down_t, down_t_s, offsets_e, g_RD.dtype, native, "dgrad")
     dx = g_RD.new_empty((0, x_RD.shape[1]))
     if need_dx:  # dh13 for the up-projection's wgrad, its rowwise e4m3 for the dgrad GEMM
         dh13_R2F, dq, sd = swiglu_quant_backward(dh_RF, h13_R2F, valid)
         del dh_RF
-        dx = _mm_rows(dq, sd, up_t, up_t_s, offsets_e, g_RD.dtype, native)
+        dx = _mm_rows(dq, sd, up_t, up_t_s, offsets_e, g_RD.dtype, native, "dgrad")
         del dq
     else:
         dh13_R2F = swiglu_backward(dh_RF, h13_R2F, valid)
@@ -236,12 +224,12 @@ def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     x_RD, w1_eFD, _, _, offsets_e, valid = inputs[:6]
     _, h13_R2F, h_RF = output
     ctx.w_dtype = w1_eFD.dtype
-    ctx.save_for_backward(x_RD, h13_R2F, h_RF, offsets_e, valid, *inputs[10:])
+    ctx.save_for_backward(x_RD, h13_R2F, h_RF, offsets_e, valid, *inputs[10:14])
 
 
 def _backward(ctx: Any, g_RD: torch.Tensor, _g13: Any, _gh: Any) -> tuple:
     dx, dw1, dw2, dw3 = _fp8_experts_backward(g_RD, *ctx.saved_tensors, ctx.w_dtype, ctx.needs_input_grad[0])
-    return (dx if ctx.needs_input_grad[0] else None, dw1, dw2, dw3) + (None,) * 10
+    return (dx if ctx.needs_input_grad[0] else None, dw1, dw2, dw3) + (None,) * 11
 
 
 _fp8_experts.register_autograd(_backward, setup_context=_setup)
@@ -250,7 +238,8 @@ _fp8_experts.register_autograd(_backward, setup_context=_setup)
 def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, w1_eFD: torch.Tensor,
                w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights) -> torch.Tensor:
     """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
-    ``quantized``: the weights' FP8 copies (:meth:`Fp8WeightCache.get` or :func:`quantize_weights`)."""
+    ``quantized``: the weights' FP8 copies (``Fp8WeightCache.get`` or :func:`quantize_weights`)."""
     q = quantized
+    ready = q.ready if q.ready is not None else x_RD.new_empty(0)
     return _fp8_experts(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, q.up, q.up_s, q.down, q.down_s,
-                        q.up_t, q.up_t_s, q.down_t, q.down_t_s)[0]
+                        q.up_t, q.up_t_s, q.down_t, q.down_t_s, ready)[0]

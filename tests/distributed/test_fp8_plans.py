@@ -108,3 +108,41 @@ def test_fp8_training_under_ddp_and_fsdp2(device, plan, monkeypatch):
         assert_close_everywhere(got_t, want_t, rtol=1e-2, atol=0, name=f"{plan} {wrapper} FP8 losses")
     assert_close_everywhere(torch.stack(losses["fsdp2"]), torch.stack(losses["ddp"]), rtol=1e-3, atol=0,
                             name=f"{plan}: FSDP2 vs DDP FP8 losses")
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fp8_cache_follows_fsdp2_regathers(world, device, reshard):
+    """FSDP2 set up by hand, the README's route (your own ``fully_shard`` + ``register_spmd_hooks``): the
+    weight cache stays on, and after every optimizer step the next forward computes with the weights FSDP2
+    gathers again (into storage the cache's old version/pointer key could not tell from the last step's),
+    bitwise equal to a layer built from the gathered weights; the weights are quantized once per step."""
+    from torch.distributed.fsdp import fully_shard
+
+    from spmdmoe.moe import MoE, register_spmd_hooks
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(3)
+    layer = MoE(FP8).to(device, dtype)
+    layer.experts.unpack()  # FSDP2 takes contiguous parameters only
+    for unit in (layer.experts, layer):
+        fully_shard(unit, mesh=world, reshard_after_forward=reshard)
+        register_spmd_hooks(unit)
+    cache = layer.experts.fp8_cache
+    assert cache is not None
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    probe = reference_tensor((13, D), 5, dtype=dtype, device=device)
+    for step in range(6):  # the old key missed a step whenever the allocator reused an address (3 runs of 5)
+        x = reference_tensor((7 + dist.get_rank(), D), 100 * step + dist.get_rank(), dtype=dtype, device=device)
+        layer(x).float().square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            got = layer(probe)
+        fresh = MoE(FP8).to(device, dtype)
+        fresh.experts.fp8_cache = None
+        fresh.load_state_dict({n: p.full_tensor() if hasattr(p, "full_tensor") else p
+                               for n, p in layer.state_dict().items()})
+        with torch.no_grad():
+            want = fresh(probe)
+        assert_close_everywhere(got, want, rtol=0, atol=0, name=f"reshard={reshard}, step {step}: FSDP2 output")
+    assert cache.refreshes() == 7, cache.refreshes()  # the first forward, then once after each step
