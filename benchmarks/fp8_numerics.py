@@ -14,7 +14,7 @@ model dim in the forward and dgrad GEMMs, the rows per expert (thousands) in wgr
    up-projection, a random output gradient through the real SwiGLU backward), quantized by spmdmoe's
    kernels. SQNR in dB against fp64 of the unquantized operands ("total": what the layer sees) and against
    fp64 of the dequantized operands ("accum": the accumulation's own error), fast accumulation on / off,
-   and each GEMM's time on / off (CUDA events, median).
+   and each GEMM's time on / off (``timing.timed``: the two interleaved, median).
 2. The layer (``MoE`` with ``expert_precision="fp8_rowwise"``, bf16) against the same layer in fp64 with
    the same weights, for each ``spmdmoe.moe.fp8.FAST_ACCUM`` setting: output, input gradient and the worst
    single expert's weight gradient, at T = 300 and 16384 tokens of the DeepSeek-MoE-16B shape (E = 64,
@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import statistics
+import functools
 
 import torch
 
@@ -38,7 +38,7 @@ from expert_gemms import gemms, operands
 from spmdmoe.moe import MoE, MoEConfig
 from spmdmoe.moe import fp8 as fp8_mod
 from shapes import SHAPES
-from timing import report
+from timing import report, timed
 
 SETTINGS = {  # FAST_ACCUM per kind (forward, dgrad, wgrad)
     "all fast (the default)": (True, True, True),
@@ -51,20 +51,6 @@ SETTINGS = {  # FAST_ACCUM per kind (forward, dgrad, wgrad)
 def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, b = actual.double(), expected.double()
     return float(10 * torch.log10(b.pow(2).sum() / (a - b).pow(2).sum().clamp(min=1e-300)))
-
-
-def ms(fn, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _deq_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -108,12 +94,16 @@ def gemm_study(D: int, F: int, M: int, e: int, dev: str) -> list[tuple]:
     out = []
     for name, (kind, _, fp8_call) in gemms(o).items():
         k, exact, deq = refs[name]
-        figures = {}
-        for fast in (True, False):
+        def run(fast: bool, call=fp8_call, kind=kind) -> object:  # the call under one setting of its kind
             fp8_mod.FAST_ACCUM[kind] = fast
-            y = fp8_call()
+            return call()
+        runs = {fast: functools.partial(run, fast) for fast in (True, False)}
+        t = timed(runs, 10, 15)  # fast and precise interleaved in one rotation
+        figures = {}
+        for fast, run in runs.items():
+            y = run()
             y = torch.cat(y, dim=1) if isinstance(y, tuple) else y
-            figures[fast] = (sqnr(y, exact), sqnr(y, deq), ms(fp8_call))
+            figures[fast] = (sqnr(y, exact), sqnr(y, deq), t[fast])
         out.append((name, k, figures))
     return out
 

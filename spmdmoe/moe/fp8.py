@@ -30,7 +30,7 @@ GEMM's own accumulation SQNR from 55.5 dB to 48-55 dB (48 at 16k rows per
 expert in wgrad), noise 20 dB weaker than the e4m3 operands' (28.5 dB), so
 each GEMM's total SQNR moves by at most 0.04 dB and the layer's gates keep the
 same 1.5 dB margin (T = 300 and 16k, 1.5k and 4k rows per expert); precise
-accumulation costs 3-45 % more GEMM time.
+accumulation costs 6-33 % more GEMM time.
 
 On CPU, on GPUs
 without sm90 and for dims that are not multiples of 16 the same path runs

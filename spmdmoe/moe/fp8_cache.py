@@ -76,10 +76,11 @@ class Fp8WeightCache:
 
     def _allocate(self, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor) -> None:
         dev = w1_eFD.device
-        self.weights = Fp8Weights(*(torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in _layouts(w1_eFD, w2_eDF)))
+        self.tensors = tuple(torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in _layouts(w1_eFD, w2_eDF))
+        self.weights = Fp8Weights(*self.tensors)
         self.state = new_state(dev)  # nothing stored: the first use quantizes
         if dev.type == "cuda":
-            for t in (*self.weights[:8], self.state):
+            for t in (*self.tensors, self.state):
                 torch._dynamo.mark_static_address(t)
 
     def matches(self, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor) -> bool:
@@ -93,7 +94,7 @@ class Fp8WeightCache:
             if torch.compiler.is_compiling():  # no allocation inside a graph: quantize in it (each call)
                 return quantize_weights(w1_eFD, w2_eDF, w3_eFD)
             self._allocate(w1_eFD, w2_eDF)
-        ready = _refresh(w1_eFD.detach(), w2_eDF.detach(), w3_eFD.detach(), *self.weights[:8], self.state)
+        ready = _refresh(w1_eFD.detach(), w2_eDF.detach(), w3_eFD.detach(), *self.tensors, self.state)
         return self.weights._replace(ready=ready)
 
     def invalidate(self) -> None:
@@ -106,7 +107,7 @@ class Fp8WeightCache:
 
     def nbytes(self) -> int:
         """Persistent bytes: the two e4m3 layouts, their scales and the state."""
-        return sum(t.numel() * t.element_size() for t in (*self.weights[:8], self.state))
+        return sum(t.numel() * t.element_size() for t in (*self.tensors, self.state))
 
 
 @torch.library.custom_op("spmdmoe::fp8_refresh_weights", mutates_args=())
