@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | peer | fp8 | numerics | syncfree | overlap | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 set -uo pipefail
 PART=${1:-all}
@@ -28,13 +28,22 @@ if [ "$PART" = bench ] || [ "$PART" = all ]; then
   timeout 200 torchrun --nproc-per-node 1 benchmarks/moe_layer.py --out "$OUT/bench_moe.md" --profile "$OUT/profile_moe_1gpu.txt" 2>&1 | grep -v "^W1" | tail -3
   [ "$NGPU" -gt 1 ] && timeout 200 torchrun --nproc-per-node "$NGPU" benchmarks/moe_layer.py --out "$OUT/bench_moe.md" --profile "$OUT/profile_moe_ep.txt" 2>&1 | grep -v "^W1" | tail -3
 fi
+if [ -n "${BASE_TAR:-}" ]; then  # an older spmdmoe beside this one (vs_torchtitan.py --base): BASE_TAR=`git archive REV spmdmoe`
+  bash benchmarks/base_copy.sh "$BASE_TAR" /tmp/base_copy && export BASE=/tmp/base_copy
+fi
+if [ "$PART" = profile ] || [ "$PART" = all ]; then
+  echo "== where one step's time and memory go, bf16 and FP8 (benchmarks/profile_step.py)"
+  for S in ${SHAPES:-dsmoe16b qwen3-30b}; do
+    timeout 200 python3 benchmarks/profile_step.py --shape "$S" --out "$OUT/profile_step.md" > "$OUT/log_profile_$S.txt" 2>&1; echo "$S: exit $?"
+  done
+fi
 if [ "$PART" = peer ] || [ "$PART" = all ]; then
   # one run per model shape (benchmarks/shapes.py): bf16 and FP8, eager and compiled, both FP8 weight policies,
   # step memory, the ceiling table; all five shapes, or those in SHAPES (`SHAPES="dsmoe16b" gpu_session.sh peer`)
   echo "== side by side with torchtitan, bf16 and FP8, per model shape"
   python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
   for S in ${SHAPES:-dsmoe16b dsmoe16b-64k qwen3-30b qwen3-235b dsv3-ep8}; do
-    timeout 480 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --shape "$S" --out "$OUT/bench_peer.md" \
+    timeout 480 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --shape "$S" --out "$OUT/bench_peer.md" ${BASE:+--base "$BASE"} \
       > "$OUT/log_peer_$S.txt" 2>&1; echo "$S: exit $?"; grep -v "^W1" "$OUT/log_peer_$S.txt" | tail -3
   done
 fi

@@ -74,6 +74,7 @@ from expert_gemms import gemms, operands
 from shapes import SHAPES, Shape
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.checkpoint import to_torchtitan
+from spmdmoe.moe.fp8 import fp8_wgrad
 from timing import report, timed
 
 Fwd = Callable[[torch.Tensor], torch.Tensor]
@@ -232,14 +233,19 @@ def ceilings(shape: Shape, sizes: list[int], t_bf16: float, t_fp8: dict[str, flo
         lines.append(f"| {name} | {kind} | {a:.3f} | {b:.3f} | {a / b:.2f} | {fl / a / 1e9:.0f} | {fl / b / 1e9:.0f} |")
     sum_bf16 = sum(v for k, v in t.items() if k.endswith("bf16"))
     sum_fp8 = sum(v for k, v in t.items() if k.endswith("fp8"))
+    # FP8 forward and dgrad GEMMs with the weight gradients unquantized (fp8_wgrad="bf16")
+    sum_mixed = sum(v for k, v in t.items() if k.endswith("fp8") != k.startswith("wgrad"))
     bytes_b = 3 * T * D + N * (3 * D + 6 * F) + 4 * (T + 3 * N) + 4 * e * (2 * D + 3 * F)
+    bytes_mixed = 3 * T * D + N * (2 * D + 3 * F) + 4 * (T + 3 * N)  # rowwise x, h, dy, dh13 only
     bytes_a = bytes_b + 12 * e * F * D
     lines += [f"| all six | | {sum_bf16:.3f} | {sum_fp8:.3f} | {sum_bf16 / sum_fp8:.2f} | | |", "",
               "| weights | FP8-only bytes (floor) | their time at copy bandwidth ms | best FP8 step ms | "
               "best FP8 / bf16 (speedup) | measured: ours FP8 eager (b: cached, a: no cache), ms (vs ours bf16 eager) |",
               "|---|---|---|---|---|---|"]
-    for label, nbytes, key in (("cached (b)", bytes_b, "b"), ("quantized every step (a)", bytes_a, "a")):
-        best = t_bf16 - sum_bf16 + sum_fp8 + nbytes / bw / 1e9
+    for label, nbytes, key, gemm_ms in (("cached (b)", bytes_b, "b", sum_fp8),
+                                        ("quantized every step (a)", bytes_a, "a", sum_fp8),
+                                        ("cached (b), wgrad bf16", bytes_mixed, "b bf16 wgrad", sum_mixed)):
+        best = t_bf16 - sum_bf16 + gemm_ms + nbytes / bw / 1e9
         got = t_fp8.get(key)
         measured = f"{got:.3f} ({t_bf16 / got:.2f}x)" if got else "–"
         lines.append(f"| {label} | {nbytes / 2**30:.2f} GiB | {nbytes / bw / 1e9:.3f} | {best:.3f} | "
@@ -272,6 +278,8 @@ def main() -> None:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims, fp32, compile with aot_eager, no timing")
+    ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base`, an older spmdmoe renamed "
+                    "(benchmarks/base_copy.sh): its bf16 layer (eager, compiled) and FP8 layer join the rotation")
     args = ap.parse_args()
     try:
         from torchtitan.distributed.spmd_types import set_spmd_meshes
@@ -308,8 +316,14 @@ def main() -> None:
     torch.manual_seed(0)  # the same full weights on every rank
     state = {k: v.detach().clone() for k, v in MoE(cfg).to(device=device, dtype=dtype).state_dict().items()}
 
-    def ours(precision: str, cache: bool = True) -> torch.nn.Module:
-        m = MoE(dataclasses.replace(cfg, expert_precision=precision)).to(device=device, dtype=dtype)
+    def ours(precision: str, cache: bool = True, lib: Any = None, **extra: Any) -> torch.nn.Module:
+        if lib is None:
+            m = MoE(dataclasses.replace(cfg, expert_precision=precision, **extra)).to(device=device, dtype=dtype)
+        else:  # the older copy: its own config class
+            fields = {f.name for f in dataclasses.fields(lib.MoEConfig)}
+            m = lib.MoE(lib.MoEConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in fields and k != "expert_precision"},
+                                      expert_precision=precision))
+            m = m.to(device=device, dtype=dtype)
         m.load_state_dict(state)
         if not cache:
             m.experts.fp8_cache = None
@@ -362,10 +376,18 @@ def main() -> None:
         else:
             failed[name] = f"does not compile: {err}"
 
+    base = None
+    if args.base:
+        sys.path.insert(0, args.base)
+        import spmdmoe_base.moe as base  # noqa: F811 - the older copy, under its own name and op namespace
     if False in precisions:
         bf16 = ours("bf16")
         cands["spmdmoe bf16 eager"] = Candidate(bf16, bf16, False)
         compiled("spmdmoe bf16 compiled", bf16, False)
+        if base is not None:
+            old = ours("bf16", lib=base)
+            cands["base bf16 eager"] = Candidate(old, old, False)
+            compiled("base bf16 compiled", old, False)
         titan_rows(False)
     if True in precisions:
         cached, changed, uncached = ours("fp8_rowwise"), ours("fp8_rowwise"), ours("fp8_rowwise", cache=False)
@@ -376,6 +398,13 @@ def main() -> None:
         compiled("spmdmoe FP8 compiled, cached (b)", cached, True, cache_gib=gib)
         compiled("spmdmoe FP8 compiled, weights changed every step (a)", changed, True, before=flipper(changed),
                  cache_gib=gib)
+        other = "bf16" if fp8_wgrad(D, F, E // world, dtype) else "fp8"  # the weight-gradient precision "auto" did not pick
+        forced = ours("fp8_rowwise", fp8_wgrad=other)
+        cands[f"spmdmoe FP8 eager, cached (b), wgrad {other}"] = Candidate(forced, forced, True, cache_gib=gib)
+        compiled(f"spmdmoe FP8 compiled, cached (b), wgrad {other}", forced, True, cache_gib=gib)
+        if base is not None:
+            old = ours("fp8_rowwise", lib=base)
+            cands["base FP8 eager, cached (b)"] = Candidate(old, old, True, cache_gib=gib)
         titan_rows(True)
 
     ref_fwd = cands.get("torchtitan bf16 eager", next(iter(cands.values()))).fwd
@@ -412,10 +441,15 @@ def main() -> None:
         head = (f"device: {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}, torchtitan "
                 f"{importlib.metadata.version('torchtitan')}, torchao {importlib.metadata.version('torchao')}, {date}, "
                 f"`torchrun --nproc-per-node {world} {' '.join(sys.argv)}`\n"
-                f"{shape.label()}: D={D} F={F} E={E} K={K} T/rank={T}, EP={world}")
+                f"{shape.label()}: D={D} F={F} E={E} K={K} T/rank={T}, EP={world}; FP8 weight gradients "
+                f"(fp8_wgrad=\"auto\"): {'FP8' if fp8_wgrad(D, F, E // world, dtype) else 'bf16'}")
         text = table(head, T, t, mem, cands, failed, checks)
         if world == 1 and "spmdmoe bf16 eager" in t:
             t_fp8 = {"b": t.get("spmdmoe FP8 eager, cached (b)"), "a": t.get("spmdmoe FP8 eager, no cache (a)")}
+            auto_fp8 = fp8_wgrad(D, F, E, dtype)
+            t_fp8["b bf16 wgrad"] = t_fp8["b"] if not auto_fp8 else t.get("spmdmoe FP8 eager, cached (b), wgrad bf16")
+            if not auto_fp8:  # the pure-FP8 rows' measured figure is the forced-FP8 candidate
+                t_fp8["b"] = t.get("spmdmoe FP8 eager, cached (b), wgrad fp8")
             text += "\n\n" + ceilings(shape, routed_sizes(cands["spmdmoe bf16 eager"].module, x), t["spmdmoe bf16 eager"],
                                       t_fp8, args.iters, args.reps)
         if rank == 0:

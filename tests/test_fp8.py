@@ -35,11 +35,14 @@ def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(10 * torch.log10(b.pow(2).sum() / (a - b).pow(2).sum().clamp(min=1e-300)))
 
 
-def _layers(seed: int = 0):
+WGRADS = ["fp8", "bf16"]  # both weight-gradient precisions of the FP8 layer (MoEConfig.fp8_wgrad)
+
+
+def _layers(seed: int = 0, wgrad: str = "fp8"):
     """The FP8 layer in the test dtype and the same layer in fp64 with its (rounded) weights: a reference
     with other weights would route near-ties differently, which is not FP8's error."""
     torch.manual_seed(seed)
-    fp8 = MoE(FP8_CFG).to(DEVICE, DTYPE)
+    fp8 = MoE(dataclasses.replace(FP8_CFG, fp8_wgrad=wgrad)).to(DEVICE, DTYPE)
     ref = MoE(CFG).to(DEVICE, torch.float64)
     ref.load_state_dict(fp8.state_dict())
     return ref, fp8
@@ -54,9 +57,10 @@ def _step(moe: MoE, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
     return [y.detach(), xi.grad] + [w.grad for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)]
 
 
+@pytest.mark.parametrize("wgrad", WGRADS)
 @pytest.mark.parametrize("T", [16, 300])
-def test_sqnr_against_full_precision(T):
-    ref, fp8 = _layers()
+def test_sqnr_against_full_precision(T, wgrad):
+    ref, fp8 = _layers(wgrad=wgrad)
     gen = torch.Generator().manual_seed(T)
     x = torch.randn(T, D, generator=gen).to(DEVICE, DTYPE).double()  # the same (rounded) input for both
     g = torch.randn(T, D, generator=gen, dtype=torch.float64).to(DEVICE)
@@ -66,14 +70,15 @@ def test_sqnr_against_full_precision(T):
     used = (fp8.tokens_per_expert > 0).nonzero().flatten().tolist()
     per_expert = [min(sqnr(a[i], b[i]) for i in used) for a, b in zip(got[2:], want[2:])]
     names = ["output", "input grad", "w1 grad", "w2 grad", "w3 grad"]
-    print(f"SQNR dB, T={T} on {DEVICE}:", dict(zip(names, [round(f, 1) for f in figures])),
+    print(f"SQNR dB, T={T}, wgrad {wgrad} on {DEVICE}:", dict(zip(names, [round(f, 1) for f in figures])),
           "worst expert:", dict(zip(names[2:], [round(f, 1) for f in per_expert])))
     assert figures[0] >= 22 and figures[1] >= 22, dict(zip(names, figures))
     assert min(per_expert) >= 21, dict(zip(names[2:], per_expert))
 
 
-def test_edge_cases_zero_tokens_idle_experts_one_expert():
-    _, fp8 = _layers()
+@pytest.mark.parametrize("wgrad", WGRADS)
+def test_edge_cases_zero_tokens_idle_experts_one_expert(wgrad):
+    _, fp8 = _layers(wgrad=wgrad)
     # T = 0: empty outputs, zero weight gradients
     out = _step(fp8, torch.zeros(0, D, device=DEVICE), torch.zeros(0, D, device=DEVICE))
     assert out[0].shape == (0, D) and all(torch.equal(w, torch.zeros_like(w)) for w in out[2:])
@@ -90,7 +95,8 @@ def test_edge_cases_zero_tokens_idle_experts_one_expert():
         assert torch.isfinite(dw).all() and (dw[2:] == 0).all() and (dw[:2] != 0).any()
 
 
-def test_capacity_buffer_rows_past_valid_are_never_read():
+@pytest.mark.parametrize("wgrad", WGRADS)
+def test_capacity_buffer_rows_past_valid_are_never_read(wgrad):
     """A capacity-sized buffer with NaN past the device-side valid count: valid rows' output and the
     gradients equal those of the trimmed buffer, bit for bit."""
     _, fp8 = _layers()
@@ -108,7 +114,7 @@ def test_capacity_buffer_rows_past_valid_are_never_read():
         xi = x[:rows].clone().requires_grad_()
         for t in w:
             t.grad = None
-        y = fp8_swiglu(xi, offsets, offsets[-1:], *w, quantize_weights(*w))
+        y = fp8_swiglu(xi, offsets, offsets[-1:], *w, quantize_weights(*w), wgrad)
         y.backward(g[:rows])
         results.append([y[:n], xi.grad[:n]] + [t.grad.clone() for t in w])
     for a, b in zip(*results):
@@ -279,12 +285,13 @@ def test_compiled_fp8_layer_follows_weight_changes():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or not fp8_native(torch.zeros(1, device="cuda"), 16),
                     reason="needs an sm90 GPU")
-def test_native_fp8_gemms_match_the_emulation(monkeypatch):
+@pytest.mark.parametrize("wgrad", WGRADS)
+def test_native_fp8_gemms_match_the_emulation(monkeypatch, wgrad):
     """The scaled grouped GEMMs (fast accumulation) against the emulation's dequantize-and-GEMM on the same
     quantized operands: equal up to fast accumulation, the bf16 rounding of the dequantized operands and of
     the outputs (SQNR >= 30 dB; 35.0 dB measured on an H200). This pins the layouts, notably the wgrad
     scales' (group, column) order: a wrong one scores near 0 dB."""
-    _, fp8 = _layers()
+    _, fp8 = _layers(wgrad=wgrad)
     gen = torch.Generator().manual_seed(11)
     x, g = (torch.randn(500, D, generator=gen).to(DEVICE) for _ in range(2))
     native = _step(fp8, x, g)
@@ -297,14 +304,15 @@ def test_native_fp8_gemms_match_the_emulation(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or not fp8_native(torch.zeros(1, device="cuda"), 16),
                     reason="needs an sm90 GPU")
-def test_fp8_layer_makes_no_host_sync():
+@pytest.mark.parametrize("wgrad", WGRADS)
+def test_fp8_layer_makes_no_host_sync(wgrad):
     """Forward and backward of the FP8 layer under CUDA's sync debug mode "error" (any synchronizing call
     raises): the quantizers, the 16-aligned offsets and the weight cache stay on the device. Also after a
     weight change (the cache rebuilds without a sync)."""
     from spmdmoe.host import host_sync_count
     from spmdmoe.testing import sync_error_mode
 
-    _, fp8 = _layers()
+    _, fp8 = _layers(wgrad=wgrad)
     x = torch.randn(300, D, device=DEVICE, dtype=DTYPE)
     fp8(x).float().sum().backward()  # warm-up: first-time allocations, kernel compilation
     torch.cuda.synchronize()

@@ -45,6 +45,10 @@ class MoEConfig:
             activations' dtype) or ``"fp8_rowwise"`` (e4m3 operands with rowwise
             scales, bf16 master weights and gradients; ``spmdmoe.moe.fp8``). The
             router, shared experts and combine keep the activations' dtype.
+        fp8_wgrad: with ``"fp8_rowwise"``, the weight-gradient GEMMs: ``"auto"`` (default: FP8
+            where it pays, chosen from ``dim`` and ``hidden_dim`` only, never from the token
+            count; ``spmdmoe.moe.fp8.fp8_wgrad``), ``"fp8"`` or ``"bf16"`` (the activations'
+            dtype, on the unquantized operands: the forward and input-gradient GEMMs stay FP8).
 
     >>> MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2).num_experts
     4
@@ -68,6 +72,7 @@ class MoEConfig:
     aux_loss_coeff: Optional[float] = None
     router_dtype: Literal["float32", "input"] = "float32"
     expert_precision: Literal["bf16", "fp8_rowwise"] = "bf16"
+    fp8_wgrad: Literal["auto", "fp8", "bf16"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("dim", "hidden_dim", "num_experts"):
@@ -88,6 +93,8 @@ class MoEConfig:
         if self.expert_precision not in ("bf16", "fp8_rowwise"):
             raise MoEConfigError(
                 f"expert_precision must be 'bf16' or 'fp8_rowwise', found {self.expert_precision!r}")
+        if self.fp8_wgrad not in ("auto", "fp8", "bf16"):
+            raise MoEConfigError(f"fp8_wgrad must be 'auto', 'fp8' or 'bf16', found {self.fp8_wgrad!r}")
         self._check_groups()
 
     def _check_groups(self) -> None:

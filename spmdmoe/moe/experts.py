@@ -36,7 +36,8 @@ class GroupedExperts(nn.Module):
 
     ``grad_axis``: an SP axis the parameters are replicated along (set by
     ``parallelize_moe``); their fresh gradients are summed over it.
-    ``precision``: ``"bf16"`` (the activations' dtype) or ``"fp8_rowwise"`` (``spmdmoe.moe.fp8``; the
+    ``precision``: ``"bf16"`` (the activations' dtype) or ``"fp8_rowwise"`` (``spmdmoe.moe.fp8``; its weight
+    gradients in FP8 or not by ``fp8_wgrad``, ``spmdmoe.moe.fp8.fp8_wgrad``; the
     quantized weights are kept in ``fp8_cache`` until the weights' bytes change, checked on the device
     before every use (``spmdmoe.moe.fp8_cache``); ``fp8_cache = None`` quantizes them every call, as
     ``fully_shard_moe`` sets it).
@@ -45,9 +46,10 @@ class GroupedExperts(nn.Module):
     grad_axis: Optional[MeshAxis] = None
     packing: bool = True  # keep w1 and w3 packed side by side (see pack)
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, precision: str = "bf16"):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, precision: str = "bf16", fp8_wgrad: str = "auto"):
         super().__init__()
         self.precision = precision
+        self.fp8_wgrad = fp8_wgrad
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -101,7 +103,8 @@ class GroupedExperts(nn.Module):
             quantized = (self.fp8_cache.get(*weights) if self.fp8_cache is not None
                          else quantize_weights(*weights))
             assert routed.valid_rows is not None
-            return fp8_swiglu(routed.x_RD, routed.group_offsets, routed.valid_rows, *weights, quantized)
+            return fp8_swiglu(routed.x_RD, routed.group_offsets, routed.valid_rows, *weights, quantized,
+                              self.fp8_wgrad)
         return grouped_swiglu(routed, *weights)
 
 

@@ -52,16 +52,21 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..host import to_host
-from ..kernels import quantize_cols_pair, quantize_rows, quantize_weight_cols, swiglu_backward, swiglu_quant_backward, swiglu_quant_forward
+from ..kernels import quantize_cols_pair, quantize_rows, quantize_weight_cols, swiglu_backward, swiglu_quant_forward
+from ..kernels.fp8_common import FP8
 from .gemm import grouped_mm, up_weights
 
-__all__ = ["FAST_ACCUM", "Fp8Weights", "fp8_native", "fp8_swiglu", "quantize_weights"]
+__all__ = ["FAST_ACCUM", "WGRAD_FP8_MIN", "Fp8Weights", "fp8_native", "fp8_swiglu", "fp8_wgrad", "quantize_weights"]
 
 _scaled = getattr(torch, "_scaled_grouped_mm", None)
 # ``use_fast_accum`` of the scaled GEMMs, per kind: Hopper's FP8 tensor cores accumulate in reduced precision unless
 # the GEMM promotes partial sums to fp32 (``False``: slower). Chosen by measurement (module docstring;
 # ``benchmarks/fp8_numerics.py``, figures in ``benchmarks/RESULTS.md``).
 FAST_ACCUM: dict[str, bool] = {"forward": True, "dgrad": True, "wgrad": True}
+# ``fp8_wgrad="auto"``: the weight gradients run in FP8 where ``D F / (2 D + 3 F)`` (GEMM work per byte the
+# wgrad quantizers move) reaches this; below it the unquantized wgrad GEMMs are faster than FP8 GEMMs plus the
+# per-(group, column) quantizers (measured at every shape preset: module docstring, ``benchmarks/RESULTS.md``).
+WGRAD_FP8_MIN = 600.0
 _grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _warned: list[bool] = [False]
 
@@ -156,90 +161,188 @@ def _emulation_dtype(q: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if q.is_cuda and out_dtype == torch.bfloat16 and _grouped is not None else torch.float32
 
 
-def _native(x_RD: torch.Tensor, F: int) -> bool:
-    return fp8_native(x_RD, x_RD.shape[1], F)
+def _native(t: torch.Tensor, D: int, F: int) -> bool:
+    """One decision for the three nodes: FP8 GEMMs on ``t``'s device for model dim ``D``, hidden ``F``."""
+    return fp8_native(t, D, F)
 
 
-# The experts are two custom ops (forward, backward) tied by ``register_autograd``: opaque to Dynamo and
-# AOTAutograd, so ``torch.compile(fullgraph=True)`` traces them through their fake implementations and runs
-# the real ones as they are. (An ``autograd.Function`` traced into the graph gave zero gradients on CUDA with
-# torch 2.11; this form keeps the numerics of eager and compiled runs identical by construction.)
-@torch.library.custom_op("spmdmoe::fp8_experts", mutates_args=())
-def _fp8_experts(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor,
-                 offsets_e: torch.Tensor, valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor,
-                 down: torch.Tensor, down_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
-                 down_t: torch.Tensor, down_t_s: torch.Tensor, ready: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y_RD, h13_R2F, h_RF)``: the output and the two activations the backward needs (the transposed
-    weights ride along for the backward; ``ready`` orders the op after the cache's refresh, unused)."""
-    native = _native(x_RD, w1_eFD.shape[1])
-    h13_R2F = _mm_rows(*quantize_rows(x_RD, valid), up, up_s, offsets_e, x_RD.dtype, native, "forward")
-    h_RF, hq, sh = swiglu_quant_forward(h13_R2F, valid)  # h for the w2 wgrad, hq for the GEMM
-    return _mm_rows(hq, sh, down, down_s, offsets_e, x_RD.dtype, native, "forward"), h13_R2F, h_RF
+def _wgrad_plain(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Unquantized weight gradient ``out[g] = a[rows of g]^T @ b[rows of g]``, ``(e, A, B)``: torch's grouped
+    GEMM (2-D x 2-D, any group sizes, rows past ``offsets[-1]`` never read) where it runs, else per-group
+    GEMMs in fp32 on the host's group ends (emulation only)."""
+    e = offsets_e.shape[0]
+    if _grouped is not None and a_RA.is_cuda and a_RA.dtype == torch.bfloat16 == b_RB.dtype and \
+            (a_RA.shape[1] * 2) % 16 == 0 and (b_RB.shape[1] * 2) % 16 == 0:
+        return _grouped(a_RA.t(), b_RB, offs=offsets_e).to(out_dtype)
+    a, b = a_RA.to(torch.float32), b_RB.to(torch.float32)
+    ends = to_host(offsets_e)  # emulation only (CPU, or fp32 on CUDA): the op runs eagerly, also when compiled
+    starts = [0, *ends[:-1]]
+    out = torch.stack([a[s:t].t() @ b[s:t] for s, t in zip(starts, ends)]) if e else \
+        a.new_zeros((0, a.shape[1], b.shape[1]))
+    return out.to(out_dtype)
 
 
-@_fp8_experts.register_fake
-def _(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, *quantized):  # type: ignore[no-untyped-def]
-    R, F = x_RD.shape[0], w1_eFD.shape[1]
-    return x_RD.new_empty(x_RD.shape), x_RD.new_empty((R, 2 * F)), x_RD.new_empty((R, F))
+def fp8_wgrad(D: int, F: int, e: int, dtype: torch.dtype, setting: str = "auto") -> bool:
+    """Whether the weight-gradient GEMMs run in FP8 (``setting`` ``"auto"``: by :data:`WGRAD_FP8_MIN`; else
+    ``"fp8"`` / ``"bf16"``). A function of the layer's shape only, never of the token count: one graph,
+    no host sync, for every T. ``e`` and ``dtype`` are part of the rule's signature (measured at the
+    shapes of ``benchmarks/shapes.py``; the rule found no use for them so far)."""
+    if setting != "auto":
+        return setting == "fp8"
+    return D * F / (2 * D + 3 * F) >= WGRAD_FP8_MIN
 
 
-@torch.library.custom_op("spmdmoe::fp8_experts_backward", mutates_args=())
-def _fp8_experts_backward(g_RD: torch.Tensor, x_RD: torch.Tensor, h13_R2F: torch.Tensor, h_RF: torch.Tensor,
-                          offsets_e: torch.Tensor, valid: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
-                          down_t: torch.Tensor, down_t_s: torch.Tensor, w_dtype: torch.dtype,
-                          need_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx_RD, dw1_eFD, dw2_eDF, dw3_eFD)``; ``dx`` empty when not ``need_dx``."""
-    F = h_RF.shape[1]
-    native = _native(x_RD, F)
+def _wgrad(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, out_dtype: torch.dtype, native: bool,
+           in_fp8: bool, split: int = 0) -> tuple[torch.Tensor, ...]:
+    """``a^T @ b`` per group, in FP8 (both operands quantized per (group, column) by one launch) or
+    unquantized; ``split`` > 0: as two gradients, ``a``'s columns ``[0, split)`` and ``[split, A)``."""
+    if in_fp8:
+        qa, qb, sa, sb, padded_e = quantize_cols_pair(a_RA, b_RB, offsets_e)
+        parts = [(0, a_RA.shape[1])] if not split else [(0, split), (split, a_RA.shape[1])]
+        return tuple(_mm_groups(qa[i:j], qb, sa[:, i:j].contiguous(), sb, padded_e, out_dtype, native)
+                     for i, j in parts)
+    if not split:
+        return (_wgrad_plain(a_RA, b_RB, offsets_e, out_dtype),)
+    return (_wgrad_plain(a_RA[:, :split], b_RB, offsets_e, out_dtype),
+            _wgrad_plain(a_RA[:, split:], b_RB, offsets_e, out_dtype))
+
+
+# The experts are three autograd nodes, as the bf16 experts are (up-projection, SwiGLU, down-projection),
+# so that each frees what it saved as soon as its backward is done: the step peak is the bf16 layer's.
+# Each node is a pair of custom ops (forward, backward) tied by ``register_autograd``: opaque to Dynamo
+# and AOTAutograd, so ``torch.compile(fullgraph=True)`` traces them through their fake implementations and
+# runs the real ones as they are. (An ``autograd.Function`` traced into the graph gave zero gradients on
+# CUDA with torch 2.11; this form keeps the numerics of eager and compiled runs identical by construction.)
+# ``ready`` (the weight cache's refresh token) orders the GEMMs after the refresh; it is not read.
+@torch.library.custom_op("spmdmoe::fp8_up", mutates_args=())
+def _fp8_up(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w3_eFD: torch.Tensor, offsets_e: torch.Tensor,
+            valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
+            ready: torch.Tensor, wgrad_fp8: bool) -> torch.Tensor:
+    """``h13_R2F = x @ [w1 | w3]^T`` per group, ``x`` quantized per row (``up_t`` rides along for the backward)."""
+    native = _native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
+    return _mm_rows(*quantize_rows(x_RD, valid), up, up_s, offsets_e, x_RD.dtype, native, "forward")
+
+
+@_fp8_up.register_fake
+def _(x_RD, w1_eFD, w3_eFD, *rest):  # type: ignore[no-untyped-def]
+    return x_RD.new_empty((x_RD.shape[0], 2 * w1_eFD.shape[1]))
+
+
+@torch.library.custom_op("spmdmoe::fp8_up_backward", mutates_args=())
+def _fp8_up_backward(g13_R2F: torch.Tensor, x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
+                     up_t: torch.Tensor, up_t_s: torch.Tensor, w_dtype: torch.dtype, need_dx: bool,
+                     wgrad_fp8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx_RD, dw1_eFD, dw3_eFD)``; ``dx`` empty when not ``need_dx``."""
+    F = g13_R2F.shape[1] // 2
+    native = _native(x_RD, x_RD.shape[1], F)
+    g13_R2F = g13_R2F.contiguous()
+    dx = g13_R2F.new_empty((0, x_RD.shape[1]))
+    if need_dx:
+        dx = _mm_rows(*quantize_rows(g13_R2F, valid), up_t, up_t_s, offsets_e, g13_R2F.dtype, native, "dgrad")
+    dw1, dw3 = _wgrad(g13_R2F, x_RD, offsets_e, w_dtype, native, wgrad_fp8, split=F)
+    return dx, dw1, dw3
+
+
+@_fp8_up_backward.register_fake
+def _(g13_R2F, x_RD, offsets_e, valid, up_t, up_t_s, w_dtype, need_dx, wgrad_fp8):  # type: ignore[no-untyped-def]
+    (R, D), F, e = x_RD.shape, g13_R2F.shape[1] // 2, offsets_e.shape[0]
+    return (g13_R2F.new_empty((R if need_dx else 0, D)), g13_R2F.new_empty((e, F, D), dtype=w_dtype),
+            g13_R2F.new_empty((e, F, D), dtype=w_dtype))
+
+
+def _up_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x_RD, w1_eFD, _, offsets_e, valid, _, _, up_t, up_t_s, _, wgrad_fp8 = inputs
+    ctx.w_dtype, ctx.wgrad_fp8 = w1_eFD.dtype, wgrad_fp8
+    ctx.save_for_backward(x_RD, offsets_e, valid, up_t, up_t_s)
+
+
+def _up_grad(ctx: Any, g13_R2F: torch.Tensor) -> tuple:
+    dx, dw1, dw3 = _fp8_up_backward(g13_R2F, *ctx.saved_tensors, ctx.w_dtype, ctx.needs_input_grad[0], ctx.wgrad_fp8)
+    return (dx if ctx.needs_input_grad[0] else None, dw1, dw3) + (None,) * 8
+
+
+_fp8_up.register_autograd(_up_grad, setup_context=_up_setup)
+
+
+@torch.library.custom_op("spmdmoe::fp8_swiglu", mutates_args=())
+def _fp8_swiglu(h13_R2F: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h_RF, hq_RF, hs_R)``: the SwiGLU and the rowwise e4m3 of it (one kernel); only ``h`` has a gradient."""
+    return swiglu_quant_forward(h13_R2F, valid)
+
+
+@_fp8_swiglu.register_fake
+def _(h13_R2F, valid):  # type: ignore[no-untyped-def]
+    R, F = h13_R2F.shape[0], h13_R2F.shape[1] // 2
+    return (h13_R2F.new_empty((R, F)), h13_R2F.new_empty((R, F), dtype=FP8),
+            h13_R2F.new_empty((R,), dtype=torch.float32))
+
+
+def _swiglu_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grad(ctx: Any, g_RF: torch.Tensor, _gq: Any, _gs: Any) -> tuple:
+    h13_R2F, valid = ctx.saved_tensors
+    return swiglu_backward(g_RF.contiguous(), h13_R2F, valid), None
+
+
+_fp8_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
+@torch.library.custom_op("spmdmoe::fp8_down", mutates_args=())
+def _fp8_down(h_RF: torch.Tensor, hq_RF: torch.Tensor, hs_R: torch.Tensor, w2_eDF: torch.Tensor,
+              offsets_e: torch.Tensor, valid: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, down_t: torch.Tensor,
+              down_t_s: torch.Tensor, ready: torch.Tensor, wgrad_fp8: bool) -> torch.Tensor:
+    """``y_RD = h @ w2^T`` per group on ``h``'s rowwise e4m3 ``(hq, hs)`` (``h`` itself: for the backward)."""
+    native = _native(h_RF, w2_eDF.shape[1], h_RF.shape[1])
+    return _mm_rows(hq_RF, hs_R, down, down_s, offsets_e, h_RF.dtype, native, "forward")
+
+
+@_fp8_down.register_fake
+def _(h_RF, hq_RF, hs_R, w2_eDF, *rest):  # type: ignore[no-untyped-def]
+    return h_RF.new_empty((h_RF.shape[0], w2_eDF.shape[1]))
+
+
+@torch.library.custom_op("spmdmoe::fp8_down_backward", mutates_args=())
+def _fp8_down_backward(g_RD: torch.Tensor, h_RF: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
+                       down_t: torch.Tensor, down_t_s: torch.Tensor, w_dtype: torch.dtype,
+                       wgrad_fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dh_RF, dw2_eDF)``."""
+    native = _native(g_RD, g_RD.shape[1], h_RF.shape[1])
     g_RD = g_RD.contiguous()
-    # each temporary goes as soon as its GEMM is done (the peak is the step's peak)
     dh_RF = _mm_rows(*quantize_rows(g_RD, valid), down_t, down_t_s, offsets_e, g_RD.dtype, native, "dgrad")
-    dx = g_RD.new_empty((0, x_RD.shape[1]))
-    if need_dx:  # dh13 for the up-projection's wgrad, its rowwise e4m3 for the dgrad GEMM
-        dh13_R2F, dq, sd = swiglu_quant_backward(dh_RF, h13_R2F, valid)
-        del dh_RF
-        dx = _mm_rows(dq, sd, up_t, up_t_s, offsets_e, g_RD.dtype, native, "dgrad")
-        del dq
-    else:
-        dh13_R2F = swiglu_backward(dh_RF, h13_R2F, valid)
-        del dh_RF
-    # wgrad: both operands of each GEMM quantized per (group, column) by one launch, 16-aligned
-    dw2 = _mm_groups(*quantize_cols_pair(g_RD, h_RF, offsets_e), w_dtype, native)
-    q13, qx, s13, sx_eD, padded_e = quantize_cols_pair(dh13_R2F, x_RD, offsets_e)
-    del dh13_R2F
-    dw1 = _mm_groups(q13[:F], qx, s13[:, :F].contiguous(), sx_eD, padded_e, w_dtype, native)
-    dw3 = _mm_groups(q13[F:], qx, s13[:, F:].contiguous(), sx_eD, padded_e, w_dtype, native)
-    return dx, dw1, dw2, dw3
+    (dw2,) = _wgrad(g_RD, h_RF, offsets_e, w_dtype, native, wgrad_fp8)
+    return dh_RF, dw2
 
 
-@_fp8_experts_backward.register_fake
-def _(g_RD, x_RD, h13_R2F, h_RF, offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_dtype, need_dx):  # type: ignore[no-untyped-def]
-    (R, D), F, e = x_RD.shape, h_RF.shape[1], offsets_e.shape[0]
-    dx = g_RD.new_empty((R if need_dx else 0, D))
-    return (dx, g_RD.new_empty((e, F, D), dtype=w_dtype), g_RD.new_empty((e, D, F), dtype=w_dtype),
-            g_RD.new_empty((e, F, D), dtype=w_dtype))
+@_fp8_down_backward.register_fake
+def _(g_RD, h_RF, offsets_e, valid, down_t, down_t_s, w_dtype, wgrad_fp8):  # type: ignore[no-untyped-def]
+    return h_RF.new_empty(h_RF.shape), g_RD.new_empty((offsets_e.shape[0], g_RD.shape[1], h_RF.shape[1]), dtype=w_dtype)
 
 
-def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x_RD, w1_eFD, _, _, offsets_e, valid = inputs[:6]
-    _, h13_R2F, h_RF = output
-    ctx.w_dtype = w1_eFD.dtype
-    ctx.save_for_backward(x_RD, h13_R2F, h_RF, offsets_e, valid, *inputs[10:14])
+def _down_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    h_RF, _, _, w2_eDF, offsets_e, valid, _, _, down_t, down_t_s, _, wgrad_fp8 = inputs
+    ctx.w_dtype, ctx.wgrad_fp8 = w2_eDF.dtype, wgrad_fp8
+    ctx.save_for_backward(h_RF, offsets_e, valid, down_t, down_t_s)
 
 
-def _backward(ctx: Any, g_RD: torch.Tensor, _g13: Any, _gh: Any) -> tuple:
-    dx, dw1, dw2, dw3 = _fp8_experts_backward(g_RD, *ctx.saved_tensors, ctx.w_dtype, ctx.needs_input_grad[0])
-    return (dx if ctx.needs_input_grad[0] else None, dw1, dw2, dw3) + (None,) * 11
+def _down_grad(ctx: Any, g_RD: torch.Tensor) -> tuple:
+    dh, dw2 = _fp8_down_backward(g_RD, *ctx.saved_tensors, ctx.w_dtype, ctx.wgrad_fp8)
+    return (dh, None, None, dw2) + (None,) * 8
 
 
-_fp8_experts.register_autograd(_backward, setup_context=_setup)
+_fp8_down.register_autograd(_down_grad, setup_context=_down_setup)
 
 
 def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, w1_eFD: torch.Tensor,
-               w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights) -> torch.Tensor:
+               w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights, wgrad: str = "auto") -> torch.Tensor:
     """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
-    ``quantized``: the weights' FP8 copies (``Fp8WeightCache.get`` or :func:`quantize_weights`)."""
+    ``quantized``: the weights' FP8 copies (``Fp8WeightCache.get`` or :func:`quantize_weights`); ``wgrad``:
+    ``"auto"``, ``"fp8"`` or ``"bf16"`` (:func:`fp8_wgrad`)."""
     q = quantized
     ready = q.ready if q.ready is not None else x_RD.new_empty(0)
-    return _fp8_experts(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, q.up, q.up_s, q.down, q.down_s,
-                        q.up_t, q.up_t_s, q.down_t, q.down_t_s, ready)[0]
+    in_fp8 = fp8_wgrad(x_RD.shape[1], w1_eFD.shape[1], w1_eFD.shape[0], x_RD.dtype, wgrad)
+    h13_R2F = _fp8_up(x_RD, w1_eFD, w3_eFD, offsets_e, valid, q.up, q.up_s, q.up_t, q.up_t_s, ready, in_fp8)
+    h_RF, hq_RF, hs_R = _fp8_swiglu(h13_R2F, valid)
+    return _fp8_down(h_RF, hq_RF, hs_R, w2_eDF, offsets_e, valid, q.down, q.down_s, q.down_t, q.down_t_s, ready,
+                     in_fp8)

@@ -210,7 +210,8 @@ class MoE(_Layer):
             if config.num_shared_experts
             else None
         )
-        experts = GroupedExperts(config.num_experts, config.dim, config.hidden_dim, config.expert_precision)
+        experts = GroupedExperts(config.num_experts, config.dim, config.hidden_dim, config.expert_precision,
+                                 config.fp8_wgrad)
         self._build(config, Router(config), experts, shared, torch.zeros(config.num_experts, dtype=torch.float32))
         self.expert_slice, self.hidden_slice = slice(0, config.num_experts), slice(0, config.hidden_dim)
         self.transport = LocalTransport(config.num_experts)

@@ -195,7 +195,7 @@ class ParallelMoE(_Layer):
             hidden = slice(0, cfg.hidden_dim)
         src = moe.experts
         with torch.device("meta" if src.w1.is_meta else "cpu"):  # a meta layer's shards: never allocated here
-            experts = GroupedExperts(e, cfg.dim, hidden.stop - hidden.start, cfg.expert_precision)
+            experts = GroupedExperts(e, cfg.dim, hidden.stop - hidden.start, cfg.expert_precision, cfg.fp8_wgrad)
         experts = experts.to(device=src.w1.device, dtype=src.w1.dtype)
         if not src.w1.is_meta:
             with torch.no_grad():
