@@ -56,7 +56,7 @@ def operands(D: int, F: int, sizes: list[int], device: str, seed: int = 0) -> Op
     h13 = _grouped(x, w13.transpose(1, 2), offs=offs)
     h = swiglu_forward(h13, valid)
     dy = (torch.randn(R, D, device=device, generator=gen) * 1e-3).to(bf)
-    dh13 = swiglu_backward(_grouped(dy, w2, offs=offs), h13, valid)
+    dh13 = swiglu_backward(_grouped(dy, w2, offs=offs), h13, valid)[0]
     rows = {name: quantize_rows(t) for name, t in (("x", x), ("h", h), ("dy", dy), ("dh13", dh13))}
     cols = {"dy, h": quantize_cols_pair(dy, h, offs), "dh13, x": quantize_cols_pair(dh13, x, offs)}
     return Operands(offs, w1, w2, w3, w13, x, h13, h, dy, dh13, quantize_weights(w1, w2, w3), rows, cols)

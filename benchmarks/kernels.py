@@ -59,6 +59,7 @@ def main() -> None:
     h13 = torch.randn(N, 2 * F, device=dev, dtype=bf)
     gh = torch.randn(N, F, device=dev, dtype=bf)
     valid = torch.tensor([N], device=dev, dtype=torch.int32)
+    wN = torch.rand(N, device=dev)
     e = 2  # bytes per bf16 element
     cases = {  # name: (triton, reference, bytes)
         "dispatch fan-out": (lambda: fo.fan_out_triton(x, pos, N), lambda: fo.fan_out_reference(x, pos, N), (T + N) * D * e),
@@ -69,6 +70,12 @@ def main() -> None:
         "SwiGLU forward": (lambda: sw.swiglu_forward_triton(h13, valid), lambda: sw.swiglu_forward_reference(h13, valid), 3 * N * F * e),
         "SwiGLU backward": (lambda: sw.swiglu_backward_triton(gh, h13, valid),
                             lambda: sw.swiglu_backward_reference(gh, h13, valid), 5 * N * F * e),
+        "SwiGLU backward, routing weights folded (+ row dots)": (
+            lambda: sw.swiglu_backward_triton(gh, h13, valid, wN), lambda: sw.swiglu_backward_reference(gh, h13, valid, wN),
+            5 * N * F * e + 8 * N),
+        "dispatch fan-out + FP8 rows, quantized once per token": (
+            lambda: fo.fan_out_fp8_triton(x, pos, N), lambda: fo.fan_out_fp8_reference(x, pos, N),
+            T * D * e + N * D * (e + 1) + 4 * N),
     }
     E = 64
     sizes = torch.distributions.Multinomial(N, torch.ones(E)).sample().to(torch.int64)
@@ -83,9 +90,6 @@ def main() -> None:
     cases["SwiGLU forward + FP8 rows of h (fused)"] = (
         lambda: sq.swiglu_quant_forward_triton(h13, valid), lambda: sq.swiglu_quant_forward_reference(h13, valid),
         N * F * 7 + N * 4)
-    cases["SwiGLU backward + FP8 rows of dh13 (fused)"] = (
-        lambda: sq.swiglu_quant_backward_triton(gh, h13, valid),
-        lambda: sq.swiglu_quant_backward_reference(gh, h13, valid), N * F * 12 + N * 4)
     from spmdmoe.moe.fp8 import quantize_weights
     w13 = torch.randn(E, 2 * F, D, device=dev, dtype=bf)
     w2 = torch.randn(E, D, F, device=dev, dtype=bf)
@@ -117,8 +121,8 @@ def main() -> None:
     unfused = {
         "FP8 weights, both layouts of [w1|w3] and w2 (E=64)": weights_by_copies,
         "SwiGLU forward + FP8 rows of h (fused)": lambda: fr.quantize_rows_triton(sw.swiglu_forward_triton(h13, valid), valid),
-        "SwiGLU backward + FP8 rows of dh13 (fused)": lambda: fr.quantize_rows_triton(
-            sw.swiglu_backward_triton(gh, h13, valid), valid)}
+        "dispatch fan-out + FP8 rows, quantized once per token": lambda: fr.quantize_rows_triton(
+            fo.fan_out_triton(x, pos, N)[0], valid)}
     torchao = {}
     try:
         from torchao.prototype.moe_training.kernels.float8_rowwise import triton_fp8_rowwise_2d_scale_and_cast
@@ -171,8 +175,8 @@ def sweep(cases, args) -> None:
                                                 "num_warps": [4, 8, 16]}),
         fc: ("FP8 dual colwise, 16-aligned (N x D, N x F)", {"block_r": [32, 64, 128, 256], "block_c": [32, 64, 128],
                                                              "num_warps": [2, 4, 8, 16]}),
-        sq: ("SwiGLU backward + FP8 rows of dh13 (fused)", {"block_r": [1, 2, 4], "max_block_f": [512, 2048],
-                                                            "num_warps": [4, 8]}),
+        sq: ("SwiGLU forward + FP8 rows of h (fused)", {"block_r": [1, 2, 4, 8], "max_block_f": [512, 1024, 2048],
+                                                        "num_warps": [4, 8, 16]}),
         fg: ("fingerprint of the expert weights ([w1|w3], w2; E=64)", {"block": [1024, 2048, 4096, 8192],
                                                                        "programs_per_sm": [2, 4, 8],
                                                                        "num_warps": [4, 8, 16]}),

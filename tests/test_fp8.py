@@ -323,3 +323,29 @@ def test_fp8_layer_makes_no_host_sync(wgrad):
         with torch.no_grad():
             fp8.experts.w1.add_(1e-3)  # the next forward quantizes the weights again
     assert host_sync_count() == before
+
+
+@pytest.mark.parametrize("wgrad", WGRADS)
+def test_quantizing_before_the_fan_out_changes_no_bit(monkeypatch, wgrad):
+    """The local dispatch quantizes each token once and fans out its e4m3 row with it
+    (``RoutedTokens.fp8_rows``); the layer's output and every gradient equal, bit for bit, those of the
+    same layer whose experts quantize the K fanned-out copies themselves."""
+    from spmdmoe.moe.dispatch import LocalTransport
+
+    _, fp8 = _layers(wgrad=wgrad)
+    gen = torch.Generator().manual_seed(21)
+    x, g = (torch.randn(300, D, generator=gen).to(DEVICE) for _ in range(2))
+    seen = []
+    real = LocalTransport.dispatch
+
+    def spy(self, *args, **kwargs):
+        routed = real(self, *args, **kwargs)
+        seen.append(routed.fp8_rows is not None)
+        return routed
+    monkeypatch.setattr(LocalTransport, "dispatch", spy)
+    once = _step(fp8, x, g)
+    monkeypatch.setattr(LocalTransport, "dispatch", lambda self, *a, **k: real(self, *a, **{**k, "fp8_rows": False}))
+    per_copy = _step(fp8, x, g)
+    assert seen == [True], "the FP8 layer asks its local dispatch for e4m3 rows"
+    for a, b in zip(once, per_copy):
+        assert torch.equal(a, b)

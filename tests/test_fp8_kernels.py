@@ -116,33 +116,34 @@ def test_cols_pair_scales_are_per_group():
         assert torch.equal(sa[1], torch.full((4,), 1.0 / 448, device=DEVICE))
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("R,F,valid,block", [(9, 24, 6, None), (5, 7, 5, None), (4, 16, 0, None), (0, 8, 0, None),
                                              (11, 40, 9, 16), (6, 1408 if DEVICE == "cuda" else 48, 5, None)])
-def test_swiglu_quant(R, F, valid, block, dtype, monkeypatch):
+def test_swiglu_quant(R, F, valid, block, dtype, weighted, monkeypatch):
     """The fused SwiGLU + rowwise quantizer equals the SwiGLU kernel followed by the rowwise quantizer, bit
-    for bit (``block``: rows wider than one tile, the recomputing path), and its reference likewise."""
+    for bit (``block``: rows wider than one tile, the recomputing path; ``weighted``: the routing weights
+    folded in, a zero weight among them), and its reference likewise."""
     from spmdmoe.kernels import swiglu_fp8
     if block is not None:
         monkeypatch.setitem(swiglu_fp8.CONFIG, "max_block_f", block)
     gen = torch.Generator().manual_seed(R * 131 + F + valid)
     h13 = _rows_input(R, 2 * F, dtype, gen)
-    g = _rows_input(R, F, dtype, gen)
-    h13[valid:], g[valid:] = float("nan"), float("nan")  # past the device-side count: never read
+    h13[valid:] = float("nan")  # past the device-side count: never read
     count = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
+    w = None
+    if weighted:
+        w = torch.rand(R, generator=gen).to(DEVICE)
+        w[::3] = 0.0
+        w[valid:] = float("nan")
     # (fused, the SwiGLU alone, the rowwise quantizer): kernels with kernels, references with references
-    cases = {("forward", "kernel"): (K.swiglu_quant_forward_triton, K.swiglu_forward_triton, K.quantize_rows_triton),
-             ("forward", "reference"): (K.swiglu_quant_forward_reference, K.swiglu_forward_reference,
-                                        K.quantize_rows_reference),
-             ("backward", "kernel"): (K.swiglu_quant_backward_triton, K.swiglu_backward_triton, K.quantize_rows_triton),
-             ("backward", "reference"): (K.swiglu_quant_backward_reference, K.swiglu_backward_reference,
-                                         K.quantize_rows_reference)}
-    for (way, impl), (fused, swiglu, quantize) in cases.items():
-        args = (h13, count) if way == "forward" else (g, h13, count)
-        got = fused(*args)
-        out = swiglu(*args)
+    cases = {"kernel": (K.swiglu_quant_forward_triton, K.swiglu_forward_triton, K.quantize_rows_triton),
+             "reference": (K.swiglu_quant_forward_reference, K.swiglu_forward_reference, K.quantize_rows_reference)}
+    for impl, (fused, swiglu, quantize) in cases.items():
+        got = fused(h13, count, w)
+        out = swiglu(h13, count, w)
         want = (out, *quantize(out, count))
-        _assert_equal([t[:valid] for t in got], [t[:valid] for t in want], f"{way} {impl}")
+        _assert_equal([t[:valid] for t in got], [t[:valid] for t in want], f"forward {impl}")
         assert torch.isfinite(got[2][:valid]).all() and (got[2][:valid] > 0).all()
 
 
@@ -232,3 +233,20 @@ def test_fingerprint_kernel_matches_reference_and_sees_every_change(dtype, shape
     if len(ts) > 1 and ts[0].shape == ts[-1].shape:
         assert verdict(ts[::-1]) == 1, "the same tensors in another order"
     assert int(states[K.fingerprint_triton][K.fingerprint.COUNT]) >= 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S,J,D", [(7, 3, 33), (5, 2, 5000), (0, 2, 8), (9, 1, 16)] +
+                         ([(1031, 6, 2048)] if DEVICE == "cuda" else []))
+def test_fan_out_fp8_quantizes_once_per_source_row(S, J, D, dtype):
+    """The dispatch's fan-out with the rowwise e4m3 of each source row written into its ``J`` slots: kernel
+    and reference bit for bit, and both bit for bit what the rowwise quantizer makes of the copies (quantizing
+    once per token before the fan-out changes no bit)."""
+    gen = torch.Generator().manual_seed(S * 31 + D)
+    x = _rows_input(S, D, dtype, gen)
+    index = torch.randperm(S * J, generator=gen).view(S, J).to(DEVICE)
+    got = K.fan_out_fp8_triton(x, index, S * J)
+    want = K.fan_out_fp8_reference(x, index, S * J)
+    _assert_equal(got, want, "fan_out_fp8")
+    _assert_equal(got[0:1], K.fan_out_reference(x, index, S * J)[:1], "the copies")
+    _assert_equal(got[1:], K.quantize_rows_reference(got[0]), "quantized once per source row")

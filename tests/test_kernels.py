@@ -77,28 +77,44 @@ def test_gather_sum_ignores_unnamed_rows(S, J, D, dtype, weighted):
     torch.testing.assert_close(got.double(), exact.to(dtype).double(), **_ulp(dtype))
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("R,F,valid", [(9, 24, 6), (5, 7, 5), (4, 16, 0), (0, 8, 0), (17, 1408 if DEVICE == "cuda" else 40, 13)])
-def test_swiglu_valid_rows_only(R, F, valid, dtype):
+@pytest.mark.parametrize("R,F,valid", [(9, 24, 6), (5, 7, 5), (4, 16, 0), (0, 8, 0), (17, 1408 if DEVICE == "cuda" else 40, 13),
+                                       (6, 1100, 5)])
+def test_swiglu_valid_rows_only(R, F, valid, dtype, weighted):
+    """Kernel vs reference, and the reference vs torch's SwiGLU and its autograd in fp64; ``weighted``: the
+    combine's routing weights folded in (``w * silu(h1) * h3``, a zero weight among them), whose gradient
+    is the row dot with the unweighted SwiGLU (F = 1100: several column blocks of the dot)."""
     gen = torch.Generator().manual_seed(R * 31 + F + valid)
     h13 = torch.randn(R, 2 * F, generator=gen).to(DEVICE, dtype)
     g = torch.randn(R, F, generator=gen).to(DEVICE, dtype)
     h13[valid:] = float("nan")  # past the device-side count: never read
     g[valid:] = float("nan")
     count = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
-    got = K.swiglu_forward_triton(h13, count)[:valid]
-    want = K.swiglu_forward_reference(h13, count)
+    w = None
+    if weighted:
+        w = torch.rand(R, generator=gen, dtype=torch.float32).to(DEVICE)
+        w[::4] = 0.0
+        w[valid:] = float("nan")
+    got = K.swiglu_forward_triton(h13, count, w)[:valid]
+    want = K.swiglu_forward_reference(h13, count, w)
     assert torch.isfinite(want).all() and (want[valid:] == 0).all()
     torch.testing.assert_close(got, want[:valid], **_ulp(dtype))
-    d13 = K.swiglu_backward_triton(g, h13, count)
-    r13 = K.swiglu_backward_reference(g, h13, count)
+    d13, dw = K.swiglu_backward_triton(g, h13, count, w)
+    r13, rw = K.swiglu_backward_reference(g, h13, count, w)
     torch.testing.assert_close(d13[:valid], r13[:valid], **_ulp(dtype))
     # the reference is torch's own SwiGLU and its autograd on the valid rows
     a, b = (t.double().requires_grad_() for t in h13[:valid].chunk(2, dim=1))
-    out = torch.nn.functional.silu(a) * b
+    wd = (w[:valid].double() if weighted else torch.ones(valid, dtype=torch.float64, device=DEVICE)).requires_grad_()
+    out = torch.nn.functional.silu(a) * b * wd[:, None]
     out.backward(g[:valid].double())
     torch.testing.assert_close(want[:valid].double(), out.detach().to(dtype).double(), **_ulp(dtype))
     torch.testing.assert_close(r13[:valid].double(), torch.cat([a.grad, b.grad], 1).to(dtype).double(), **_ulp(dtype))
+    if weighted:  # fp32 row dots: kernel against reference, and against fp64 autograd
+        torch.testing.assert_close(dw[:valid], rw[:valid].float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rw[:valid].double(), wd.grad, rtol=1e-4, atol=1e-4)
+    else:
+        assert dw.numel() == 0 and rw.numel() == 0
 
 
 def test_dispatch_picks_reference_off_cuda():

@@ -32,18 +32,31 @@ from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
+from .fp8_common import EPS_C, FP8, FP8_MAX_C, round_e4m3
+from .fp8_rows import quantize_rows_reference
 
-__all__ = ["fan_out", "fan_out_reference", "fan_out_triton"]
+__all__ = ["fan_out", "fan_out_fp8", "fan_out_fp8_reference", "fan_out_fp8_triton", "fan_out_reference",
+           "fan_out_triton"]
 
 
 @triton.jit
 def _fan_out_kernel(
-    src_ptr, index_ptr, w_ptr, other_ptr, out_ptr, dots_ptr, D, stride_src, stride_other, stride_out,
-    J: tl.constexpr, HAS_W: tl.constexpr, HAS_DOT: tl.constexpr, BLOCK_D: tl.constexpr,
+    src_ptr, index_ptr, w_ptr, other_ptr, out_ptr, dots_ptr, q_ptr, qs_ptr, D, stride_src, stride_other, stride_out,
+    J: tl.constexpr, HAS_W: tl.constexpr, HAS_DOT: tl.constexpr, QUANT: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
+    if QUANT:  # the source row's amax first (its second read comes from L1/L2), then K copies of its e4m3
+        amax = tl.full([], EPS_C, tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs = d0 + tl.arange(0, BLOCK_D)
+            v = tl.load(src_ptr + s * stride_src + offs, mask=offs < D, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+        inv = tl.math.div_rn(tl.full([], FP8_MAX_C, tl.float32), amax)
+        scale = tl.math.div_rn(amax, tl.full([], FP8_MAX_C, tl.float32))
     for j in tl.static_range(J):
         r = tl.load(index_ptr + s * J + j).to(tl.int64)
+        if QUANT:
+            tl.store(qs_ptr + r, scale)
         if HAS_W:
             w = tl.load(w_ptr + s * J + j).to(tl.float32)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -55,6 +68,9 @@ def _fan_out_kernel(
                 tl.store(out_ptr + r * stride_out + offs, (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty), mask=m)
             else:
                 tl.store(out_ptr + r * stride_out + offs, v, mask=m)
+            if QUANT:
+                q = round_e4m3(tl.clamp(v.to(tl.float32) * inv, -FP8_MAX_C, FP8_MAX_C))
+                tl.store(q_ptr + r * D + offs, q.to(q_ptr.dtype.element_ty), mask=m)
             if HAS_DOT:
                 y = tl.load(other_ptr + r * stride_other + offs, mask=m, other=0.0)
                 acc += v.to(tl.float32) * y.to(tl.float32)
@@ -92,10 +108,54 @@ def fan_out_triton(
     other = other_RD.contiguous() if other_RD is not None else src_SD
     if S > 0 and D > 0:
         wrap_triton(_fan_out_kernel)[(S,)](
-            src_SD, index_SJ, w, other, out_RD, dots_SJ, D, src_SD.stride(0), other.stride(0), out_RD.stride(0),
-            J=J, HAS_W=weights_SJ is not None, HAS_DOT=other_RD is not None, BLOCK_D=_block_d(D), num_warps=CONFIG["num_warps"],
+            src_SD, index_SJ, w, other, out_RD, dots_SJ, out_RD, dots_SJ, D, src_SD.stride(0), other.stride(0),
+            out_RD.stride(0), J=J, HAS_W=weights_SJ is not None, HAS_DOT=other_RD is not None, QUANT=False,
+            BLOCK_D=_block_d(D), num_warps=CONFIG["num_warps"],
         )
     return out_RD, dots_SJ
+
+
+@triton_op("spmdmoe::fan_out_fp8", mutates_args=())
+def fan_out_fp8_triton(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out_RD, q_RD e4m3, s_R fp32)``: the copies (no weights) and, from the same read of each source row,
+    its rowwise e4m3 (:mod:`spmdmoe.kernels.fp8_rows`' rule) in the same ``J`` slots: quantized once per
+    source row, bit for bit what :func:`spmdmoe.kernels.quantize_rows` makes of ``out_RD``. Rows no index
+    names: ``out`` zero, ``q`` and ``s`` unspecified."""
+    S, J = index_SJ.shape
+    D = src_SD.shape[1]
+    src_SD = src_SD.contiguous()
+    index_SJ = index_SJ.contiguous()
+    out_RD = _output(src_SD, rows, S * J)
+    q_RD = torch.empty((rows, D), dtype=FP8, device=src_SD.device)
+    s_R = torch.empty((rows,), dtype=torch.float32, device=src_SD.device)
+    if S > 0 and D > 0:
+        wrap_triton(_fan_out_kernel)[(S,)](
+            src_SD, index_SJ, index_SJ, src_SD, out_RD, s_R, q_RD, s_R, D, src_SD.stride(0), src_SD.stride(0),
+            out_RD.stride(0), J=J, HAS_W=False, HAS_DOT=False, QUANT=True, BLOCK_D=_block_d(D),
+            num_warps=CONFIG["num_warps"],
+        )
+    return out_RD, q_RD, s_R
+
+
+def fan_out_fp8_reference(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch, same signature as :func:`fan_out_fp8_triton` (rows no index names: all zero)."""
+    S, J = index_SJ.shape
+    out_RD = fan_out_reference(src_SD, index_SJ, rows)[0]
+    q_SD, s_S = quantize_rows_reference(src_SD)
+    flat = index_SJ.reshape(-1)
+    q_RD = torch.zeros((rows, src_SD.shape[1]), dtype=torch.uint8, device=src_SD.device)
+    q_RD.index_copy_(0, flat, q_SD.view(torch.uint8).repeat_interleave(J, dim=0))
+    s_R = s_S.new_zeros(rows).index_copy_(0, flat, s_S.repeat_interleave(J))
+    return out_RD, q_RD.view(FP8), s_R
+
+
+def fan_out_fp8(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
+    impl = fan_out_fp8_triton if use_triton("fan_out", src_SD) else fan_out_fp8_reference
+    return impl(src_SD, index_SJ, rows)
 
 
 def fan_out_reference(

@@ -21,6 +21,8 @@ forward 0.220 ms, 3.77 TB/s (90 % of the 4.2 TB/s copy ceiling); backward 0.352 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -50,23 +52,31 @@ def _tile(h13_ptr, r0, n, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h13_ptr, out_ptr, valid_ptr, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _swiglu_fwd_kernel(h13_ptr, out_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_F: tl.constexpr):
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
         rows, cols, m, at, a, b = _tile(h13_ptr, r0, n, F, BLOCK_R, BLOCK_F)
         h = a * tl.sigmoid(a) * b
+        if HAS_W:
+            h = h * tl.load(w_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + rows[:, None] * F + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(g_ptr, h13_ptr, d13_ptr, valid_ptr, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _swiglu_bwd_kernel(g_ptr, h13_ptr, d13_ptr, valid_ptr, w_ptr, dots_ptr, F, HAS_W: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
         rows, cols, m, at, a, b = _tile(h13_ptr, r0, n, F, BLOCK_R, BLOCK_F)
         g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
         sig = tl.sigmoid(a)
+        if HAS_W:  # the routing weight's gradient (this block's share of the row dot), then g scaled by it
+            tl.store(dots_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.sum(g * (a * sig * b), axis=1),
+                     mask=rows < n)
+            g = g * tl.load(w_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)[:, None]
         tl.store(d13_ptr + at, (g * b * sig * (1.0 + a * (1.0 - sig))).to(d13_ptr.dtype.element_ty), mask=m)
         tl.store(d13_ptr + at + F, (g * a * sig).to(d13_ptr.dtype.element_ty), mask=m)
 
@@ -76,27 +86,34 @@ def _grid(R: int, F: int) -> tuple[int, int]:
 
 
 @triton_op("spmdmoe::swiglu_forward", mutates_args=())
-def swiglu_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The Triton launcher; ``valid``: a one-element integer device tensor (rows ``[0, valid)``)."""
+def swiglu_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The Triton launcher; ``valid``: a one-element integer device tensor (rows ``[0, valid)``); ``w_R``: the
+    routing weight of each row (fp32), or ``None``."""
     h13_R2F = h13_R2F.contiguous()
     R, F = h13_R2F.shape[0], h13_R2F.shape[1] // 2
     out_RF = h13_R2F.new_empty((R, F))
     if R > 0 and F > 0:
-        wrap_triton(_swiglu_fwd_kernel)[_grid(R, F)](h13_R2F, out_RF, valid, F, BLOCK_R=CONFIG["block_r"],
-                                                      BLOCK_F=CONFIG["block_f"], num_warps=CONFIG["num_warps"])
+        wrap_triton(_swiglu_fwd_kernel)[_grid(R, F)](
+            h13_R2F, out_RF, valid, w_R if w_R is not None else valid, F, HAS_W=w_R is not None,
+            BLOCK_R=CONFIG["block_r"], BLOCK_F=CONFIG["block_f"], num_warps=CONFIG["num_warps"])
     return out_RF
 
 
 @triton_op("spmdmoe::swiglu_backward", mutates_args=())
-def swiglu_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The Triton launcher of the backward: ``dh13 = [dh1 | dh3]``."""
+def swiglu_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
+                           w_R: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton launcher of the backward: ``(dh13 = [dh1 | dh3], dw_R)`` (``dw_R`` fp32, empty without
+    ``w_R``): each row's block sums land in their own slots, summed in a fixed order after."""
     g_RF, h13_R2F = g_RF.contiguous(), h13_R2F.contiguous()
     R, F = g_RF.shape
     d13_R2F = torch.empty_like(h13_R2F)
+    blocks = triton.cdiv(F, CONFIG["block_f"]) if F > 0 else 0
+    parts = torch.empty((R if w_R is not None else 0, blocks), dtype=torch.float32, device=g_RF.device)
     if R > 0 and F > 0:
-        wrap_triton(_swiglu_bwd_kernel)[_grid(R, F)](g_RF, h13_R2F, d13_R2F, valid, F, BLOCK_R=CONFIG["block_r"],
-                                                      BLOCK_F=CONFIG["block_f"], num_warps=CONFIG["num_warps"])
-    return d13_R2F
+        wrap_triton(_swiglu_bwd_kernel)[_grid(R, F)](
+            g_RF, h13_R2F, d13_R2F, valid, w_R if w_R is not None else valid, parts, F, HAS_W=w_R is not None,
+            BLOCK_R=CONFIG["block_r"], BLOCK_F=CONFIG["block_f"], num_warps=CONFIG["num_warps"])
+    return d13_R2F, parts.sum(dim=1)
 
 
 def _valid_mask(h_R: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -105,29 +122,41 @@ def _valid_mask(h_R: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (rows < valid.reshape(-1)[:1].to(rows.device)).unsqueeze(1)
 
 
-def swiglu_forward_reference(h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def swiglu_forward_reference(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
+                             ) -> torch.Tensor:
     """Plain torch, same signature: computed on every row in fp32, zeros past ``valid``."""
-    a, b = h13_R2F.to(torch.promote_types(h13_R2F.dtype, torch.float32)).chunk(2, dim=1)
-    return torch.where(_valid_mask(h13_R2F, valid), torch.nn.functional.silu(a) * b, 0.0).to(h13_R2F.dtype)
+    acc = torch.promote_types(h13_R2F.dtype, torch.float32)
+    a, b = h13_R2F.to(acc).chunk(2, dim=1)
+    h = torch.nn.functional.silu(a) * b
+    if w_R is not None:
+        h = h * w_R.to(acc)[:, None]
+    return torch.where(_valid_mask(h13_R2F, valid), h, 0.0).to(h13_R2F.dtype)
 
 
-def swiglu_backward_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def swiglu_backward_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
+                              w_R: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, same signature as :func:`swiglu_backward_triton`: zeros past ``valid``."""
     acc = torch.promote_types(h13_R2F.dtype, torch.float32)
     a, b = h13_R2F.to(acc).chunk(2, dim=1)
     g = g_RF.to(acc)
     sig = torch.sigmoid(a)
+    live = _valid_mask(h13_R2F, valid)
+    dw = g.new_zeros(0)
+    if w_R is not None:
+        dw = torch.where(live[:, 0], (g * (a * sig * b)).sum(dim=1), 0.0)
+        g = g * w_R.to(acc)[:, None]
     d13 = torch.cat([g * b * sig * (1 + a * (1 - sig)), g * a * sig], dim=1)
-    return torch.where(_valid_mask(h13_R2F, valid), d13, 0.0).to(h13_R2F.dtype)
+    return torch.where(live, d13, 0.0).to(h13_R2F.dtype), dw
 
 
-def swiglu_forward(h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def swiglu_forward(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
     impl = swiglu_forward_triton if use_triton("swiglu", h13_R2F) else swiglu_forward_reference
-    return impl(h13_R2F, valid)
+    return impl(h13_R2F, valid, w_R)
 
 
-def swiglu_backward(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def swiglu_backward(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
+                    w_R: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
     impl = swiglu_backward_triton if use_triton("swiglu", h13_R2F) else swiglu_backward_reference
-    return impl(g_RF, h13_R2F, valid)
+    return impl(g_RF, h13_R2F, valid, w_R)

@@ -4,27 +4,28 @@ Legend: ``R`` rows in the buffer (a capacity), ``F`` expert hidden dim; ``h13_R2
 = ``[h1 | h3]`` as in :mod:`spmdmoe.kernels.swiglu`.
 
 The FP8 experts (``spmdmoe.moe.fp8``) need both precisions of the SwiGLU's
-outputs: the forward's ``h`` in bf16 (saved for the weight gradient of ``w2``,
-quantized per column there) and in e4m3 per row (the down-projection's
-operand); the backward's ``dh13`` likewise (the up-projection's wgrad, and
-the dgrad operand). Unfused, the rowwise quantizer reads each of them back
-from memory; here the SwiGLU kernel quantizes the row it just computed, from
-registers. The e4m3 values quantize the *rounded* output (bf16 for a bf16
+output: ``h`` in bf16 (saved for the weight gradient of ``w2``) and in e4m3 per
+row (the down-projection's operand). Unfused, the rowwise quantizer reads ``h``
+back from memory; here the SwiGLU kernel quantizes the row it just computed,
+from registers. The e4m3 values quantize the *rounded* output (bf16 for a bf16
 layer), so the result equals :func:`swiglu_forward` followed by
-:func:`quantize_rows` bit for bit.
+:func:`quantize_rows` bit for bit, with or without the routing weights
+(``w_R``: ``h = w * silu(h1) * h3``, the combine's weights folded in).
 
-* :func:`swiglu_quant_forward`: ``(h_RF, q_RF, s_R)``;
-* :func:`swiglu_quant_backward`: ``(dh13_R2F, q_R2F, s_R)``, one scale per row over both halves.
+:func:`swiglu_quant_forward` returns ``(h_RF, q_RF, s_R)``. Its backward is the plain
+:func:`spmdmoe.kernels.swiglu_backward`.
 
 Only the first ``valid`` rows (a one-element device tensor) are read or written; rows past it of every
 output are unspecified (the references write zeros). One program per ``BLOCK_R`` whole rows; a row wider
 than ``BLOCK_F`` is computed twice (the second time from L2) rather than read back.
 
 Measured (H200, torch 2.11, Triton 3.6, bf16, R = 98,304 rows, F = 1408; ``benchmarks/kernels.py``):
-see ``benchmarks/RESULTS.md`` (issue 12); bytes = bf16 read + bf16, e4m3 and fp32 scales written.
+see ``benchmarks/RESULTS.md``; bytes = bf16 read + bf16, e4m3 and fp32 scales written.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -34,11 +35,10 @@ from torch.library import triton_op, wrap_triton
 from .backend import use_triton
 from .fp8_common import EPS_C, FP8, FP8_MAX_C, round_e4m3
 from .fp8_rows import quantize_rows_reference
-from .swiglu import swiglu_backward_reference, swiglu_forward_reference
+from .swiglu import swiglu_forward_reference
 
 __all__ = [
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",
-    "swiglu_quant_backward", "swiglu_quant_backward_reference", "swiglu_quant_backward_triton",
 ]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
@@ -58,61 +58,22 @@ def _amax(v):
 
 
 @triton.jit
-def _fwd_chunk(h13_ptr, rows, live, c0, F, BLOCK_F: tl.constexpr, OUT_TY: tl.constexpr):
-    """One chunk of columns: ``(at, mask, h)``, ``h`` in the output dtype."""
+def _fwd_chunk(h13_ptr, rows, live, c0, F, w, HAS_W: tl.constexpr, BLOCK_F: tl.constexpr, OUT_TY: tl.constexpr):
+    """One chunk of columns: ``(at, mask, h)``, ``h`` in the output dtype (times the row weights ``w``)."""
     cols = c0 + tl.arange(0, BLOCK_F)
     m = live[:, None] & (cols < F)[None, :]
     at = rows[:, None] * (2 * F) + cols[None, :]
     a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
     b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
-    h = (a * tl.sigmoid(a) * b).to(OUT_TY)
+    h = a * tl.sigmoid(a) * b
+    if HAS_W:
+        h = h * w[:, None]
+    h = h.to(OUT_TY)
     return rows[:, None] * F + cols[None, :], m, h
 
 
 @triton.jit
-def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
-                ONE_TILE: tl.constexpr):
-    n = tl.load(valid_ptr).to(tl.int64)
-    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
-    if r0 < n:
-        rows = r0 + tl.arange(0, BLOCK_R)
-        live = rows < n
-        amax = tl.full([BLOCK_R], EPS_C, tl.float32)
-        if ONE_TILE:
-            at, m, h = _fwd_chunk(h13_ptr, rows, live, 0, F, BLOCK_F, h_ptr.dtype.element_ty)
-            tl.store(h_ptr + at, h, mask=m)
-            amax = tl.maximum(amax, _amax(h))
-            inv = tl.math.div_rn(tl.full([BLOCK_R], FP8_MAX_C, tl.float32), amax)
-            tl.store(q_ptr + at, _quantized(h, inv).to(q_ptr.dtype.element_ty), mask=m)
-        else:
-            for c0 in range(0, F, BLOCK_F):
-                at, m, h = _fwd_chunk(h13_ptr, rows, live, c0, F, BLOCK_F, h_ptr.dtype.element_ty)
-                tl.store(h_ptr + at, h, mask=m)
-                amax = tl.maximum(amax, _amax(h))
-            inv = tl.math.div_rn(tl.full([BLOCK_R], FP8_MAX_C, tl.float32), amax)
-            for c0 in range(0, F, BLOCK_F):
-                at, m, h = _fwd_chunk(h13_ptr, rows, live, c0, F, BLOCK_F, h_ptr.dtype.element_ty)
-                tl.store(q_ptr + at, _quantized(h, inv).to(q_ptr.dtype.element_ty), mask=m)
-        tl.store(s_ptr + rows, tl.math.div_rn(amax, tl.full([BLOCK_R], FP8_MAX_C, tl.float32)), mask=live)
-
-
-@triton.jit
-def _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, BLOCK_F: tl.constexpr, OUT_TY: tl.constexpr):
-    """One chunk of columns: ``(at, mask, dh1, dh3)`` in the output dtype."""
-    cols = c0 + tl.arange(0, BLOCK_F)
-    m = live[:, None] & (cols < F)[None, :]
-    at = rows[:, None] * (2 * F) + cols[None, :]
-    a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(a)
-    d1 = (g * b * sig * (1.0 + a * (1.0 - sig))).to(OUT_TY)
-    d3 = (g * a * sig).to(OUT_TY)
-    return at, m, d1, d3
-
-
-@triton.jit
-def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, valid_ptr, F, BLOCK_R: tl.constexpr,
+def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_F: tl.constexpr, ONE_TILE: tl.constexpr):
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
@@ -120,25 +81,24 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, valid_ptr, F, BLOCK_R: tl
         rows = r0 + tl.arange(0, BLOCK_R)
         live = rows < n
         amax = tl.full([BLOCK_R], EPS_C, tl.float32)
+        w = amax  # unused without weights
+        if HAS_W:
+            w = tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)
         if ONE_TILE:
-            at, m, d1, d3 = _bwd_chunk(g_ptr, h13_ptr, rows, live, 0, F, BLOCK_F, d13_ptr.dtype.element_ty)
-            tl.store(d13_ptr + at, d1, mask=m)
-            tl.store(d13_ptr + at + F, d3, mask=m)
-            amax = tl.maximum(amax, tl.maximum(_amax(d1), _amax(d3)))
+            at, m, h = _fwd_chunk(h13_ptr, rows, live, 0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
+            tl.store(h_ptr + at, h, mask=m)
+            amax = tl.maximum(amax, _amax(h))
             inv = tl.math.div_rn(tl.full([BLOCK_R], FP8_MAX_C, tl.float32), amax)
-            tl.store(q_ptr + at, _quantized(d1, inv).to(q_ptr.dtype.element_ty), mask=m)
-            tl.store(q_ptr + at + F, _quantized(d3, inv).to(q_ptr.dtype.element_ty), mask=m)
+            tl.store(q_ptr + at, _quantized(h, inv).to(q_ptr.dtype.element_ty), mask=m)
         else:
             for c0 in range(0, F, BLOCK_F):
-                at, m, d1, d3 = _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, BLOCK_F, d13_ptr.dtype.element_ty)
-                tl.store(d13_ptr + at, d1, mask=m)
-                tl.store(d13_ptr + at + F, d3, mask=m)
-                amax = tl.maximum(amax, tl.maximum(_amax(d1), _amax(d3)))
+                at, m, h = _fwd_chunk(h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
+                tl.store(h_ptr + at, h, mask=m)
+                amax = tl.maximum(amax, _amax(h))
             inv = tl.math.div_rn(tl.full([BLOCK_R], FP8_MAX_C, tl.float32), amax)
             for c0 in range(0, F, BLOCK_F):
-                at, m, d1, d3 = _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, BLOCK_F, d13_ptr.dtype.element_ty)
-                tl.store(q_ptr + at, _quantized(d1, inv).to(q_ptr.dtype.element_ty), mask=m)
-                tl.store(q_ptr + at + F, _quantized(d3, inv).to(q_ptr.dtype.element_ty), mask=m)
+                at, m, h = _fwd_chunk(h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
+                tl.store(q_ptr + at, _quantized(h, inv).to(q_ptr.dtype.element_ty), mask=m)
         tl.store(s_ptr + rows, tl.math.div_rn(amax, tl.full([BLOCK_R], FP8_MAX_C, tl.float32)), mask=live)
 
 
@@ -149,9 +109,9 @@ def _launch(R: int, F: int) -> tuple[tuple[int], dict]:
 
 
 @triton_op("spmdmoe::swiglu_quant_forward", mutates_args=())
-def swiglu_quant_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor
+def swiglu_quant_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton launcher: ``(h_RF, q_RF e4m3, s_R fp32)``."""
+    """The Triton launcher: ``(h_RF, q_RF e4m3, s_R fp32)``; ``w_R``: each row's routing weight (fp32) or ``None``."""
     h13_R2F = h13_R2F.contiguous()
     R, F = h13_R2F.shape[0], h13_R2F.shape[1] // 2
     h_RF = h13_R2F.new_empty((R, F))
@@ -159,48 +119,20 @@ def swiglu_quant_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor
     s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
     if R > 0 and F > 0:
         grid, meta = _launch(R, F)
-        wrap_triton(_fwd_kernel)[grid](h13_R2F, h_RF, q_RF, s_R, valid, F, **meta)
+        wrap_triton(_fwd_kernel)[grid](h13_R2F, h_RF, q_RF, s_R, valid, w_R if w_R is not None else s_R, F,
+                                       HAS_W=w_R is not None, **meta)
     return h_RF, q_RF, s_R
 
 
-@triton_op("spmdmoe::swiglu_quant_backward", mutates_args=())
-def swiglu_quant_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton launcher of the backward: ``(dh13_R2F, q_R2F e4m3, s_R fp32)``."""
-    g_RF, h13_R2F = g_RF.contiguous(), h13_R2F.contiguous()
-    R, F = g_RF.shape
-    d13_R2F = torch.empty_like(h13_R2F)
-    q_R2F = torch.empty(h13_R2F.shape, dtype=FP8, device=h13_R2F.device)
-    s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
-    if R > 0 and F > 0:
-        grid, meta = _launch(R, F)
-        wrap_triton(_bwd_kernel)[grid](g_RF, h13_R2F, d13_R2F, q_R2F, s_R, valid, F, **meta)
-    return d13_R2F, q_R2F, s_R
-
-
-def swiglu_quant_forward_reference(h13_R2F: torch.Tensor, valid: torch.Tensor
+def swiglu_quant_forward_reference(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain torch, same signature: the SwiGLU reference, then the rowwise quantizer's (zeros past ``valid``)."""
-    h_RF = swiglu_forward_reference(h13_R2F, valid)
+    h_RF = swiglu_forward_reference(h13_R2F, valid, w_R)
     return (h_RF, *quantize_rows_reference(h_RF, valid))
 
 
-def swiglu_quant_backward_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor
-                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain torch, same signature as :func:`swiglu_quant_backward_triton`."""
-    d13_R2F = swiglu_backward_reference(g_RF, h13_R2F, valid)
-    return (d13_R2F, *quantize_rows_reference(d13_R2F, valid))
-
-
-def swiglu_quant_forward(h13_R2F: torch.Tensor, valid: torch.Tensor
+def swiglu_quant_forward(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
     impl = swiglu_quant_forward_triton if use_triton("swiglu_fp8", h13_R2F) else swiglu_quant_forward_reference
-    return impl(h13_R2F, valid)
-
-
-def swiglu_quant_backward(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = swiglu_quant_backward_triton if use_triton("swiglu_fp8", h13_R2F) else swiglu_quant_backward_reference
-    return impl(g_RF, h13_R2F, valid)
+    return impl(h13_R2F, valid, w_R)

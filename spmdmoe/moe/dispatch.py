@@ -39,7 +39,7 @@ from ..agreement import ProblemFlag, raise_problems
 from ..collectives.alltoall import exchange_split_sizes, exchanged_op
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
-from .permute import gather_rows, sort_by_expert, weighted_combine
+from .permute import gather_rows, gather_rows_fp8, sort_by_expert, spread_weights, weighted_combine
 
 __all__ = ["LocalTransport", "AllToAllTransport", "Problem"]
 
@@ -79,15 +79,27 @@ class LocalTransport:
         self.num_experts = num_experts
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 capacity: Any = None) -> RoutedTokens:
+                 capacity: Any = None, fp8_rows: bool = False, weights_TK: Optional[torch.Tensor] = None
+                 ) -> RoutedTokens:
+        """``fp8_rows``: also the rowwise e4m3 of the copies, quantized once per token in the fan-out's pass
+        (``RoutedTokens.fp8_rows``, for FP8 experts). ``weights_TK``: the routing weights, folded into the
+        experts (``RoutedTokens.weights_R``); :meth:`combine` then sums unweighted."""
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
-        x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)
-        offsets = counts_E.cumsum(0).to(torch.int32)
-        return RoutedTokens(x_ND, offsets, x_ND.shape[0], None, pos_TK)
+        pos_TK, counts_E = sort_by_expert(ids_TK, self.num_experts)
+        q = None
+        if fp8_rows:
+            x_ND, q_ND, s_N = gather_rows_fp8(x_TD, pos_TK)
+            q = (q_ND, s_N)
+        else:
+            x_ND = gather_rows(x_TD, pos_TK)
+        w_N = spread_weights(weights_TK, pos_TK, x_ND.shape[0]) if weights_TK is not None else None
+        return RoutedTokens(x_ND, counts_E.cumsum(0).to(torch.int32), x_ND.shape[0], None, pos_TK,
+                            weights_R=w_N, fp8_rows=q)
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
-        return weighted_combine(y_RD, routed.handle, weights_TK)
+        """The weighted sum of each token's copies (unweighted when the dispatch folded the weights)."""
+        return weighted_combine(y_RD, routed.handle, weights_TK if routed.weights_R is None else None)
 
 
 @dataclass(frozen=True)
@@ -122,7 +134,10 @@ class AllToAllTransport:
         self.raises = raises
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 capacity: Any = None) -> RoutedTokens:
+                 capacity: Any = None, fp8_rows: bool = False, weights_TK: Optional[torch.Tensor] = None
+                 ) -> RoutedTokens:
+        """``fp8_rows``, ``weights_TK``: ignored (the rows travel in their own dtype, FP8 experts quantize
+        what arrives; the combine weights the rows that come back)."""
         problem = problem or Problem()
         n, e = self.axis.size, self.local_experts
         x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)

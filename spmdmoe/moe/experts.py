@@ -104,7 +104,7 @@ class GroupedExperts(nn.Module):
                          else quantize_weights(*weights))
             assert routed.valid_rows is not None
             return fp8_swiglu(routed.x_RD, routed.group_offsets, routed.valid_rows, *weights, quantized,
-                              self.fp8_wgrad)
+                              self.fp8_wgrad, routed.fp8_rows, routed.weights_R)
         return grouped_swiglu(routed, *weights)
 
 
@@ -136,33 +136,39 @@ def grouped_swiglu(
     if w1_eFD.shape[1] == 0:
         D = x_RD.shape[1]
         h_R0 = F.silu(x_RD @ w1_eFD.reshape(0, D).T) * (x_RD @ w3_eFD.reshape(0, D).T)
+        if routed.weights_R is not None:  # folded weights: in the graph too (zero gradient, but a backward runs)
+            h_R0 = h_R0 * routed.weights_R.to(h_R0.dtype).unsqueeze(1)
         return h_R0 @ w2_eDF.transpose(1, 2).reshape(0, D)
     h13_R2F = grouped_mm_pair(x_RD, w1_eFD, w3_eFD, offs, sizes)
     valid = routed.valid_rows
     assert valid is not None
-    return grouped_mm(swiglu_rows(h13_R2F, valid), w2_eDF, offs, sizes)
+    return grouped_mm(swiglu_rows(h13_R2F, valid, routed.weights_R), w2_eDF, offs, sizes)
 
 
 class _SwiGLURows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(h13_R2F, valid)
-        return swiglu_forward(h13_R2F, valid)
+    def forward(ctx: Any, h13_R2F: torch.Tensor, valid: torch.Tensor,  # type: ignore[override]
+                w_R: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(h13_R2F, valid, w_R)
+        return swiglu_forward(h13_R2F, valid, w_R)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g_RF: torch.Tensor) -> Any:  # type: ignore[override]
-        h13_R2F, valid = ctx.saved_tensors
-        return swiglu_backward(g_RF.contiguous(), h13_R2F, valid), None
+        h13_R2F, valid, w_R = ctx.saved_tensors
+        d13, dw = swiglu_backward(g_RF.contiguous(), h13_R2F, valid, w_R)
+        return d13, None, (dw.to(w_R.dtype) if w_R is not None and ctx.needs_input_grad[2] else None)
 
 
-def swiglu_rows(h13_R2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``silu(h1) * h3`` from ``h13 = [h1 | h3]`` on rows ``[0, valid)`` (a device count;
-    :mod:`spmdmoe.kernels.swiglu`), fp32 math rounded once. Rows past ``valid`` are unspecified and get
-    unspecified gradients nobody reads."""
-    if torch.is_grad_enabled() and h13_R2F.requires_grad:
-        return _SwiGLURows.apply(h13_R2F, valid)
-    return swiglu_forward(h13_R2F, valid)
+def swiglu_rows(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``w * silu(h1) * h3`` from ``h13 = [h1 | h3]`` on rows ``[0, valid)`` (a device count;
+    :mod:`spmdmoe.kernels.swiglu`), fp32 math rounded once; ``w_R``: each row's routing weight (the
+    combine's, folded in; ``None``: 1). The weight's gradient is the row dot of the output gradient with the
+    unweighted SwiGLU, recomputed in the backward (no division by a weight, which can be 0). Rows past
+    ``valid`` are unspecified and get unspecified gradients nobody reads."""
+    if torch.is_grad_enabled() and (h13_R2F.requires_grad or (w_R is not None and w_R.requires_grad)):
+        return _SwiGLURows.apply(h13_R2F, valid, w_R)
+    return swiglu_forward(h13_R2F, valid, w_R)
 
 
 def swiglu(x_TD: torch.Tensor, w1_FD: torch.Tensor, w2_DF: torch.Tensor, w3_FD: torch.Tensor) -> torch.Tensor:

@@ -217,10 +217,13 @@ def _wgrad(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, out_
 @torch.library.custom_op("spmdmoe::fp8_up", mutates_args=())
 def _fp8_up(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w3_eFD: torch.Tensor, offsets_e: torch.Tensor,
             valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
-            ready: torch.Tensor, wgrad_fp8: bool) -> torch.Tensor:
-    """``h13_R2F = x @ [w1 | w3]^T`` per group, ``x`` quantized per row (``up_t`` rides along for the backward)."""
+            ready: torch.Tensor, wgrad_fp8: bool, xq_RD: Optional[torch.Tensor] = None,
+            xs_R: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``h13_R2F = x @ [w1 | w3]^T`` per group on ``x``'s rowwise e4m3: ``(xq, xs)`` when the dispatch made
+    them (quantized once per token), else quantized here (``up_t`` rides along for the backward)."""
     native = _native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
-    return _mm_rows(*quantize_rows(x_RD, valid), up, up_s, offsets_e, x_RD.dtype, native, "forward")
+    q = (xq_RD, xs_R) if xq_RD is not None and xs_R is not None else quantize_rows(x_RD, valid)
+    return _mm_rows(*q, up, up_s, offsets_e, x_RD.dtype, native, "forward")
 
 
 @_fp8_up.register_fake
@@ -251,27 +254,29 @@ def _(g13_R2F, x_RD, offsets_e, valid, up_t, up_t_s, w_dtype, need_dx, wgrad_fp8
 
 
 def _up_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x_RD, w1_eFD, _, offsets_e, valid, _, _, up_t, up_t_s, _, wgrad_fp8 = inputs
+    x_RD, w1_eFD, _, offsets_e, valid, _, _, up_t, up_t_s, _, wgrad_fp8 = inputs[:11]
     ctx.w_dtype, ctx.wgrad_fp8 = w1_eFD.dtype, wgrad_fp8
     ctx.save_for_backward(x_RD, offsets_e, valid, up_t, up_t_s)
 
 
 def _up_grad(ctx: Any, g13_R2F: torch.Tensor) -> tuple:
     dx, dw1, dw3 = _fp8_up_backward(g13_R2F, *ctx.saved_tensors, ctx.w_dtype, ctx.needs_input_grad[0], ctx.wgrad_fp8)
-    return (dx if ctx.needs_input_grad[0] else None, dw1, dw3) + (None,) * 8
+    return (dx if ctx.needs_input_grad[0] else None, dw1, dw3) + (None,) * 10
 
 
 _fp8_up.register_autograd(_up_grad, setup_context=_up_setup)
 
 
 @torch.library.custom_op("spmdmoe::fp8_swiglu", mutates_args=())
-def _fp8_swiglu(h13_R2F: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(h_RF, hq_RF, hs_R)``: the SwiGLU and the rowwise e4m3 of it (one kernel); only ``h`` has a gradient."""
-    return swiglu_quant_forward(h13_R2F, valid)
+def _fp8_swiglu(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h_RF, hq_RF, hs_R)``: the SwiGLU (times each row's routing weight ``w_R`` when folded in) and the
+    rowwise e4m3 of it (one kernel); only ``h`` has a gradient."""
+    return swiglu_quant_forward(h13_R2F, valid, w_R)
 
 
 @_fp8_swiglu.register_fake
-def _(h13_R2F, valid):  # type: ignore[no-untyped-def]
+def _(h13_R2F, valid, w_R=None):  # type: ignore[no-untyped-def]
     R, F = h13_R2F.shape[0], h13_R2F.shape[1] // 2
     return (h13_R2F.new_empty((R, F)), h13_R2F.new_empty((R, F), dtype=FP8),
             h13_R2F.new_empty((R,), dtype=torch.float32))
@@ -282,8 +287,9 @@ def _swiglu_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 def _swiglu_grad(ctx: Any, g_RF: torch.Tensor, _gq: Any, _gs: Any) -> tuple:
-    h13_R2F, valid = ctx.saved_tensors
-    return swiglu_backward(g_RF.contiguous(), h13_R2F, valid), None
+    h13_R2F, valid, w_R = ctx.saved_tensors
+    d13, dw = swiglu_backward(g_RF.contiguous(), h13_R2F, valid, w_R)
+    return d13, None, (dw.to(w_R.dtype) if w_R is not None else None)
 
 
 _fp8_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
@@ -335,14 +341,19 @@ _fp8_down.register_autograd(_down_grad, setup_context=_down_setup)
 
 
 def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, w1_eFD: torch.Tensor,
-               w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights, wgrad: str = "auto") -> torch.Tensor:
+               w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights, wgrad: str = "auto",
+               x_fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+               w_R: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
     ``quantized``: the weights' FP8 copies (``Fp8WeightCache.get`` or :func:`quantize_weights`); ``wgrad``:
-    ``"auto"``, ``"fp8"`` or ``"bf16"`` (:func:`fp8_wgrad`)."""
+    ``"auto"``, ``"fp8"`` or ``"bf16"`` (:func:`fp8_wgrad`); ``x_fp8``: ``x``'s rowwise e4m3 and scales
+    when the dispatch made them (``RoutedTokens.fp8_rows``), bit for bit ``quantize_rows(x_RD)``; ``w_R``:
+    each row's routing weight when the dispatch folded them in (the SwiGLU output row times it)."""
     q = quantized
     ready = q.ready if q.ready is not None else x_RD.new_empty(0)
     in_fp8 = fp8_wgrad(x_RD.shape[1], w1_eFD.shape[1], w1_eFD.shape[0], x_RD.dtype, wgrad)
-    h13_R2F = _fp8_up(x_RD, w1_eFD, w3_eFD, offsets_e, valid, q.up, q.up_s, q.up_t, q.up_t_s, ready, in_fp8)
-    h_RF, hq_RF, hs_R = _fp8_swiglu(h13_R2F, valid)
+    h13_R2F = _fp8_up(x_RD, w1_eFD, w3_eFD, offsets_e, valid, q.up, q.up_s, q.up_t, q.up_t_s, ready, in_fp8,
+                      *(x_fp8 or (None, None)))
+    h_RF, hq_RF, hs_R = _fp8_swiglu(h13_R2F, valid, w_R)
     return _fp8_down(h_RF, hq_RF, hs_R, w2_eDF, offsets_e, valid, q.down, q.down_s, q.down_t, q.down_t_s, ready,
                      in_fp8)

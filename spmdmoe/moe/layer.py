@@ -45,7 +45,8 @@ SHARED_WEIGHTS = ("shared_experts.w1.weight", "shared_experts.w2.weight", "share
 
 class Transport(Protocol):
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 capacity: Any = None) -> RoutedTokens: ...
+                 capacity: Any = None, fp8_rows: bool = False, weights_TK: Optional[torch.Tensor] = None
+                 ) -> RoutedTokens: ...
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor: ...
 
@@ -169,7 +170,8 @@ class _Layer(nn.Module):
             if own is not None:
                 finite_TE = finite_TE | ~own.unsqueeze(1)
             problem.bits = problem.bits | (~finite_TE.all()).to(torch.int64) * BIT["nonfinite"]
-        routed = transport.dispatch(h_TD, r.ids_TK, problem=problem, capacity=capacity)
+        routed = transport.dispatch(h_TD, r.ids_TK, problem=problem, capacity=capacity,
+                                    fp8_rows=self.experts.precision == "fp8_rowwise", weights_TK=weights_TK)
         y_RD = self.experts(routed)
         return transport.combine(y_RD, routed, weights_TK)
 

@@ -22,9 +22,10 @@ from typing import Any, Optional
 import torch
 
 from ..autograd import differentiable
-from ..kernels import fan_out, gather_sum
+from ..kernels import fan_out, fan_out_fp8, gather_sum
 
-__all__ = ["gather_rows", "count_per_expert", "sort_by_expert", "weighted_combine"]
+__all__ = ["gather_rows", "gather_rows_fp8", "count_per_expert", "sort_by_expert", "spread_weights",
+           "weighted_combine"]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -50,6 +51,31 @@ def gather_rows(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: Optional[int
     names are zero. The backward sums each row's ``J`` slots in fp32.
     """
     return _gather(src_SD, index_SJ, index_SJ.numel() if rows is None else rows)
+
+
+class _GatherRowsFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int) -> Any:  # type: ignore[override]
+        ctx.save_for_backward(index_SJ)
+        out_RD, q_RD, s_R = fan_out_fp8(src_SD, index_SJ, rows)
+        ctx.mark_non_differentiable(q_RD, s_R)
+        return out_RD, q_RD, s_R
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_RD: torch.Tensor, _gq: Any, _gs: Any) -> Any:  # type: ignore[override]
+        (index_SJ,) = ctx.saved_tensors
+        return gather_sum(grad_RD.contiguous(), index_SJ), None, None
+
+
+def gather_rows_fp8(src_SD: torch.Tensor, index_SJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gather_rows` (``rows = S*J``) plus the rowwise e4m3 of every copy and its fp32 scale, quantized
+    once per source row in the same pass (:func:`spmdmoe.kernels.fan_out_fp8`): ``(out, q, s)``, bit for bit
+    ``out`` and ``quantize_rows(out)``. Only ``out`` has a gradient."""
+    rows = index_SJ.numel()
+    if src_SD.requires_grad and torch.is_grad_enabled():
+        return _GatherRowsFp8.apply(src_SD, index_SJ, rows)
+    return fan_out_fp8(src_SD, index_SJ, rows)
 
 
 def count_per_expert(ids_TK: torch.Tensor, num_experts: int, keep_T: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -89,13 +115,39 @@ class _WeightedCombine(torch.autograd.Function):
         return grad_y, None, (grad_w.to(weights_TK.dtype) if other is not None else None)
 
 
-def weighted_combine(y_RD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+class _SumCopies(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y_RD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(pos_TK)
+        ctx.rows = y_RD.shape[0]
+        return gather_sum(y_RD, pos_TK)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_TD: torch.Tensor) -> Any:  # type: ignore[override]
+        (pos_TK,) = ctx.saved_tensors
+        return fan_out(g_TD.contiguous(), pos_TK, ctx.rows)[0], None
+
+
+_sum_copies = differentiable(_SumCopies, lambda y_RD, pos_TK: gather_sum(y_RD, pos_TK))
+
+
+def spread_weights(weights_TK: torch.Tensor, pos_TK: torch.Tensor, rows: int) -> torch.Tensor:
+    """``w_R[pos[t, k]] = weights[t, k]``: each routed copy's weight at its row (rows no position names:
+    zero); differentiable (its backward gathers the rows' gradients back)."""
+    return weights_TK.new_zeros(rows).scatter(0, pos_TK.reshape(-1), weights_TK.reshape(-1))
+
+
+def weighted_combine(y_RD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y[pos[t, k]]``: fp32 products and sum, rounded once to ``y``'s dtype.
 
     Rows of ``y`` no position names (a capacity-sized buffer's tail) are never
     read and get zero gradient. Backward: ``grad_y[pos[t, k]] = weights[t, k] *
-    g[t]`` and ``grad_weights[t, k] = <g[t], y[pos[t, k]]>`` (fp32), in one pass.
+    g[t]`` and ``grad_weights[t, k] = <g[t], y[pos[t, k]]>`` (fp32), in one pass. ``weights_TK`` ``None``:
+    the plain sum (the weights were folded into ``y``), its backward a plain fan-out.
     """
+    if weights_TK is None:
+        return _sum_copies(y_RD, pos_TK)
     if torch.is_grad_enabled() and (y_RD.requires_grad or weights_TK.requires_grad):
         return _WeightedCombine.apply(y_RD, pos_TK, weights_TK)
     return gather_sum(y_RD, pos_TK, weights_TK)

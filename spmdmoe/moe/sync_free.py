@@ -120,7 +120,10 @@ class SyncFreeTransport:
         state.copy_(torch.where(now[0] > state[0], now, state))
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 capacity: Optional[Capacity] = None) -> RoutedTokens:
+                 capacity: Optional[Capacity] = None, fp8_rows: bool = False,
+                 weights_TK: Optional[torch.Tensor] = None) -> RoutedTokens:
+        """``fp8_rows``, ``weights_TK``: ignored (FP8 experts quantize the rows that arrive; the combine
+        weights the rows that come back)."""
         if capacity is None:
             raise TypeError("SyncFreeTransport.dispatch needs a Capacity (T_max and the overflow buffer)")
         t_max = capacity.t_max

@@ -39,6 +39,12 @@ class RoutedTokens:
             buffer may hold anything, NaN included). Defaults to the last group
             offset (a view, no copy). Consumers (SwiGLU, the grouped GEMM, the
             combine) never read a row past it, and read it only on the device.
+        weights_R: the routing weight of each row (fp32, differentiable) when the transport folds the
+            combine's weights into the experts (their SwiGLU multiplies its output row by it, and the
+            combine sums unweighted); ``None``: the combine weights.
+        fp8_rows: ``(q_RD, s_R)``, the rowwise e4m3 of ``x_RD`` and its fp32 scales, when the transport
+            made them (asked to, and able to quantize once per token before its fan-out); ``None``: the
+            FP8 experts quantize ``x_RD`` themselves.
     """
 
     x_RD: torch.Tensor
@@ -47,6 +53,8 @@ class RoutedTokens:
     group_sizes: Optional[list[int]]
     handle: Any
     valid_rows: Optional[torch.Tensor] = None
+    weights_R: Optional[torch.Tensor] = None
+    fp8_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def __post_init__(self) -> None:
         if self.valid_rows is None:
