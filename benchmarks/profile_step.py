@@ -30,16 +30,22 @@ from timing import report  # noqa: E402
 from spmdmoe.moe import MoE, MoEConfig  # noqa: E402
 
 
-def kernels(step, n: int = 3) -> list[tuple[str, float, int]]:
-    """(kernel name, ms per step, launches per step), most time first."""
+def kernels(step, n: int = 3) -> tuple[list[tuple[str, float, int]], list[tuple[str, float, int]]]:
+    """(kernel name, ms per step, launches per step), most time first; and the same for the fill / zero ops
+    by the Python line that called them."""
     acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, with_stack=True) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
     rows = [(e.key, e.device_time_total / 1e3 / n, e.count // n) for e in prof.key_averages()
             if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
-    return sorted(rows, key=lambda r: -r[1])
+    fills = []
+    for e in prof.key_averages(group_by_stack_n=8):
+        if e.key in ("aten::fill_", "aten::zero_", "aten::zeros", "aten::new_zeros") and e.device_time_total > 0:
+            where = next((f for f in e.stack if "spmdmoe" in f or "torch/_" in f), e.stack[0] if e.stack else "?")
+            fills.append((f"{e.key} at {where}", e.device_time_total / 1e3 / n, e.count // n))
+    return sorted(rows, key=lambda r: -r[1]), sorted(fills, key=lambda r: -r[1])
 
 
 def frame_of(frames: list[dict]) -> str:
@@ -105,13 +111,14 @@ def main() -> None:
 
         for _ in range(3):
             step()
-        rows = kernels(step)
+        rows, fill_sites = kernels(step)
         total = sum(r[1] for r in rows)
         lines += ["", f"### {precision}: kernels per step (sum {total:.2f} ms)", "", "| kernel | ms | launches |",
                   "|---|---|---|"]
         lines += [f"| {k[:90]} | {ms:.3f} | {c} |" for k, ms, c in rows[:args.top]]
         fills = [r for r in rows if any(w in r[0].lower() for w in ("fill", "zero"))]
         lines += [f"| (fills) {k[:80]} | {ms:.3f} | {c} |" for k, ms, c in fills if (k, ms, c) not in rows[:args.top]]
+        lines += [f"| (fill op) {k[:150]} | {ms:.3f} | {c} |" for k, ms, c in fill_sites]
         layer.zero_grad(set_to_none=True)
         peak, groups = memory(step)
         lines += ["", f"### {precision}: memory, step peak {peak:.2f} GiB above the start; alive at the peak:", "",

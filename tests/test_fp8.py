@@ -349,3 +349,56 @@ def test_quantizing_before_the_fan_out_changes_no_bit(monkeypatch, wgrad):
     assert seen == [True], "the FP8 layer asks its local dispatch for e4m3 rows"
     for a, b in zip(once, per_copy):
         assert torch.equal(a, b)
+
+
+def _poison_cuda_cache(gib: float = 4.0) -> None:
+    """Fill the CUDA caching allocator's free blocks with NaN bytes: the next ``torch.empty`` calls get
+    memory holding NaN, so a kernel that skips rows or groups leaves NaN, not lucky zeros, behind."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    blocks = [torch.full((1 << 26,), float("nan"), device="cuda") for _ in range(int(gib * 4))]  # 256 MiB each
+    del blocks
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the caching allocator)")
+@pytest.mark.parametrize("precision,wgrad", [("bf16", "auto"), ("fp8_rowwise", "fp8"), ("fp8_rowwise", "bf16")])
+def test_nothing_unwritten_is_read_with_nan_poisoned_memory(precision, wgrad):
+    """Every output is written where it is read, without zero fills: on memory poisoned with NaN, with idle
+    experts (empty groups), a capacity-sized buffer whose rows past the last group offset hold NaN and
+    T = 0, outputs and gradients equal those of a run on fresh memory bit for bit, the idle experts'
+    weight gradients are exactly zero and everything is finite."""
+    torch.manual_seed(0)
+    layer = MoE(dataclasses.replace(CFG, expert_precision=precision, fp8_wgrad=wgrad)).to(DEVICE, DTYPE)
+    layer.expert_bias.fill_(-1e4)
+    layer.expert_bias[:2] = 1e4  # every token on experts 0 and 1: experts 2.. idle
+    gen = torch.Generator().manual_seed(8)
+    x, g = (torch.randn(300, D, generator=gen).to(DEVICE) for _ in range(2))
+    w = [p.detach().requires_grad_() for p in (layer.experts.w1, layer.experts.w2, layer.experts.w3)]
+    sizes = torch.tensor([5, 0, 9, 3, 0, 0, 7, 1])
+    offsets = sizes.cumsum(0).to(torch.int32).to(DEVICE)
+
+    def run() -> list[torch.Tensor]:
+        out = _step(layer, x, g) + _step(layer, x[:0], g[:0])
+        if precision == "fp8_rowwise":  # the experts alone on a capacity buffer with NaN past the valid rows
+            xi = torch.randn(40, D, generator=torch.Generator().manual_seed(9)).to(DEVICE, DTYPE)
+            xi[int(sizes.sum()):] = float("nan")
+            xi.requires_grad_()
+            for t in w:
+                t.grad = None
+            y = fp8_swiglu(xi, offsets, offsets[-1:], *w, quantize_weights(*w), wgrad)
+            y.backward(torch.ones_like(y))
+            out += [y[:int(sizes.sum())], xi.grad[:int(sizes.sum())]] + [t.grad.clone() for t in w]
+        return [t.detach().clone() for t in out]
+
+    torch.cuda.empty_cache()
+    fresh = run()
+    _poison_cuda_cache()
+    poisoned = run()
+    for i, (a, b) in enumerate(zip(poisoned, fresh)):
+        assert torch.isfinite(a).all(), i
+        assert torch.equal(a, b), i
+    for dw in poisoned[2:5]:
+        assert (dw[2:] == 0).all() and (dw[:2] != 0).any()
+    for dw in poisoned[12:15]:  # the capacity buffer's empty groups 1, 4 and 5
+        assert (dw[[1, 4, 5]] == 0).all() and (dw[[0, 2, 3, 6, 7]] != 0).any()

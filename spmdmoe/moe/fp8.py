@@ -171,6 +171,8 @@ def _wgrad_plain(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor
     GEMM (2-D x 2-D, any group sizes, rows past ``offsets[-1]`` never read) where it runs, else per-group
     GEMMs in fp32 on the host's group ends (emulation only)."""
     e = offsets_e.shape[0]
+    if a_RA.shape[0] == 0:  # no rows at all (torch's kernel refuses a zero-length contraction)
+        return a_RA.new_zeros((e, a_RA.shape[1], b_RB.shape[1]), dtype=out_dtype)
     if _grouped is not None and a_RA.is_cuda and a_RA.dtype == torch.bfloat16 == b_RB.dtype and \
             (a_RA.shape[1] * 2) % 16 == 0 and (b_RB.shape[1] * 2) % 16 == 0:
         return _grouped(a_RA.t(), b_RB, offs=offsets_e).to(out_dtype)
