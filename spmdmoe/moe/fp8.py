@@ -4,25 +4,41 @@ Legend: ``R`` routed rows in the buffer, ``D`` model dim, ``F`` expert hidden
 dim (this rank's slice), ``e`` local experts, ``P`` rows of the 16-aligned
 wgrad layout (:func:`spmdmoe.kernels.fp8_cols.padded_rows`).
 
-The experts' three GEMMs run in e4m3 with fp32 scales (``torch._scaled_grouped_mm``,
-fast accumulation, bf16 out); everything else (router, shared experts, combine,
-master weights and their gradients) stays in the activations' precision:
+The experts' forward and input-gradient GEMMs run in e4m3 with fp32 scales
+(``torch._scaled_grouped_mm``, fast accumulation, bf16 out), their weight-gradient
+GEMMs in FP8 or unquantized (:func:`fp8_wgrad`); everything else (router, shared
+experts, combine, master weights and their gradients) stays in the activations'
+precision. Three autograd nodes, as in the bf16 experts, so each frees what it
+saved when its backward is done (the step peak is the bf16 layer's):
 
-* forward ``h13 = x @ [w1 | w3]^T`` and ``y = h @ w2^T``, dgrad ``dh = dy @ w2`` and
-  ``dx = dh13 @ [w1 | w3]``: the row operand quantized per row straight from
-  the routed buffer (valid rows only, :func:`spmdmoe.kernels.quantize_rows`;
-  the SwiGLU's outputs ``h`` and ``dh13`` by the SwiGLU kernels themselves,
-  :func:`spmdmoe.kernels.swiglu_quant_forward`), the weight per output column;
-  any group size, no padding;
-* wgrad ``dw2[g] = dy[g]^T @ h[g]`` and ``dw1|dw3[g] = dh13[g]^T @ x[g]``: both
-  operands quantized per (group, column) by ONE launch that writes them
-  transposed into a 16-row-aligned layout with zero pad rows
-  (:func:`spmdmoe.kernels.quantize_cols_pair`): the only padding of the path.
+* up-projection ``h13 = x @ [w1 | w3]^T``: ``x`` in rowwise e4m3, made by the local
+  dispatch in its fan-out pass, once per token (``RoutedTokens.fp8_rows``; other
+  transports: quantized here, :func:`spmdmoe.kernels.quantize_rows`); saves the bf16
+  ``x`` for the wgrad; backward: ``dh13`` quantized per row for ``dx = dh13 @ [w1 | w3]``,
+  then ``dw1``, ``dw3``;
+* SwiGLU: ``h = w * silu(h1) * h3`` (``w`` the routing weight when the dispatch folded
+  it in) and ``h``'s rowwise e4m3 from the same registers
+  (:func:`spmdmoe.kernels.swiglu_quant_forward`); saves ``h13``; backward: the plain
+  SwiGLU backward, whose row dot gives the routing weight's gradient;
+* down-projection ``y = h @ w2^T`` on ``h``'s e4m3; saves the bf16 ``h``; backward:
+  ``dy`` quantized per row for ``dh = dy @ w2``, then ``dw2``.
 
-Weights are quantized in the two layouts the GEMMs want, kept by the weight
-cache until their bytes change (:mod:`spmdmoe.moe.fp8_cache`: checked on the
-device before every use, so never stale), and the forward's quantized weights
-are what its backward uses (saved, as autograd saves any operand).
+The weights enter per output column (forward) and per input column (dgrad):
+both layouts are quantized when the weights change and kept by the weight
+cache (:mod:`spmdmoe.moe.fp8_cache`: checked on the device before every use, so
+never stale); the forward's quantized weights are what its backward uses.
+Forward and dgrad take any group size, no padding.
+
+Weight gradients (:func:`fp8_wgrad`, ``MoEConfig.fp8_wgrad``): in FP8 both operands of
+``dw2[g] = dy[g]^T h[g]`` and ``dw1|dw3[g] = dh13[g]^T x[g]`` are quantized per
+(group, column) by one launch each into a 16-row-aligned transposed layout with
+zero pad rows (:func:`spmdmoe.kernels.quantize_cols_pair`, the only padding of
+the path); unquantized, torch's grouped GEMM takes the bf16 operands as they are.
+The per-(group, column) quantizers read every operand twice (1.5 TB/s counted)
+and the 2-D x 2-D scaled GEMM gains only 1.08-1.13x over bf16 at 1-2k rows per
+expert, so at small ``D F / (2 D + 3 F)`` the unquantized wgrad is faster (H200,
+``benchmarks/RESULTS.md``, issue 23); ``"auto"`` decides from ``D`` and ``F`` only
+(:data:`WGRAD_FP8_MIN`), never from the token count (one graph, no host sync).
 
 Fast accumulation (:data:`FAST_ACCUM`) is on in all three GEMMs, as in torchao
 0.18. Measured on an H200 (``benchmarks/fp8_numerics.py``): it lowers each
@@ -38,7 +54,7 @@ emulated: the same quantizers (their references on CPU), the same alignment,
 then dequantize and an ordinary GEMM (bf16 for a bf16 layer on CUDA, fp32
 elsewhere); a CUDA device takes that route with a one-time warning.
 
-Forward and backward are two custom ops tied by ``register_autograd``, so
+Each node is a pair of custom ops tied by ``register_autograd``, so
 ``torch.compile(fullgraph=True)`` sees them as opaque calls (their fake
 implementations give the shapes) and compiled runs execute the very code
 eager runs do.
