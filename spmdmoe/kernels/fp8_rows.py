@@ -35,7 +35,7 @@ from .fp8_common import EPS_C, FP8, FP8_MAX_C, quantize_reference, round_e4m3, w
 __all__ = ["quantize_rows", "quantize_rows_into", "quantize_rows_reference", "quantize_rows_triton"]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
-CONFIG = {"block_r": 4, "max_block_c": 4096, "num_warps": 4}
+CONFIG = {"block_r": 2, "max_block_c": 1024, "num_warps": 4}
 
 
 @triton.jit

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
-CONFIG = {"block_r": 2, "max_block_f": 2048, "num_warps": 8}
+CONFIG = {"block_r": 1, "max_block_f": 2048, "num_warps": 4}
 
 
 @triton.jit

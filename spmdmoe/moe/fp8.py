@@ -302,9 +302,12 @@ def _(h13_R2F, valid, w_R=None):  # type: ignore[no-untyped-def]
 
 def _swiglu_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(*inputs)
+    ctx.set_materialize_grads(False)  # the e4m3 outputs get no gradient: no zero-filled one either
 
 
-def _swiglu_grad(ctx: Any, g_RF: torch.Tensor, _gq: Any, _gs: Any) -> tuple:
+def _swiglu_grad(ctx: Any, g_RF: Optional[torch.Tensor], _gq: Any, _gs: Any) -> tuple:
+    if g_RF is None:
+        return None, None, None
     h13_R2F, valid, w_R = ctx.saved_tensors
     d13, dw = swiglu_backward(g_RF.contiguous(), h13_R2F, valid, w_R)
     return d13, None, (dw.to(w_R.dtype) if w_R is not None else None)
