@@ -6,8 +6,13 @@ received by this rank's experts.
 
 Interface (docs/design.md §5)::
 
-    routed = transport.dispatch(x_TD, ids_TK, problem=code, capacity=cap)   # -> RoutedTokens
+    routed = transport.dispatch(x_TD, ids_TK, problem=code, capacity=cap,   # -> RoutedTokens
+                                fp8_rows=..., weights_TK=w_TK)
     out_TD = transport.combine(y_RD, routed, weights_TK)
+
+``fp8_rows`` and ``weights_TK`` are offers a transport may take: ``LocalTransport`` quantizes each token
+once in its fan-out for FP8 experts (``RoutedTokens.fp8_rows``) and folds the routing weights into the
+experts (``RoutedTokens.weights_R``; its combine then sums unweighted); the EP transports ignore both.
 
 ``LocalTransport`` (no EP: every expert is local) and ``AllToAllTransport``
 (EP, sync mode) share the sort and the gathers of ``permute.py``; which one a

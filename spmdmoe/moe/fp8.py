@@ -156,7 +156,6 @@ def _mm_groups(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb
                padded_e: torch.Tensor, out_dtype: torch.dtype, native: bool) -> torch.Tensor:
     """``out[g] = (a[g] * sa[g])^T-ish``: per group ``g``, ``qa[:, rows of g] @ qb[:, rows of g]^T`` scaled,
     ``(e, A, B)`` (2-D x 2-D, groups 16-aligned, pad rows zero)."""
-    e = padded_e.shape[0]
     if native:
         out = _scaled(qa_AP, qb_BP.t(), sa_eA.reshape(-1), sb_eB.reshape(-1), offs=padded_e,
                       out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM["wgrad"])
@@ -164,22 +163,23 @@ def _mm_groups(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb
     if _emulation_dtype(qa_AP, out_dtype) == torch.bfloat16:  # e4m3 values are exact in bf16
         out = _grouped(qa_AP.to(torch.bfloat16), qb_BP.to(torch.bfloat16).t(), offs=padded_e)
         return (out.float() * sa_eA[:, :, None] * sb_eB[:, None, :]).to(out_dtype)
-    a, b = qa_AP.to(torch.float32), qb_BP.to(torch.float32)
-    ends = to_host(padded_e)  # emulation only (CPU, or fp32 on CUDA): the op runs eagerly, also when compiled
-    starts = [0, *ends[:-1]]
-    out = torch.stack([a[:, s:t] @ b[:, s:t].t() for s, t in zip(starts, ends)]) if e else \
-        a.new_zeros((0, a.shape[0], b.shape[0]))
+    out = _per_group(qa_AP.to(torch.float32), qb_BP.to(torch.float32), padded_e)
     return (out * sa_eA[:, :, None] * sb_eB[:, None, :]).to(out_dtype)
+
+
+def _per_group(a_AP: torch.Tensor, b_BP: torch.Tensor, ends_e: torch.Tensor) -> torch.Tensor:
+    """``out[g] = a[:, cols of g] @ b[:, cols of g]^T`` by one GEMM per group on the host's group ends
+    (emulation only: CPU, or fp32 on CUDA; the op runs eagerly, also when compiled)."""
+    ends = to_host(ends_e)
+    starts = [0, *ends[:-1]]
+    if not ends:
+        return a_AP.new_zeros((0, a_AP.shape[0], b_BP.shape[0]))
+    return torch.stack([a_AP[:, s:t] @ b_BP[:, s:t].t() for s, t in zip(starts, ends)])
 
 
 def _emulation_dtype(q: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
     """bf16 GEMMs for a bf16 layer on CUDA (torch's grouped GEMM, also under compile), fp32 elsewhere."""
     return torch.bfloat16 if q.is_cuda and out_dtype == torch.bfloat16 and _grouped is not None else torch.float32
-
-
-def _native(t: torch.Tensor, D: int, F: int) -> bool:
-    """One decision for the three nodes: FP8 GEMMs on ``t``'s device for model dim ``D``, hidden ``F``."""
-    return fp8_native(t, D, F)
 
 
 def _wgrad_plain(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -192,12 +192,7 @@ def _wgrad_plain(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor
     if _grouped is not None and a_RA.is_cuda and a_RA.dtype == torch.bfloat16 == b_RB.dtype and \
             (a_RA.shape[1] * 2) % 16 == 0 and (b_RB.shape[1] * 2) % 16 == 0:
         return _grouped(a_RA.t(), b_RB, offs=offsets_e).to(out_dtype)
-    a, b = a_RA.to(torch.float32), b_RB.to(torch.float32)
-    ends = to_host(offsets_e)  # emulation only (CPU, or fp32 on CUDA): the op runs eagerly, also when compiled
-    starts = [0, *ends[:-1]]
-    out = torch.stack([a[s:t].t() @ b[s:t] for s, t in zip(starts, ends)]) if e else \
-        a.new_zeros((0, a.shape[1], b.shape[1]))
-    return out.to(out_dtype)
+    return _per_group(a_RA.to(torch.float32).t(), b_RB.to(torch.float32).t(), offsets_e).to(out_dtype)
 
 
 def fp8_wgrad(D: int, F: int, e: int, dtype: torch.dtype, setting: str = "auto") -> bool:
@@ -239,7 +234,7 @@ def _fp8_up(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w3_eFD: torch.Tensor, offs
             xs_R: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``h13_R2F = x @ [w1 | w3]^T`` per group on ``x``'s rowwise e4m3: ``(xq, xs)`` when the dispatch made
     them (quantized once per token), else quantized here (``up_t`` rides along for the backward)."""
-    native = _native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
+    native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
     q = (xq_RD, xs_R) if xq_RD is not None and xs_R is not None else quantize_rows(x_RD, valid)
     return _mm_rows(*q, up, up_s, offsets_e, x_RD.dtype, native, "forward")
 
@@ -255,7 +250,7 @@ def _fp8_up_backward(g13_R2F: torch.Tensor, x_RD: torch.Tensor, offsets_e: torch
                      wgrad_fp8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx_RD, dw1_eFD, dw3_eFD)``; ``dx`` empty when not ``need_dx``."""
     F = g13_R2F.shape[1] // 2
-    native = _native(x_RD, x_RD.shape[1], F)
+    native = fp8_native(x_RD, x_RD.shape[1], F)
     g13_R2F = g13_R2F.contiguous()
     dx = g13_R2F.new_empty((0, x_RD.shape[1]))
     if need_dx:
@@ -321,7 +316,7 @@ def _fp8_down(h_RF: torch.Tensor, hq_RF: torch.Tensor, hs_R: torch.Tensor, w2_eD
               offsets_e: torch.Tensor, valid: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, down_t: torch.Tensor,
               down_t_s: torch.Tensor, ready: torch.Tensor, wgrad_fp8: bool) -> torch.Tensor:
     """``y_RD = h @ w2^T`` per group on ``h``'s rowwise e4m3 ``(hq, hs)`` (``h`` itself: for the backward)."""
-    native = _native(h_RF, w2_eDF.shape[1], h_RF.shape[1])
+    native = fp8_native(h_RF, w2_eDF.shape[1], h_RF.shape[1])
     return _mm_rows(hq_RF, hs_R, down, down_s, offsets_e, h_RF.dtype, native, "forward")
 
 
@@ -335,7 +330,7 @@ def _fp8_down_backward(g_RD: torch.Tensor, h_RF: torch.Tensor, offsets_e: torch.
                        down_t: torch.Tensor, down_t_s: torch.Tensor, w_dtype: torch.dtype,
                        wgrad_fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dh_RF, dw2_eDF)``."""
-    native = _native(g_RD, g_RD.shape[1], h_RF.shape[1])
+    native = fp8_native(g_RD, g_RD.shape[1], h_RF.shape[1])
     g_RD = g_RD.contiguous()
     dh_RF = _mm_rows(*quantize_rows(g_RD, valid), down_t, down_t_s, offsets_e, g_RD.dtype, native, "dgrad")
     (dw2,) = _wgrad(g_RD, h_RF, offsets_e, w_dtype, native, wgrad_fp8)
