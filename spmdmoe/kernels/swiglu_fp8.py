@@ -20,7 +20,8 @@ output are unspecified (the references write zeros). One program per ``BLOCK_R``
 than ``BLOCK_F`` is computed twice (the second time from L2) rather than read back.
 
 Measured (H200, torch 2.11, Triton 3.6, bf16, R = 98,304 rows, F = 1408; ``benchmarks/kernels.py``):
-see ``benchmarks/RESULTS.md``; bytes = bf16 read + bf16, e4m3 and fp32 scales written.
+0.311 ms, 3.11 TB/s (74 % of the 4.2 TB/s copy ceiling; bytes = bf16 read + bf16, e4m3 and fp32 scales
+written), 1.34x the SwiGLU kernel followed by the rowwise quantizer (0.416 ms).
 """
 
 from __future__ import annotations
