@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 
 import torch
 
@@ -45,6 +46,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-only", default=None, help="comma-separated kernel modules to sweep (e.g. fp8_cols,swiglu_fp8)")
+    ap.add_argument("--sweep-out", default=None, help="write each swept module's fastest CONFIG here (JSON)")
     ap.add_argument("--only", default=None, help="comma-separated substrings: time only the kernels named so")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -172,7 +174,8 @@ def sweep(cases, args) -> None:
     grids = {
         fo: ("dispatch fan-out", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         gs: ("combine (weighted sum of K)", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
-        sw: ("SwiGLU backward", {"block_r": [1, 2, 4, 8], "block_f": [256, 512, 1024], "num_warps": [4, 8]}),
+        sw: (("SwiGLU forward", "SwiGLU backward, routing weights folded (+ row dots)"),  # the local transport's pair
+             {"block_r": [1, 2, 4, 8], "block_f": [256, 512, 1024, 2048], "num_warps": [4, 8]}),
         fr: (("FP8 rowwise scale+cast (N x D)", "FP8 rowwise scale+cast (N x 2F: dh13)"),
              {"block_r": [1, 2, 4, 8], "max_block_c": [1024, 2048, 4096], "num_warps": [4, 8, 16]}),
         fc: ("FP8 dual colwise, 16-aligned (N x D, N x F)", {"block_r": [32, 64, 128, 256], "block_c": [32, 64, 128],
@@ -184,18 +187,25 @@ def sweep(cases, args) -> None:
                                                                        "num_warps": [4, 8, 16]}),
     }
     only = set(args.sweep_only.split(",")) if args.sweep_only else None
+    chosen: dict[str, dict] = {}
     for module, (case, grid) in grids.items():
         if only is not None and module.__name__.rsplit(".", 1)[1] not in only:
             continue
         names = case if isinstance(case, tuple) else (case,)  # several cases: the config with the least summed time
+        before = tuple(module.CONFIG[k] for k in grid)
         results = {}
         for values in itertools.product(*grid.values()):
             module.CONFIG.update(zip(grid, values))
             results[values] = sum(timed({"k": cases[c][0]}, args.iters, 5)["k"] for c in names)
         best = min(results, key=results.get)
         module.CONFIG.update(zip(grid, best))
+        chosen[module.__name__] = dict(module.CONFIG)
         table = ", ".join(f"{v}: {ms:.3f}" for v, ms in sorted(results.items(), key=lambda kv: kv[1])[:6])
-        print(f"sweep {module.__name__} ({case}), ms, fastest first: {table}", flush=True)
+        print(f"sweep {module.__name__} ({case}), ms, fastest first: {table}; the configuration before, {before}: "
+              f"{results.get(before, float('nan')):.3f}", flush=True)
+    if args.sweep_out:
+        with open(args.sweep_out, "w") as f:
+            json.dump(chosen, f)
 
 
 if __name__ == "__main__":
