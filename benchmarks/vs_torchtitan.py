@@ -26,6 +26,10 @@ Every candidate is timed in ONE rotation (``timing.timed``: interleaved, median 
   Where compiling fails (EP under its default ``spmd_types`` backend) the reason is shown and the
   compiled row runs under its ``partial_dtensor`` backend.
 
+Also in the rotation: our FP8 layer with the weight-gradient precision ``fp8_wgrad="auto"`` did not pick
+(eager, compiled), and with ``--base DIR`` an older spmdmoe (``benchmarks/base_copy.sh``: bf16 eager and
+compiled, FP8 cached eager), so a change is measured against the code before it in one process.
+
 Each FP8 figure of ours comes under two weight policies, each on its own layer (own cache):
 (a) "weights changed every step": one weight element is flipped in place before every step (what an
 optimizer step does to the bytes), so the cache re-quantizes every step, fingerprint included: what a
@@ -320,9 +324,9 @@ def main() -> None:
         if lib is None:
             m = MoE(dataclasses.replace(cfg, expert_precision=precision, **extra)).to(device=device, dtype=dtype)
         else:  # the older copy: its own config class
-            fields = {f.name for f in dataclasses.fields(lib.MoEConfig)}
-            m = lib.MoE(lib.MoEConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in fields and k != "expert_precision"},
-                                      expert_precision=precision))
+            fields = {f.name for f in dataclasses.fields(lib.MoEConfig)} - {"expert_precision"}
+            same = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}
+            m = lib.MoE(lib.MoEConfig(**same, expert_precision=precision))
             m = m.to(device=device, dtype=dtype)
         m.load_state_dict(state)
         if not cache:
