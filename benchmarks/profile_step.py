@@ -4,8 +4,8 @@
 
 For each precision, on the same weights and input (bf16 activations, FP8 weights cached):
 
-* kernels: torch profiler, CUDA time per kernel name summed over one step (median of 3 profiled
-  steps' share), fill / zero kernels listed with the op that launched them;
+* kernels: torch profiler, CUDA time per kernel name summed over one step (the mean of 3 profiled
+  steps), fill / zero kernels listed, and the device time of the torch ops that fill;
 * memory: the step's peak above what was allocated before it (weights, input and FP8 cache excluded,
   gradients included, as ``vs_torchtitan.py`` counts it), and the tensors alive at that peak, grouped by
   the innermost spmdmoe frame that allocated them (``torch.cuda.memory._record_memory_history``).
@@ -30,21 +30,21 @@ from timing import report  # noqa: E402
 from spmdmoe.moe import MoE, MoEConfig  # noqa: E402
 
 
+FILL_OPS = ("aten::fill_", "aten::zero_", "aten::zeros", "aten::new_zeros")
+
+
 def kernels(step, n: int = 3) -> tuple[list[tuple[str, float, int]], list[tuple[str, float, int]]]:
-    """(kernel name, ms per step, launches per step), most time first; and the same for the fill / zero ops
-    by the Python line that called them."""
+    """(kernel name, ms per step, launches per step), most time first; and the same for the torch ops that
+    fill (``FILL_OPS``: nested, so ``zeros`` includes its ``zero_`` and ``fill_``)."""
     acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+    with torch.profiler.profile(activities=acts) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3 / n, e.count // n) for e in prof.key_averages()
-            if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
-    fills = []
-    for e in prof.key_averages(group_by_stack_n=8):
-        if e.key in ("aten::fill_", "aten::zero_", "aten::zeros", "aten::new_zeros") and e.device_time_total > 0:
-            where = next((f for f in e.stack if "spmdmoe" in f or "torch/_" in f), e.stack[0] if e.stack else "?")
-            fills.append((f"{e.key} at {where}", e.device_time_total / 1e3 / n, e.count // n))
+    per_step = [(e.key, e.device_time_total / 1e3 / n, e.count // n, e.device_type) for e in prof.key_averages()
+                if e.device_time_total > 0]
+    rows = [r[:3] for r in per_step if r[3] == torch.autograd.DeviceType.CUDA]
+    fills = [r[:3] for r in per_step if r[0] in FILL_OPS]
     return sorted(rows, key=lambda r: -r[1]), sorted(fills, key=lambda r: -r[1])
 
 
@@ -118,7 +118,7 @@ def main() -> None:
         lines += [f"| {k[:90]} | {ms:.3f} | {c} |" for k, ms, c in rows[:args.top]]
         fills = [r for r in rows if any(w in r[0].lower() for w in ("fill", "zero"))]
         lines += [f"| (fills) {k[:80]} | {ms:.3f} | {c} |" for k, ms, c in fills if (k, ms, c) not in rows[:args.top]]
-        lines += [f"| (fill op) {k[:150]} | {ms:.3f} | {c} |" for k, ms, c in fill_sites]
+        lines += [f"| (fill op) {k} | {ms:.3f} | {c} |" for k, ms, c in fill_sites]
         layer.zero_grad(set_to_none=True)
         peak, groups = memory(step)
         lines += ["", f"### {precision}: memory, step peak {peak:.2f} GiB above the start; alive at the peak:", "",

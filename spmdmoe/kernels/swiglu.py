@@ -116,7 +116,7 @@ def swiglu_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: tor
         wrap_triton(_swiglu_bwd_kernel)[_grid(R, F)](
             g_RF, h13_R2F, d13_R2F, valid, w_R if w_R is not None else valid, parts, F, HAS_W=w_R is not None,
             BLOCK_R=CONFIG["block_r"], BLOCK_F=CONFIG["block_f"], num_warps=CONFIG["num_warps"])
-    return d13_R2F, parts.sum(dim=1)
+    return d13_R2F, (parts.sum(dim=1) if w_R is not None else parts.new_empty(0))
 
 
 def _valid_mask(h_R: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
