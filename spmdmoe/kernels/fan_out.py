@@ -34,7 +34,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
-from .fp8_common import EPS_C, FP8, FP8_MAX_C, round_e4m3
+from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
 
 __all__ = ["fan_out", "fan_out_fp8", "fan_out_fp8_reference", "fan_out_fp8_triton", "fan_out_reference",
@@ -53,8 +53,7 @@ def _fan_out_kernel(
             offs = d0 + tl.arange(0, BLOCK_D)
             v = tl.load(src_ptr + s * stride_src + offs, mask=offs < D, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
-        inv = tl.math.div_rn(tl.full([], FP8_MAX_C, tl.float32), amax)
-        scale = tl.math.div_rn(amax, tl.full([], FP8_MAX_C, tl.float32))
+        inv, scale = e4m3_inverse(amax), e4m3_scale(amax)
     for j in tl.static_range(J):
         r = tl.load(index_ptr + s * J + j).to(tl.int64)
         if QUANT:
@@ -71,7 +70,7 @@ def _fan_out_kernel(
             else:
                 tl.store(out_ptr + r * stride_out + offs, v, mask=m)
             if QUANT:
-                q = round_e4m3(tl.clamp(v.to(tl.float32) * inv, -FP8_MAX_C, FP8_MAX_C))
+                q = to_e4m3(v.to(tl.float32), inv)
                 tl.store(q_ptr + r * D + offs, q.to(q_ptr.dtype.element_ty), mask=m)
             if HAS_DOT:
                 y = tl.load(other_ptr + r * stride_other + offs, mask=m, other=0.0)

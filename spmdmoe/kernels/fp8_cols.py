@@ -51,7 +51,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
-from .fp8_common import EPS_C, FP8, FP8_MAX_C, dequant_scale, quantize_reference, round_e4m3, write_where
+from .fp8_common import EPS_C, FP8, dequant_scale, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3, write_where
 from .fp8_rows import quantize_rows_reference
 
 __all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",
@@ -89,8 +89,8 @@ def _quantize_group_cols(src_ptr, dst_ptr, s_ptr, C, dst_g, dst_c, g, c0, start,
         m = (rows < end)[:, None] & cmask[None, :]
         x = tl.load(src_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-    inv = tl.math.div_rn(tl.full([BLOCK_C], FP8_MAX_C, tl.float32), amax)
-    tl.store(s_ptr + g * C + cols, tl.math.div_rn(amax, tl.full([BLOCK_C], FP8_MAX_C, tl.float32)), mask=cmask)
+    inv = e4m3_inverse(amax)
+    tl.store(s_ptr + g * C + cols, e4m3_scale(amax), mask=cmask)
     shift = pstart - start
     # the second pass walks the rows backwards: the ones read last by the first pass are likeliest still in L2
     chunks = tl.cdiv(end - start, BLOCK_R)
@@ -98,7 +98,7 @@ def _quantize_group_cols(src_ptr, dst_ptr, s_ptr, C, dst_g, dst_c, g, c0, start,
         rows = start + (chunks - 1 - i) * BLOCK_R + rr
         m = (rows < end)[:, None] & cmask[None, :]
         x = tl.load(src_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        q = round_e4m3(tl.clamp(x * inv[None, :], -FP8_MAX_C, FP8_MAX_C))
+        q = to_e4m3(x, inv[None, :])
         tl.store(dst_ptr + g * dst_g + cols[None, :] * dst_c + (rows + shift)[:, None], q.to(dst_ptr.dtype.element_ty),
                  mask=m)
     zero = tl.zeros([BLOCK_R, BLOCK_C], tl.float32).to(dst_ptr.dtype.element_ty)

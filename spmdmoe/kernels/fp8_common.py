@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8", "FP8_MAX", "EPS", "FP8_MAX_C", "EPS_C", "dequant_scale", "quantize_reference", "round_e4m3",
-           "write_where"]
+__all__ = ["FP8", "FP8_MAX", "EPS", "FP8_MAX_C", "EPS_C", "dequant_scale", "e4m3_inverse", "e4m3_scale", "quantize_reference",
+           "round_e4m3", "to_e4m3", "write_where"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -45,6 +45,24 @@ def round_e4m3(v):
     sub = (a + magic) - magic
     q = tl.where(a < 0.015625, tl.where(bits < 0, -sub, sub), normal)
     return tl.where(q == 0.0, 0.0, q)  # -0 -> +0
+
+
+@triton.jit
+def e4m3_inverse(amax):
+    """``448 / amax`` of fp32 ``amax`` (any shape), an IEEE division: the quantizing factor."""
+    return tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX_C, amax)
+
+
+@triton.jit
+def e4m3_scale(amax):
+    """``amax / 448``, an IEEE division: the dequantization scale a kernel stores."""
+    return tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX_C)
+
+
+@triton.jit
+def to_e4m3(v, inv):
+    """fp32 ``v`` times ``inv`` (broadcast by the caller), clamped to +-448 and rounded to e4m3, still fp32."""
+    return round_e4m3(tl.clamp(v * inv, -FP8_MAX_C, FP8_MAX_C))
 
 
 def dequant_scale(amax: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
-from .fp8_common import EPS_C, FP8, FP8_MAX_C, quantize_reference, round_e4m3, write_where
+from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3, write_where
 
 __all__ = ["quantize_rows", "quantize_rows_into", "quantize_rows_reference", "quantize_rows_triton"]
 
@@ -59,8 +59,8 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, valid_ptr, gate_ptr, R, C, HAS_VALID: tl.c
             m = live[:, None] & (cols < C)[None, :]
             x = tl.load(x_ptr + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS_C)
-            inv = tl.math.div_rn(tl.full([BLOCK_R], FP8_MAX_C, tl.float32), amax)
-            q = round_e4m3(tl.clamp(x * inv[:, None], -FP8_MAX_C, FP8_MAX_C))
+            inv = e4m3_inverse(amax)
+            q = to_e4m3(x, inv[:, None])
             tl.store(q_ptr + base + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         else:
             amax = tl.full([BLOCK_R], EPS_C, tl.float32)
@@ -68,13 +68,13 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, valid_ptr, gate_ptr, R, C, HAS_VALID: tl.c
                 m = live[:, None] & (c0 + cols < C)[None, :]
                 x = tl.load(x_ptr + base + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-            inv = tl.math.div_rn(tl.full([BLOCK_R], FP8_MAX_C, tl.float32), amax)
+            inv = e4m3_inverse(amax)
             for c0 in range(0, C, BLOCK_C):
                 m = live[:, None] & (c0 + cols < C)[None, :]
                 x = tl.load(x_ptr + base + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                q = round_e4m3(tl.clamp(x * inv[:, None], -FP8_MAX_C, FP8_MAX_C))
+                q = to_e4m3(x, inv[:, None])
                 tl.store(q_ptr + base + c0 + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
-        tl.store(s_ptr + rows, tl.math.div_rn(amax, tl.full([BLOCK_R], FP8_MAX_C, tl.float32)), mask=live)
+        tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
 
 
 def _launch(kernel: Any, x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor, valid: Optional[torch.Tensor],

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
-from .fp8_common import EPS_C, FP8, FP8_MAX_C, round_e4m3
+from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
 from .swiglu import swiglu_forward_reference
 
@@ -44,12 +44,6 @@ __all__ = [
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
 CONFIG = {"block_r": 1, "max_block_f": 2048, "num_warps": 4}
-
-
-@triton.jit
-def _quantized(v, inv):
-    """``v`` (the output dtype) in e4m3 at ``448 / amax`` per row, still fp32."""
-    return round_e4m3(tl.clamp(v.to(tl.float32) * inv[:, None], -FP8_MAX_C, FP8_MAX_C))
 
 
 @triton.jit
@@ -89,18 +83,18 @@ def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, w_ptr, F, HAS_W: tl.con
             at, m, h = _fwd_chunk(h13_ptr, rows, live, 0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
             tl.store(h_ptr + at, h, mask=m)
             amax = tl.maximum(amax, _amax(h))
-            inv = tl.math.div_rn(tl.full([BLOCK_R], FP8_MAX_C, tl.float32), amax)
-            tl.store(q_ptr + at, _quantized(h, inv).to(q_ptr.dtype.element_ty), mask=m)
+            inv = e4m3_inverse(amax)
+            tl.store(q_ptr + at, to_e4m3(h.to(tl.float32), inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
         else:
             for c0 in range(0, F, BLOCK_F):
                 at, m, h = _fwd_chunk(h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
                 tl.store(h_ptr + at, h, mask=m)
                 amax = tl.maximum(amax, _amax(h))
-            inv = tl.math.div_rn(tl.full([BLOCK_R], FP8_MAX_C, tl.float32), amax)
+            inv = e4m3_inverse(amax)
             for c0 in range(0, F, BLOCK_F):
                 at, m, h = _fwd_chunk(h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
-                tl.store(q_ptr + at, _quantized(h, inv).to(q_ptr.dtype.element_ty), mask=m)
-        tl.store(s_ptr + rows, tl.math.div_rn(amax, tl.full([BLOCK_R], FP8_MAX_C, tl.float32)), mask=live)
+                tl.store(q_ptr + at, to_e4m3(h.to(tl.float32), inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
 
 
 def _launch(R: int, F: int) -> tuple[tuple[int], dict]:
