@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-only", default=None, help="comma-separated kernel modules to sweep (e.g. fp8_cols,swiglu_fp8)")
+    ap.add_argument("--sweep-only", default=None, help="comma-separated kernel modules to sweep (e.g. fp8_cols,swiglu_fp8,swiglu_fp8_bwd: its backward config)")
     ap.add_argument("--sweep-out", default=None, help="write each swept module's fastest CONFIG here (JSON)")
     ap.add_argument("--only", default=None, help="comma-separated substrings: time only the kernels named so")
     ap.add_argument("--out", default=None)
@@ -94,6 +94,9 @@ def main() -> None:
     cases["SwiGLU forward + FP8 rows of h (fused)"] = (
         lambda: sq.swiglu_quant_forward_triton(h13, valid), lambda: sq.swiglu_quant_forward_reference(h13, valid),
         N * F * 7 + N * 4)
+    cases["SwiGLU backward + FP8 rows of dh13 (fused, weights folded)"] = (
+        lambda: sq.swiglu_quant_backward_triton(gh, h13, valid, wN),
+        lambda: sq.swiglu_quant_backward_reference(gh, h13, valid, wN), N * F * 12 + N * 12)
     from spmdmoe.moe.fp8 import quantize_weights
     w13 = torch.randn(E, 2 * F, D, device=dev, dtype=bf)
     w2 = torch.randn(E, D, F, device=dev, dtype=bf)
@@ -125,6 +128,8 @@ def main() -> None:
     unfused = {
         "FP8 weights, both layouts of [w1|w3] and w2 (E=64)": weights_by_copies,
         "SwiGLU forward + FP8 rows of h (fused)": lambda: fr.quantize_rows_triton(sw.swiglu_forward_triton(h13, valid), valid),
+        "SwiGLU backward + FP8 rows of dh13 (fused, weights folded)": lambda: fr.quantize_rows_triton(
+            sw.swiglu_backward_triton(gh, h13, valid, wN)[0], valid),
         "dispatch fan-out + FP8 rows, quantized once per token": lambda: fr.quantize_rows_triton(
             fo.fan_out_triton(x, pos, N)[0], valid)}
     torchao = {}
@@ -142,7 +147,7 @@ def main() -> None:
         sweep(cases, args)
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, T={T} K={K} D={D} F={F}; "
              f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}, fp8_rows {fr.CONFIG}, "
-             f"fp8_cols {fc.CONFIG}, swiglu_fp8 {sq.CONFIG}, fingerprint {fg.CONFIG}", "",
+             f"fp8_cols {fc.CONFIG}, swiglu_fp8 {sq.CONFIG} / backward {sq.BWD_CONFIG}, fingerprint {fg.CONFIG}", "",
              "| kernel | Triton ms | TB/s | % of 4.2 | torch eager ms | torch compiled ms | Triton vs compiled | "
              "torchao ms (TB/s) | ours vs torchao |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -171,7 +176,7 @@ def main() -> None:
 
 def sweep(cases, args) -> None:
     """Time every launch configuration; keep the fastest in each module's CONFIG (printed)."""
-    grids = {
+    grids = {  # module: (case or cases, grid); (module, "BWD_CONFIG") sweeps that dict of the module instead
         fo: ("dispatch fan-out", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         gs: ("combine (weighted sum of K)", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         sw: (("SwiGLU forward", "SwiGLU backward, routing weights folded (+ row dots)"),  # the local transport's pair
@@ -182,26 +187,31 @@ def sweep(cases, args) -> None:
                                                              "num_warps": [2, 4, 8, 16]}),
         sq: ("SwiGLU forward + FP8 rows of h (fused)", {"block_r": [1, 2, 4, 8], "max_block_f": [512, 1024, 2048],
                                                         "num_warps": [4, 8, 16]}),
+        (sq, "BWD_CONFIG"): ("SwiGLU backward + FP8 rows of dh13 (fused, weights folded)",
+                             {"block_r": [1, 2, 4], "max_block_f": [512, 1024, 2048, 4096], "num_warps": [4, 8, 16]}),
         fg: ("fingerprint of the expert weights ([w1|w3], w2; E=64)", {"block": [1024, 2048, 4096, 8192],
                                                                        "programs_per_sm": [2, 4, 8],
                                                                        "num_warps": [4, 8, 16]}),
     }
     only = set(args.sweep_only.split(",")) if args.sweep_only else None
     chosen: dict[str, dict] = {}
-    for module, (case, grid) in grids.items():
-        if only is not None and module.__name__.rsplit(".", 1)[1] not in only:
+    for key, (case, grid) in grids.items():
+        module, attr = key if isinstance(key, tuple) else (key, "CONFIG")
+        name = module.__name__.rsplit(".", 1)[1] + ("" if attr == "CONFIG" else "_bwd")
+        if only is not None and name not in only:
             continue
+        config = getattr(module, attr)
         names = case if isinstance(case, tuple) else (case,)  # several cases: the config with the least summed time
-        before = tuple(module.CONFIG[k] for k in grid)
+        before = tuple(config[k] for k in grid)
         results = {}
         for values in itertools.product(*grid.values()):
-            module.CONFIG.update(zip(grid, values))
+            config.update(zip(grid, values))
             results[values] = sum(timed({"k": cases[c][0]}, args.iters, 5)["k"] for c in names)
         best = min(results, key=results.get)
-        module.CONFIG.update(zip(grid, best))
-        chosen[module.__name__] = dict(module.CONFIG)
+        config.update(zip(grid, best))
+        chosen[f"{module.__name__}.{attr}"] = dict(config)
         table = ", ".join(f"{v}: {ms:.3f}" for v, ms in sorted(results.items(), key=lambda kv: kv[1])[:6])
-        print(f"sweep {module.__name__} ({case}), ms, fastest first: {table}; the configuration before, {before}: "
+        print(f"sweep {name} ({case}), ms, fastest first: {table}; the configuration before, {before}: "
               f"{results.get(before, float('nan')):.3f}", flush=True)
     if args.sweep_out:
         with open(args.sweep_out, "w") as f:

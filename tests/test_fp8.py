@@ -351,6 +351,48 @@ def test_quantizing_before_the_fan_out_changes_no_bit(monkeypatch, wgrad):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("wgrad", WGRADS)
+def test_summing_the_copies_in_the_down_projection_changes_no_bit(monkeypatch, wgrad):
+    """With the routing weights folded in, the FP8 experts sum each token's copies in their down-projection's
+    node (``RoutedTokens.copies_TK``), whose backward fans the output gradient out and quantizes it once per
+    token; the layer's output and every gradient equal, bit for bit, those of the same layer that returns
+    the copies and lets the transport's combine sum them."""
+    import dataclasses
+
+    from spmdmoe.moe.dispatch import LocalTransport
+
+    _, fp8 = _layers(wgrad=wgrad)
+    gen = torch.Generator().manual_seed(23)
+    x, g = (torch.randn(300, D, generator=gen).to(DEVICE) for _ in range(2))
+    seen = []
+    real = LocalTransport.dispatch
+
+    def spy(self, *args, **kwargs):
+        routed = real(self, *args, **kwargs)
+        seen.append(routed.copies_TK is not None)
+        return routed
+    monkeypatch.setattr(LocalTransport, "dispatch", spy)
+    fused = _step(fp8, x, g)
+    monkeypatch.setattr(LocalTransport, "dispatch",
+                        lambda self, *a, **k: dataclasses.replace(real(self, *a, **k), copies_TK=None))
+    apart = _step(fp8, x, g)
+    assert seen == [True], "the local dispatch asks the experts to sum the copies"
+    for a, b in zip(fused, apart):
+        assert torch.equal(a, b)
+
+
+def test_a_second_backward_through_the_fp8_experts_says_why():
+    """The up-projection's backward frees the saved SwiGLU input as it goes (the step peak stays bf16's), so a
+    second backward through the same forward (``retain_graph=True``) raises, naming the fix, instead of
+    computing with a freed tensor."""
+    _, fp8 = _layers()
+    x = torch.randn(40, D, device=DEVICE, requires_grad=True)
+    y = fp8(x).float().sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        y.backward()
+
+
 def _poison_cuda_cache(gib: float = 4.0) -> None:
     """Fill the CUDA caching allocator's free blocks with NaN bytes: the next ``torch.empty`` calls get
     memory holding NaN, so a kernel that skips rows or groups leaves NaN, not lucky zeros, behind."""

@@ -147,6 +147,42 @@ def test_swiglu_quant(R, F, valid, block, dtype, weighted, monkeypatch):
         assert torch.isfinite(got[2][:valid]).all() and (got[2][:valid] > 0).all()
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,F,valid,block", [(9, 24, 6, None), (5, 7, 5, None), (4, 16, 0, None), (0, 8, 0, None),
+                                             (11, 40, 9, 16), (6, 1408 if DEVICE == "cuda" else 48, 5, None)])
+def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, monkeypatch):
+    """The fused SwiGLU backward + rowwise quantizer of ``dh13``: ``dh13`` bit for bit the SwiGLU backward
+    kernel's, ``(q, s)`` bit for bit the rowwise quantizer's of it (over all ``2F`` columns), the routing
+    weights' gradient within fp32 summation-order error of the plain kernel's (``block``: rows wider than
+    one tile, the recomputing path); rows past ``valid`` (NaN) never read. Its reference likewise."""
+    from spmdmoe.kernels import swiglu_fp8
+    if block is not None:
+        monkeypatch.setitem(swiglu_fp8.BWD_CONFIG, "max_block_f", block)
+    gen = torch.Generator().manual_seed(R * 131 + F + valid + 7)
+    h13 = _rows_input(R, 2 * F, dtype, gen)
+    g = (torch.randn(R, F, generator=gen) * 3).to(DEVICE, dtype)
+    h13[valid:] = float("nan")
+    g[valid:] = float("nan")
+    count = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
+    w = None
+    if weighted:
+        w = torch.rand(R, generator=gen).to(DEVICE)
+        w[::3] = 0.0
+        w[valid:] = float("nan")
+    cases = {"kernel": (K.swiglu_quant_backward_triton, K.swiglu_backward_triton, K.quantize_rows_triton),
+             "reference": (K.swiglu_quant_backward_reference, K.swiglu_backward_reference, K.quantize_rows_reference)}
+    for impl, (fused, plain, quantize) in cases.items():
+        d13, q, s, dw = fused(g, h13, count, w)
+        want_d13, want_dw = plain(g, h13, count, w)
+        _assert_equal([d13[:valid], q[:valid], s[:valid]], [want_d13[:valid], *(t[:valid] for t in quantize(want_d13, count))],
+                      f"backward {impl}")
+        assert torch.isfinite(s[:valid]).all() and (s[:valid] > 0).all()
+        assert dw.shape == want_dw.shape
+        if weighted:
+            torch.testing.assert_close(dw[:valid], want_dw[:valid], rtol=1e-5, atol=1e-5 * F)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("e,A,C", [(3, 33, 20), (2, 16, 70), (0, 4, 4), (1, 5, 1), (2, 300, 9)]
                          + ([(4, 2816, 2048), (3, 2048, 1408)] if DEVICE == "cuda" else []))

@@ -8,7 +8,7 @@ elsewhere; :mod:`spmdmoe.kernels.backend`).
 * :func:`fan_out`: rows into ``J`` copies each (dispatch permute; combine backward);
 * :func:`gather_sum`: the fp32 sum of ``J`` rows each, optionally weighted (combine; permute backward);
 * :func:`swiglu_forward` / :func:`swiglu_backward`: offset-aware SwiGLU over the valid rows only;
-* :func:`swiglu_quant_forward`: SwiGLU fused with the rowwise FP8 of its result;
+* :func:`swiglu_quant_forward` / :func:`swiglu_quant_backward`: SwiGLU (backward) fused with the rowwise FP8 of its result;
 * :func:`quantize_rows`: rowwise FP8 scale+cast in one pass, valid rows only;
 * :func:`quantize_cols_pair`: the two wgrad operands' per-group columnwise FP8, 16-row aligned, one launch;
 * :func:`quantize_weight_cols`: a 3-D weight's transpose in rowwise FP8, without the transposing copy;
@@ -31,6 +31,9 @@ from .fp8_cols import (
 from .fp8_rows import quantize_rows, quantize_rows_into, quantize_rows_reference, quantize_rows_triton
 from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
 from .swiglu_fp8 import (
+    swiglu_quant_backward,
+    swiglu_quant_backward_reference,
+    swiglu_quant_backward_triton,
     swiglu_quant_forward,
     swiglu_quant_forward_reference,
     swiglu_quant_forward_triton,
@@ -51,6 +54,7 @@ __all__ = [
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
     "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",
+    "swiglu_quant_backward", "swiglu_quant_backward_reference", "swiglu_quant_backward_triton",
 
     "quantize_rows", "quantize_rows_into", "quantize_rows_reference", "quantize_rows_triton",
     "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",

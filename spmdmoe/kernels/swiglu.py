@@ -35,7 +35,7 @@ from .backend import use_triton
 
 __all__ = [
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
-    "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
+    "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton", "swiglu_grads",
 ]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
@@ -52,6 +52,20 @@ def _tile(h13_ptr, r0, n, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
     b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
     return rows, cols, m, at, a, b
+
+
+@triton.jit
+def swiglu_grads(g, a, b, w, HAS_W: tl.constexpr):
+    """fp32 ``(dh1, dh3, dot)`` of a tile: the gradients of ``w * silu(a) * b`` for the output gradient ``g``
+    (``w``: the rows' routing weights, one per row, when ``HAS_W``), and each row's dot ``<g, silu(a) * b>``,
+    the weight's gradient (zeros without weights). One formula for every SwiGLU backward kernel, so the
+    fused ones round exactly as this module's."""
+    sig = tl.sigmoid(a)
+    dot = tl.zeros([g.shape[0]], tl.float32)
+    if HAS_W:
+        dot = tl.sum(g * (a * sig * b), axis=1)
+        g = g * w[:, None]
+    return g * b * sig * (1.0 + a * (1.0 - sig)), g * a * sig, dot
 
 
 @triton.jit
@@ -75,13 +89,14 @@ def _swiglu_bwd_kernel(g_ptr, h13_ptr, d13_ptr, valid_ptr, w_ptr, dots_ptr, F, H
     if r0 < n:
         rows, cols, m, at, a, b = _tile(h13_ptr, r0, n, F, BLOCK_R, BLOCK_F)
         g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(a)
-        if HAS_W:  # the routing weight's gradient (this block's share of the row dot), then g scaled by it
-            tl.store(dots_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.sum(g * (a * sig * b), axis=1),
-                     mask=rows < n)
-            g = g * tl.load(w_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)[:, None]
-        tl.store(d13_ptr + at, (g * b * sig * (1.0 + a * (1.0 - sig))).to(d13_ptr.dtype.element_ty), mask=m)
-        tl.store(d13_ptr + at + F, (g * a * sig).to(d13_ptr.dtype.element_ty), mask=m)
+        w = tl.zeros([BLOCK_R], tl.float32)  # unused without weights
+        if HAS_W:
+            w = tl.load(w_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)
+        d1, d3, dot = swiglu_grads(g, a, b, w, HAS_W)
+        if HAS_W:  # the routing weight's gradient: this block's share of the row dot
+            tl.store(dots_ptr + rows * tl.num_programs(1) + tl.program_id(1), dot, mask=rows < n)
+        tl.store(d13_ptr + at, d1.to(d13_ptr.dtype.element_ty), mask=m)
+        tl.store(d13_ptr + at + F, d3.to(d13_ptr.dtype.element_ty), mask=m)
 
 
 def _grid(R: int, F: int) -> tuple[int, int]:

@@ -36,14 +36,16 @@ from torch.library import triton_op, wrap_triton
 from .backend import use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
-from .swiglu import swiglu_forward_reference
+from .swiglu import swiglu_backward_reference, swiglu_forward_reference, swiglu_grads
 
 __all__ = [
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",
+    "swiglu_quant_backward", "swiglu_quant_backward_reference", "swiglu_quant_backward_triton",
 ]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
 CONFIG = {"block_r": 1, "max_block_f": 2048, "num_warps": 4}
+BWD_CONFIG = {"block_r": 1, "max_block_f": 2048, "num_warps": 8}
 
 
 @triton.jit
@@ -97,10 +99,64 @@ def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, w_ptr, F, HAS_W: tl.con
         tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
 
 
-def _launch(R: int, F: int) -> tuple[tuple[int], dict]:
-    block_f = min(triton.next_power_of_2(F), CONFIG["max_block_f"])
-    return (triton.cdiv(R, CONFIG["block_r"]),), {
-        "BLOCK_R": CONFIG["block_r"], "BLOCK_F": block_f, "ONE_TILE": block_f >= F, "num_warps": CONFIG["num_warps"]}
+@triton.jit
+def _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, w, HAS_W: tl.constexpr, BLOCK_F: tl.constexpr,
+               OUT_TY: tl.constexpr):
+    """One chunk of columns: ``(at, mask, dh1, dh3, dot)``, the gradients in the output dtype, ``dot`` the
+    chunk's share of each row's routing-weight gradient (fp32)."""
+    cols = c0 + tl.arange(0, BLOCK_F)
+    m = live[:, None] & (cols < F)[None, :]
+    at = rows[:, None] * (2 * F) + cols[None, :]
+    a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    d1, d3, dot = swiglu_grads(g, a, b, w, HAS_W)
+    return at, m, d1.to(OUT_TY), d3.to(OUT_TY), dot
+
+
+@triton.jit
+def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, ONE_TILE: tl.constexpr):
+    n = tl.load(valid_ptr).to(tl.int64)
+    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    if r0 < n:
+        rows = r0 + tl.arange(0, BLOCK_R)
+        live = rows < n
+        amax = tl.full([BLOCK_R], EPS_C, tl.float32)
+        w = amax  # unused without weights
+        if HAS_W:
+            w = tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)
+        OUT_TY = d13_ptr.dtype.element_ty
+        if ONE_TILE:
+            at, m, d1, d3, dot = _bwd_chunk(g_ptr, h13_ptr, rows, live, 0, F, w, HAS_W, BLOCK_F, OUT_TY)
+            tl.store(d13_ptr + at, d1, mask=m)
+            tl.store(d13_ptr + at + F, d3, mask=m)
+            amax = tl.maximum(amax, tl.maximum(_amax(d1), _amax(d3)))
+            inv = e4m3_inverse(amax)[:, None]
+            tl.store(q_ptr + at, to_e4m3(d1.to(tl.float32), inv).to(q_ptr.dtype.element_ty), mask=m)
+            tl.store(q_ptr + at + F, to_e4m3(d3.to(tl.float32), inv).to(q_ptr.dtype.element_ty), mask=m)
+        else:
+            dot = tl.zeros([BLOCK_R], tl.float32)
+            for c0 in range(0, F, BLOCK_F):
+                at, m, d1, d3, part = _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, OUT_TY)
+                tl.store(d13_ptr + at, d1, mask=m)
+                tl.store(d13_ptr + at + F, d3, mask=m)
+                amax = tl.maximum(amax, tl.maximum(_amax(d1), _amax(d3)))
+                dot += part
+            inv = e4m3_inverse(amax)[:, None]
+            for c0 in range(0, F, BLOCK_F):  # recomputed (inputs from L2) rather than the output read back
+                at, m, d1, d3, part = _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, OUT_TY)
+                tl.store(q_ptr + at, to_e4m3(d1.to(tl.float32), inv).to(q_ptr.dtype.element_ty), mask=m)
+                tl.store(q_ptr + at + F, to_e4m3(d3.to(tl.float32), inv).to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
+        if HAS_W:
+            tl.store(dw_ptr + rows, dot, mask=live)
+
+
+def _launch(R: int, F: int, config: dict) -> tuple[tuple[int], dict]:
+    block_f = min(triton.next_power_of_2(F), config["max_block_f"])
+    return (triton.cdiv(R, config["block_r"]),), {
+        "BLOCK_R": config["block_r"], "BLOCK_F": block_f, "ONE_TILE": block_f >= F, "num_warps": config["num_warps"]}
 
 
 @triton_op("spmdmoe::swiglu_quant_forward", mutates_args=())
@@ -113,10 +169,30 @@ def swiglu_quant_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R:
     q_RF = torch.empty((R, F), dtype=FP8, device=h13_R2F.device)
     s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
     if R > 0 and F > 0:
-        grid, meta = _launch(R, F)
+        grid, meta = _launch(R, F, CONFIG)
         wrap_triton(_fwd_kernel)[grid](h13_R2F, h_RF, q_RF, s_R, valid, w_R if w_R is not None else s_R, F,
                                        HAS_W=w_R is not None, **meta)
     return h_RF, q_RF, s_R
+
+
+@triton_op("spmdmoe::swiglu_quant_backward", mutates_args=())
+def swiglu_quant_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
+                                 w_R: Optional[torch.Tensor] = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton launcher of the backward: ``(dh13_R2F, q_R2F e4m3, s_R fp32, dw_R fp32)``: the SwiGLU's input
+    gradient, its rowwise e4m3 over all ``2F`` columns with the scales, and the routing weights' gradient
+    (empty without ``w_R``). ``g_RF``: the output gradient; ``h13_R2F``, ``valid``, ``w_R``: the forward's."""
+    g_RF, h13_R2F = g_RF.contiguous(), h13_R2F.contiguous()
+    R, F = g_RF.shape
+    d13_R2F = torch.empty_like(h13_R2F)
+    q_R2F = torch.empty(h13_R2F.shape, dtype=FP8, device=h13_R2F.device)
+    s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
+    dw_R = torch.empty((R if w_R is not None else 0,), dtype=torch.float32, device=h13_R2F.device)
+    if R > 0 and F > 0:
+        grid, meta = _launch(R, F, BWD_CONFIG)
+        wrap_triton(_bwd_kernel)[grid](g_RF, h13_R2F, d13_R2F, q_R2F, s_R, dw_R, valid,
+                                       w_R if w_R is not None else s_R, F, HAS_W=w_R is not None, **meta)
+    return d13_R2F, q_R2F, s_R, dw_R
 
 
 def swiglu_quant_forward_reference(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
@@ -126,8 +202,24 @@ def swiglu_quant_forward_reference(h13_R2F: torch.Tensor, valid: torch.Tensor, w
     return (h_RF, *quantize_rows_reference(h_RF, valid))
 
 
+def swiglu_quant_backward_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
+                                    w_R: Optional[torch.Tensor] = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch, same signature: the SwiGLU backward's reference, then the rowwise quantizer's of ``dh13``."""
+    d13_R2F, dw_R = swiglu_backward_reference(g_RF, h13_R2F, valid, w_R)
+    return (d13_R2F, *quantize_rows_reference(d13_R2F, valid), dw_R)
+
+
 def swiglu_quant_forward(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
     impl = swiglu_quant_forward_triton if use_triton("swiglu_fp8", h13_R2F) else swiglu_quant_forward_reference
     return impl(h13_R2F, valid, w_R)
+
+
+def swiglu_quant_backward(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
+                          w_R: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
+    impl = swiglu_quant_backward_triton if use_triton("swiglu_fp8", h13_R2F) else swiglu_quant_backward_reference
+    return impl(g_RF, h13_R2F, valid, w_R)

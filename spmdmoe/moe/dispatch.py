@@ -12,7 +12,10 @@ Interface (docs/design.md §5)::
 
 ``fp8_rows`` and ``weights_TK`` are offers a transport may take: ``LocalTransport`` quantizes each token
 once in its fan-out for FP8 experts (``RoutedTokens.fp8_rows``) and folds the routing weights into the
-experts (``RoutedTokens.weights_R``; its combine then sums unweighted); the EP transports ignore both.
+experts (``RoutedTokens.weights_R``); the combine is then the unweighted sum of each token's copies, which
+the experts do themselves (``RoutedTokens.copies_TK``: the FP8 experts fuse it into their down-projection,
+whose backward quantizes each token's output gradient once for its ``K`` copies) and ``combine`` passes
+their token rows through. The EP transports ignore both offers.
 
 ``LocalTransport`` (no EP: every expert is local) and ``AllToAllTransport``
 (EP, sync mode) share the sort and the gathers of ``permute.py``; which one a
@@ -88,7 +91,8 @@ class LocalTransport:
                  ) -> RoutedTokens:
         """``fp8_rows``: also the rowwise e4m3 of the copies, quantized once per token in the fan-out's pass
         (``RoutedTokens.fp8_rows``, for FP8 experts). ``weights_TK``: the routing weights, folded into the
-        experts (``RoutedTokens.weights_R``); :meth:`combine` then sums unweighted."""
+        experts (``RoutedTokens.weights_R``); the experts then sum each token's copies themselves
+        (``RoutedTokens.copies_TK``) and :meth:`combine` passes their ``y_TD`` through."""
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         pos_TK, counts_E = sort_by_expert(ids_TK, self.num_experts)
@@ -100,10 +104,13 @@ class LocalTransport:
             x_ND = gather_rows(x_TD, pos_TK)
         w_N = spread_weights(weights_TK, pos_TK, x_ND.shape[0]) if weights_TK is not None else None
         return RoutedTokens(x_ND, counts_E.cumsum(0).to(torch.int32), x_ND.shape[0], None, pos_TK,
-                            weights_R=w_N, fp8_rows=q)
+                            weights_R=w_N, fp8_rows=q, copies_TK=pos_TK if w_N is not None else None)
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of each token's copies (unweighted when the dispatch folded the weights)."""
+        """The weighted sum of each token's copies; with the weights folded into the experts, ``y_RD`` is
+        already their ``y_TD`` (the unweighted sum, done by the experts: ``RoutedTokens.copies_TK``)."""
+        if routed.copies_TK is not None:
+            return y_RD
         return weighted_combine(y_RD, routed.handle, weights_TK if routed.weights_R is None else None)
 
 

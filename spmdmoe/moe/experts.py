@@ -27,6 +27,7 @@ from .fp8 import fp8_swiglu, quantize_weights
 from .fp8_cache import Fp8WeightCache, fresh_cache
 from .gemm import plain_tensor, grouped_mm, grouped_mm_pair, joined
 from .grads import sync_grads
+from .permute import weighted_combine
 
 __all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu", "swiglu_rows"]
 
@@ -95,7 +96,8 @@ class GroupedExperts(nn.Module):
         return self.w1.shape[0]
 
     def forward(self, routed: RoutedTokens) -> torch.Tensor:
-        """``y_RD`` for ``routed.x_RD``."""
+        """``y_RD`` for ``routed.x_RD``; ``y_TD``, the sum of each token's copies, when the transport asks for
+        it (``routed.copies_TK``: the FP8 experts fuse that sum into their down-projection's node)."""
         weights = [self.w1, self.w2, self.w3]
         if self.grad_axis is not None:
             weights = sync_grads(weights, self.grad_axis)
@@ -104,8 +106,9 @@ class GroupedExperts(nn.Module):
                          else quantize_weights(*weights))
             assert routed.valid_rows is not None
             return fp8_swiglu(routed.x_RD, routed.group_offsets, routed.valid_rows, *weights, quantized,
-                              self.fp8_wgrad, routed.fp8_rows, routed.weights_R)
-        return grouped_swiglu(routed, *weights)
+                              self.fp8_wgrad, routed.fp8_rows, routed.weights_R, routed.copies_TK)
+        y_RD = grouped_swiglu(routed, *weights)
+        return y_RD if routed.copies_TK is None else weighted_combine(y_RD, routed.copies_TK, None)
 
 
 class SharedExperts(nn.Module):

@@ -8,20 +8,26 @@ The experts' forward and input-gradient GEMMs run in e4m3 with fp32 scales
 (``torch._scaled_grouped_mm``, fast accumulation, bf16 out), their weight-gradient
 GEMMs in FP8 or unquantized (:func:`fp8_wgrad`); everything else (router, shared
 experts, combine, master weights and their gradients) stays in the activations'
-precision. Three autograd nodes, as in the bf16 experts, so each frees what it
-saved when its backward is done (the step peak is the bf16 layer's):
+precision. Two autograd nodes, each freeing what it saved as soon as it is done
+with it (the step peak is the bf16 layer's):
 
-* up-projection ``h13 = x @ [w1 | w3]^T``: ``x`` in rowwise e4m3, made by the local
-  dispatch in its fan-out pass, once per token (``RoutedTokens.fp8_rows``; other
-  transports: quantized here, :func:`spmdmoe.kernels.quantize_rows`); saves the bf16
-  ``x`` for the wgrad; backward: ``dh13`` quantized per row for ``dx = dh13 @ [w1 | w3]``,
-  then ``dw1``, ``dw3``;
-* SwiGLU: ``h = w * silu(h1) * h3`` (``w`` the routing weight when the dispatch folded
-  it in) and ``h``'s rowwise e4m3 from the same registers
-  (:func:`spmdmoe.kernels.swiglu_quant_forward`); saves ``h13``; backward: the plain
-  SwiGLU backward, whose row dot gives the routing weight's gradient;
-* down-projection ``y = h @ w2^T`` on ``h``'s e4m3; saves the bf16 ``h``; backward:
-  ``dy`` quantized per row for ``dh = dy @ w2``, then ``dw2``.
+* up-projection and SwiGLU: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by
+  the local dispatch in its fan-out pass, once per token: ``RoutedTokens.fp8_rows``;
+  other transports: quantized here, :func:`spmdmoe.kernels.quantize_rows`), then
+  ``h = w * silu(h1) * h3`` (``w`` the routing weight when the dispatch folded it in)
+  and ``h``'s rowwise e4m3 from the same registers
+  (:func:`spmdmoe.kernels.swiglu_quant_forward`); saves the bf16 ``x`` (wgrad) and
+  ``h13``; backward: the SwiGLU backward writes ``dh13`` and its rowwise e4m3 in one
+  pass, its row dot giving the routing weight's gradient
+  (:func:`spmdmoe.kernels.swiglu_quant_backward`), ``h13`` is dropped, then
+  ``dx = dh13 @ [w1 | w3]`` on the e4m3 and ``dw1``, ``dw3``. (``h13`` is kept in a
+  box on the node, not saved, so the backward can free it before its GEMMs: a second
+  backward through the same forward, ``retain_graph=True``, raises.)
+* down-projection ``y = h @ w2^T`` on ``h``'s e4m3; saves the bf16 ``h``; with the
+  weights folded (``RoutedTokens.copies_TK``, the local transport) it also sums each
+  token's copies (the combine), so its backward fans each token's ``dy`` out to its
+  copies and quantizes it once in the same pass (:func:`spmdmoe.kernels.fan_out_fp8`);
+  otherwise ``dy`` is quantized per row. Then ``dh = dy @ w2`` on the e4m3, and ``dw2``.
 
 The weights enter per output column (forward) and per input column (dgrad):
 both layouts are quantized when the weights change and kept by the weight
@@ -68,7 +74,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..host import to_host
-from ..kernels import quantize_cols_pair, quantize_rows, quantize_weight_cols, swiglu_backward, swiglu_quant_forward
+from ..kernels import (fan_out_fp8, gather_sum, quantize_cols_pair, quantize_rows, quantize_weight_cols,
+                       swiglu_quant_backward, swiglu_quant_forward)
 from ..kernels.fp8_common import FP8
 from .gemm import grouped_mm, up_weights
 
@@ -220,137 +227,137 @@ def _wgrad(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, out_
             _wgrad_plain(a_RA[:, split:], b_RB, offsets_e, out_dtype))
 
 
-# The experts are three autograd nodes, as the bf16 experts are (up-projection, SwiGLU, down-projection),
-# so that each frees what it saved as soon as its backward is done: the step peak is the bf16 layer's.
-# Each node is a pair of custom ops (forward, backward) tied by ``register_autograd``: opaque to Dynamo
+# The experts are two autograd nodes (up-projection with the SwiGLU, down-projection with the copies' sum
+# when folded), each freeing what it saved as soon as it is done with it: the step peak is the bf16
+# layer's. Each node is a pair of custom ops (forward, backward) tied by ``register_autograd``: opaque to Dynamo
 # and AOTAutograd, so ``torch.compile(fullgraph=True)`` traces them through their fake implementations and
 # runs the real ones as they are. (An ``autograd.Function`` traced into the graph gave zero gradients on
 # CUDA with torch 2.11; this form keeps the numerics of eager and compiled runs identical by construction.)
 # ``ready`` (the weight cache's refresh token) orders the GEMMs after the refresh; it is not read.
-@torch.library.custom_op("spmdmoe::fp8_up", mutates_args=())
-def _fp8_up(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w3_eFD: torch.Tensor, offsets_e: torch.Tensor,
-            valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
-            ready: torch.Tensor, wgrad_fp8: bool, xq_RD: Optional[torch.Tensor] = None,
-            xs_R: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``h13_R2F = x @ [w1 | w3]^T`` per group on ``x``'s rowwise e4m3: ``(xq, xs)`` when the dispatch made
-    them (quantized once per token), else quantized here (``up_t`` rides along for the backward)."""
+@torch.library.custom_op("spmdmoe::fp8_up_swiglu", mutates_args=())
+def _fp8_up_swiglu(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w3_eFD: torch.Tensor, offsets_e: torch.Tensor,
+                   valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
+                   ready: torch.Tensor, wgrad_fp8: bool, xq_RD: Optional[torch.Tensor], xs_R: Optional[torch.Tensor],
+                   w_R: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h_RF, hq_RF, hs_R, h13_R2F)``: ``h13 = x @ [w1 | w3]^T`` per group on ``x``'s rowwise e4m3 (``(xq,
+    xs)`` when the dispatch made them, quantized once per token; else quantized here), then ``h = w * silu(h1)
+    * h3`` and its rowwise e4m3 from the same registers. Only ``h`` has a gradient; ``h13`` is returned for the
+    backward (``up_t`` rides along for it too)."""
     native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
     q = (xq_RD, xs_R) if xq_RD is not None and xs_R is not None else quantize_rows(x_RD, valid)
-    return _mm_rows(*q, up, up_s, offsets_e, x_RD.dtype, native, "forward")
+    h13_R2F = _mm_rows(*q, up, up_s, offsets_e, x_RD.dtype, native, "forward")
+    return (*swiglu_quant_forward(h13_R2F, valid, w_R), h13_R2F)
 
 
-@_fp8_up.register_fake
-def _(x_RD, w1_eFD, w3_eFD, *rest):  # type: ignore[no-untyped-def]
-    return x_RD.new_empty((x_RD.shape[0], 2 * w1_eFD.shape[1]))
+@_fp8_up_swiglu.register_fake
+def _(x_RD, w1_eFD, *rest):  # type: ignore[no-untyped-def]
+    R, F = x_RD.shape[0], w1_eFD.shape[1]
+    return (x_RD.new_empty((R, F)), x_RD.new_empty((R, F), dtype=FP8), x_RD.new_empty((R,), dtype=torch.float32),
+            x_RD.new_empty((R, 2 * F)))
 
 
 @torch.library.custom_op("spmdmoe::fp8_up_backward", mutates_args=())
-def _fp8_up_backward(g13_R2F: torch.Tensor, x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
-                     up_t: torch.Tensor, up_t_s: torch.Tensor, w_dtype: torch.dtype, need_dx: bool,
-                     wgrad_fp8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx_RD, dw1_eFD, dw3_eFD)``; ``dx`` empty when not ``need_dx``."""
+def _fp8_up_backward(g13_R2F: torch.Tensor, q13_R2F: torch.Tensor, s13_R: torch.Tensor, x_RD: torch.Tensor,
+                     offsets_e: torch.Tensor, valid: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
+                     w_dtype: torch.dtype, need_dx: bool, wgrad_fp8: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx_RD, dw1_eFD, dw3_eFD)`` from ``dh13`` (``g13``) and its rowwise e4m3 ``(q13, s13)``; ``dx`` empty
+    when not ``need_dx``."""
     F = g13_R2F.shape[1] // 2
     native = fp8_native(x_RD, x_RD.shape[1], F)
-    g13_R2F = g13_R2F.contiguous()
     dx = g13_R2F.new_empty((0, x_RD.shape[1]))
     if need_dx:
-        dx = _mm_rows(*quantize_rows(g13_R2F, valid), up_t, up_t_s, offsets_e, g13_R2F.dtype, native, "dgrad")
+        dx = _mm_rows(q13_R2F, s13_R, up_t, up_t_s, offsets_e, g13_R2F.dtype, native, "dgrad")
     dw1, dw3 = _wgrad(g13_R2F, x_RD, offsets_e, w_dtype, native, wgrad_fp8, split=F)
     return dx, dw1, dw3
 
 
 @_fp8_up_backward.register_fake
-def _(g13_R2F, x_RD, offsets_e, valid, up_t, up_t_s, w_dtype, need_dx, wgrad_fp8):  # type: ignore[no-untyped-def]
+def _(g13_R2F, q13_R2F, s13_R, x_RD, offsets_e, valid, up_t, up_t_s, w_dtype, need_dx, wgrad_fp8):  # type: ignore[no-untyped-def]
     (R, D), F, e = x_RD.shape, g13_R2F.shape[1] // 2, offsets_e.shape[0]
     return (g13_R2F.new_empty((R if need_dx else 0, D)), g13_R2F.new_empty((e, F, D), dtype=w_dtype),
             g13_R2F.new_empty((e, F, D), dtype=w_dtype))
 
 
-def _up_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x_RD, w1_eFD, _, offsets_e, valid, _, _, up_t, up_t_s, _, wgrad_fp8 = inputs[:11]
+def _up_swiglu_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x_RD, w1_eFD, _, offsets_e, valid, _, _, up_t, up_t_s, _, wgrad_fp8, _, _, w_R = inputs
     ctx.w_dtype, ctx.wgrad_fp8 = w1_eFD.dtype, wgrad_fp8
-    ctx.save_for_backward(x_RD, offsets_e, valid, up_t, up_t_s)
+    ctx.save_for_backward(x_RD, offsets_e, valid, up_t, up_t_s, w_R)
+    # ``h13`` in a box, not saved: the backward drops it once the SwiGLU backward has read it, so it is not
+    # alive during the input- and weight-gradient GEMMs (the step peak stays the bf16 layer's).
+    ctx.h13 = [output[3]]
+    ctx.set_materialize_grads(False)  # the e4m3 outputs and h13 get no gradient: no zero-filled one either
 
 
-def _up_grad(ctx: Any, g13_R2F: torch.Tensor) -> tuple:
-    dx, dw1, dw3 = _fp8_up_backward(g13_R2F, *ctx.saved_tensors, ctx.w_dtype, ctx.needs_input_grad[0], ctx.wgrad_fp8)
-    return (dx if ctx.needs_input_grad[0] else None, dw1, dw3) + (None,) * 10
-
-
-_fp8_up.register_autograd(_up_grad, setup_context=_up_setup)
-
-
-@torch.library.custom_op("spmdmoe::fp8_swiglu", mutates_args=())
-def _fp8_swiglu(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(h_RF, hq_RF, hs_R)``: the SwiGLU (times each row's routing weight ``w_R`` when folded in) and the
-    rowwise e4m3 of it (one kernel); only ``h`` has a gradient."""
-    return swiglu_quant_forward(h13_R2F, valid, w_R)
-
-
-@_fp8_swiglu.register_fake
-def _(h13_R2F, valid, w_R=None):  # type: ignore[no-untyped-def]
-    R, F = h13_R2F.shape[0], h13_R2F.shape[1] // 2
-    return (h13_R2F.new_empty((R, F)), h13_R2F.new_empty((R, F), dtype=FP8),
-            h13_R2F.new_empty((R,), dtype=torch.float32))
-
-
-def _swiglu_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    ctx.save_for_backward(*inputs)
-    ctx.set_materialize_grads(False)  # the e4m3 outputs get no gradient: no zero-filled one either
-
-
-def _swiglu_grad(ctx: Any, g_RF: Optional[torch.Tensor], _gq: Any, _gs: Any) -> tuple:
+def _up_swiglu_grad(ctx: Any, g_RF: Optional[torch.Tensor], _gq: Any, _gs: Any, _g13: Any) -> tuple:
     if g_RF is None:
-        return None, None, None
-    h13_R2F, valid, w_R = ctx.saved_tensors
-    d13, dw = swiglu_backward(g_RF.contiguous(), h13_R2F, valid, w_R)
-    return d13, None, (dw.to(w_R.dtype) if w_R is not None else None)
+        return (None,) * 14
+    x_RD, offsets_e, valid, up_t, up_t_s, w_R = ctx.saved_tensors
+    if not ctx.h13:
+        raise RuntimeError("spmdmoe FP8 experts: a second backward through the same forward (retain_graph=True): "
+                           "the first freed the saved SwiGLU input to keep the step peak at the bf16 layer's. "
+                           "Run the forward again for each backward, or use expert_precision='bf16'.")
+    h13_R2F = ctx.h13.pop()
+    g13_R2F, q13_R2F, s13_R, dw_R = swiglu_quant_backward(g_RF.contiguous(), h13_R2F, valid, w_R)
+    del h13_R2F
+    dx, dw1, dw3 = _fp8_up_backward(g13_R2F, q13_R2F, s13_R, x_RD, offsets_e, valid, up_t, up_t_s, ctx.w_dtype,
+                                    ctx.needs_input_grad[0], ctx.wgrad_fp8)
+    dw = dw_R.to(w_R.dtype) if w_R is not None and ctx.needs_input_grad[13] else None
+    return (dx if ctx.needs_input_grad[0] else None, dw1, dw3) + (None,) * 10 + (dw,)
 
 
-_fp8_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+_fp8_up_swiglu.register_autograd(_up_swiglu_grad, setup_context=_up_swiglu_setup)
 
 
 @torch.library.custom_op("spmdmoe::fp8_down", mutates_args=())
 def _fp8_down(h_RF: torch.Tensor, hq_RF: torch.Tensor, hs_R: torch.Tensor, w2_eDF: torch.Tensor,
               offsets_e: torch.Tensor, valid: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, down_t: torch.Tensor,
-              down_t_s: torch.Tensor, ready: torch.Tensor, wgrad_fp8: bool) -> torch.Tensor:
-    """``y_RD = h @ w2^T`` per group on ``h``'s rowwise e4m3 ``(hq, hs)`` (``h`` itself: for the backward)."""
+              down_t_s: torch.Tensor, ready: torch.Tensor, wgrad_fp8: bool,
+              copies_TK: Optional[torch.Tensor]) -> torch.Tensor:
+    """``y_RD = h @ w2^T`` per group on ``h``'s rowwise e4m3 ``(hq, hs)`` (``h`` itself: for the backward);
+    ``copies_TK`` (the rows of each token's copies): ``y_TD``, each token's copies summed instead."""
     native = fp8_native(h_RF, w2_eDF.shape[1], h_RF.shape[1])
-    return _mm_rows(hq_RF, hs_R, down, down_s, offsets_e, h_RF.dtype, native, "forward")
+    y_RD = _mm_rows(hq_RF, hs_R, down, down_s, offsets_e, h_RF.dtype, native, "forward")
+    return y_RD if copies_TK is None else gather_sum(y_RD, copies_TK)
 
 
 @_fp8_down.register_fake
-def _(h_RF, hq_RF, hs_R, w2_eDF, *rest):  # type: ignore[no-untyped-def]
-    return h_RF.new_empty((h_RF.shape[0], w2_eDF.shape[1]))
+def _(h_RF, hq_RF, hs_R, w2_eDF, offsets_e, valid, down, down_s, down_t, down_t_s, ready, wgrad_fp8, copies_TK):  # type: ignore[no-untyped-def]
+    return h_RF.new_empty((h_RF.shape[0] if copies_TK is None else copies_TK.shape[0], w2_eDF.shape[1]))
 
 
 @torch.library.custom_op("spmdmoe::fp8_down_backward", mutates_args=())
-def _fp8_down_backward(g_RD: torch.Tensor, h_RF: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
-                       down_t: torch.Tensor, down_t_s: torch.Tensor, w_dtype: torch.dtype,
-                       wgrad_fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dh_RF, dw2_eDF)``."""
-    native = fp8_native(g_RD, g_RD.shape[1], h_RF.shape[1])
-    g_RD = g_RD.contiguous()
-    dh_RF = _mm_rows(*quantize_rows(g_RD, valid), down_t, down_t_s, offsets_e, g_RD.dtype, native, "dgrad")
+def _fp8_down_backward(g: torch.Tensor, h_RF: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
+                       down_t: torch.Tensor, down_t_s: torch.Tensor, w_dtype: torch.dtype, wgrad_fp8: bool,
+                       copies_TK: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dh_RF, dw2_eDF)`` for the output gradient ``g``: ``g_RD``, or ``g_TD`` with ``copies_TK`` (each
+    token's gradient fanned out to its copies and quantized once per token in the same pass)."""
+    native = fp8_native(h_RF, g.shape[1], h_RF.shape[1])
+    if copies_TK is None:
+        g_RD = g.contiguous()
+        gq_RD, gs_R = quantize_rows(g_RD, valid)
+    else:
+        g_RD, gq_RD, gs_R = fan_out_fp8(g.contiguous(), copies_TK, h_RF.shape[0])
+    dh_RF = _mm_rows(gq_RD, gs_R, down_t, down_t_s, offsets_e, g_RD.dtype, native, "dgrad")
     (dw2,) = _wgrad(g_RD, h_RF, offsets_e, w_dtype, native, wgrad_fp8)
     return dh_RF, dw2
 
 
 @_fp8_down_backward.register_fake
-def _(g_RD, h_RF, offsets_e, valid, down_t, down_t_s, w_dtype, wgrad_fp8):  # type: ignore[no-untyped-def]
-    return h_RF.new_empty(h_RF.shape), g_RD.new_empty((offsets_e.shape[0], g_RD.shape[1], h_RF.shape[1]), dtype=w_dtype)
+def _(g, h_RF, offsets_e, valid, down_t, down_t_s, w_dtype, wgrad_fp8, copies_TK):  # type: ignore[no-untyped-def]
+    return h_RF.new_empty(h_RF.shape), g.new_empty((offsets_e.shape[0], g.shape[1], h_RF.shape[1]), dtype=w_dtype)
 
 
 def _down_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    h_RF, _, _, w2_eDF, offsets_e, valid, _, _, down_t, down_t_s, _, wgrad_fp8 = inputs
+    h_RF, _, _, w2_eDF, offsets_e, valid, _, _, down_t, down_t_s, _, wgrad_fp8, copies_TK = inputs
     ctx.w_dtype, ctx.wgrad_fp8 = w2_eDF.dtype, wgrad_fp8
-    ctx.save_for_backward(h_RF, offsets_e, valid, down_t, down_t_s)
+    ctx.save_for_backward(h_RF, offsets_e, valid, down_t, down_t_s, copies_TK)
 
 
-def _down_grad(ctx: Any, g_RD: torch.Tensor) -> tuple:
-    dh, dw2 = _fp8_down_backward(g_RD, *ctx.saved_tensors, ctx.w_dtype, ctx.wgrad_fp8)
-    return (dh, None, None, dw2) + (None,) * 8
+def _down_grad(ctx: Any, g: torch.Tensor) -> tuple:
+    h_RF, offsets_e, valid, down_t, down_t_s, copies_TK = ctx.saved_tensors
+    dh, dw2 = _fp8_down_backward(g, h_RF, offsets_e, valid, down_t, down_t_s, ctx.w_dtype, ctx.wgrad_fp8, copies_TK)
+    return (dh, None, None, dw2) + (None,) * 9
 
 
 _fp8_down.register_autograd(_down_grad, setup_context=_down_setup)
@@ -359,17 +366,20 @@ _fp8_down.register_autograd(_down_grad, setup_context=_down_setup)
 def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, w1_eFD: torch.Tensor,
                w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, quantized: Fp8Weights, wgrad: str = "auto",
                x_fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-               w_R: Optional[torch.Tensor] = None) -> torch.Tensor:
+               w_R: Optional[torch.Tensor] = None, copies_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
     ``quantized``: the weights' FP8 copies (``Fp8WeightCache.get`` or :func:`quantize_weights`); ``wgrad``:
     ``"auto"``, ``"fp8"`` or ``"bf16"`` (:func:`fp8_wgrad`); ``x_fp8``: ``x``'s rowwise e4m3 and scales
     when the dispatch made them (``RoutedTokens.fp8_rows``), bit for bit ``quantize_rows(x_RD)``; ``w_R``:
-    each row's routing weight when the dispatch folded them in (the SwiGLU output row times it)."""
+    each row's routing weight when the dispatch folded them in (the SwiGLU output row times it);
+    ``copies_TK``: the rows of each token's copies (``RoutedTokens.copies_TK``): ``y_TD``, the sum of each
+    token's copies, instead (the combine in the down-projection's node, whose backward then quantizes
+    each token's output gradient once for its ``K`` copies)."""
     q = quantized
     ready = q.ready if q.ready is not None else x_RD.new_empty(0)
     in_fp8 = fp8_wgrad(x_RD.shape[1], w1_eFD.shape[1], w1_eFD.shape[0], x_RD.dtype, wgrad)
-    h13_R2F = _fp8_up(x_RD, w1_eFD, w3_eFD, offsets_e, valid, q.up, q.up_s, q.up_t, q.up_t_s, ready, in_fp8,
-                      *(x_fp8 or (None, None)))
-    h_RF, hq_RF, hs_R = _fp8_swiglu(h13_R2F, valid, w_R)
+    xq, xs = x_fp8 or (None, None)
+    h_RF, hq_RF, hs_R, _ = _fp8_up_swiglu(x_RD, w1_eFD, w3_eFD, offsets_e, valid, q.up, q.up_s, q.up_t, q.up_t_s,
+                                          ready, in_fp8, xq, xs, w_R)
     return _fp8_down(h_RF, hq_RF, hs_R, w2_eDF, offsets_e, valid, q.down, q.down_s, q.down_t, q.down_t_s, ready,
-                     in_fp8)
+                     in_fp8, copies_TK)

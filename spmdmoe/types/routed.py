@@ -45,6 +45,12 @@ class RoutedTokens:
         fp8_rows: ``(q_RD, s_R)``, the rowwise e4m3 of ``x_RD`` and its fp32 scales, when the transport
             made them (asked to, and able to quantize once per token before its fan-out); ``None``: the
             FP8 experts quantize ``x_RD`` themselves.
+        copies_TK: int64 ``(T, K)``, the row of each token's ``k``-th copy, when the combine is the
+            unweighted sum of each token's copies (the weights folded into the experts): the experts then
+            return ``y_TD``, that sum, themselves (the FP8 experts fuse it into their down-projection's
+            autograd node; its backward fans each token's output gradient out and quantizes it once for
+            its ``K`` copies) and the transport's combine passes it through. ``None``: the experts return
+            ``y_RD``.
     """
 
     x_RD: torch.Tensor
@@ -55,6 +61,7 @@ class RoutedTokens:
     valid_rows: Optional[torch.Tensor] = None
     weights_R: Optional[torch.Tensor] = None
     fp8_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    copies_TK: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.valid_rows is None:
