@@ -372,10 +372,10 @@ def test_summing_the_copies_in_the_down_projection_changes_no_bit(monkeypatch, w
         seen.append(routed.copies_TK is not None)
         return routed
     monkeypatch.setattr(LocalTransport, "dispatch", spy)
-    fused = _step(fp8, x, g)
+    fused = _step(fp8, x, g) + [fp8.router.gate.weight.grad]  # the routing weights' gradient reaches the gate
     monkeypatch.setattr(LocalTransport, "dispatch",
                         lambda self, *a, **k: dataclasses.replace(real(self, *a, **k), copies_TK=None))
-    apart = _step(fp8, x, g)
+    apart = _step(fp8, x, g) + [fp8.router.gate.weight.grad]
     assert seen == [True], "the local dispatch asks the experts to sum the copies"
     for a, b in zip(fused, apart):
         assert torch.equal(a, b)
@@ -386,7 +386,7 @@ def test_a_second_backward_through_the_fp8_experts_says_why():
     second backward through the same forward (``retain_graph=True``) raises, naming the fix, instead of
     computing with a freed tensor."""
     _, fp8 = _layers()
-    x = torch.randn(40, D, device=DEVICE, requires_grad=True)
+    x = torch.randn(40, D, device=DEVICE, dtype=DTYPE, requires_grad=True)
     y = fp8(x).float().sum()
     y.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph=True"):

@@ -151,14 +151,17 @@ def test_swiglu_quant(R, F, valid, block, dtype, weighted, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("R,F,valid,block", [(9, 24, 6, None), (5, 7, 5, None), (4, 16, 0, None), (0, 8, 0, None),
                                              (11, 40, 9, 16), (6, 1408 if DEVICE == "cuda" else 48, 5, None)])
-def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, monkeypatch):
+@pytest.mark.parametrize("reload", [False, True])
+def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monkeypatch):
     """The fused SwiGLU backward + rowwise quantizer of ``dh13``: ``dh13`` bit for bit the SwiGLU backward
     kernel's, ``(q, s)`` bit for bit the rowwise quantizer's of it (over all ``2F`` columns), the routing
     weights' gradient within fp32 summation-order error of the plain kernel's (``block``: rows wider than
-    one tile, the recomputing path); rows past ``valid`` (NaN) never read. Its reference likewise."""
+    one tile: the second pass recomputes, or ``reload``s the rows it stored); rows past ``valid`` (NaN) never
+    read. Its reference likewise."""
     from spmdmoe.kernels import swiglu_fp8
     if block is not None:
         monkeypatch.setitem(swiglu_fp8.BWD_CONFIG, "max_block_f", block)
+    monkeypatch.setitem(swiglu_fp8.BWD_CONFIG, "reload", reload)  # the multi-tile path: e4m3 from the stored rows
     gen = torch.Generator().manual_seed(R * 131 + F + valid + 7)
     h13 = _rows_input(R, 2 * F, dtype, gen)
     g = (torch.randn(R, F, generator=gen) * 3).to(DEVICE, dtype)

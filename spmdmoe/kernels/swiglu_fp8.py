@@ -45,7 +45,7 @@ __all__ = [
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
 CONFIG = {"block_r": 1, "max_block_f": 2048, "num_warps": 4}
-BWD_CONFIG = {"block_r": 1, "max_block_f": 2048, "num_warps": 8}
+BWD_CONFIG = {"block_r": 2, "max_block_f": 512, "num_warps": 4, "reload": False}
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, w, HAS_W: tl.constexpr, BLOCK_
 
 @triton.jit
 def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, ONE_TILE: tl.constexpr):
+                BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, ONE_TILE: tl.constexpr, RELOAD: tl.constexpr):
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
@@ -144,8 +144,17 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
                 amax = tl.maximum(amax, tl.maximum(_amax(d1), _amax(d3)))
                 dot += part
             inv = e4m3_inverse(amax)[:, None]
-            for c0 in range(0, F, BLOCK_F):  # recomputed (inputs from L2) rather than the output read back
-                at, m, d1, d3, part = _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, OUT_TY)
+            if RELOAD:  # read back what this program just wrote (L2), after a barrier that makes it visible
+                tl.debug_barrier()
+            for c0 in range(0, F, BLOCK_F):  # else recomputed from the inputs (L2)
+                if RELOAD:
+                    cols = c0 + tl.arange(0, BLOCK_F)
+                    m = live[:, None] & (cols < F)[None, :]
+                    at = rows[:, None] * (2 * F) + cols[None, :]
+                    d1 = tl.load(d13_ptr + at, mask=m, other=0.0)
+                    d3 = tl.load(d13_ptr + at + F, mask=m, other=0.0)
+                else:
+                    at, m, d1, d3, part = _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, OUT_TY)
                 tl.store(q_ptr + at, to_e4m3(d1.to(tl.float32), inv).to(q_ptr.dtype.element_ty), mask=m)
                 tl.store(q_ptr + at + F, to_e4m3(d3.to(tl.float32), inv).to(q_ptr.dtype.element_ty), mask=m)
         tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
@@ -155,8 +164,10 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
 
 def _launch(R: int, F: int, config: dict) -> tuple[tuple[int], dict]:
     block_f = min(triton.next_power_of_2(F), config["max_block_f"])
+    extra = {"RELOAD": config["reload"]} if "reload" in config else {}
     return (triton.cdiv(R, config["block_r"]),), {
-        "BLOCK_R": config["block_r"], "BLOCK_F": block_f, "ONE_TILE": block_f >= F, "num_warps": config["num_warps"]}
+        "BLOCK_R": config["block_r"], "BLOCK_F": block_f, "ONE_TILE": block_f >= F, "num_warps": config["num_warps"],
+        **extra}
 
 
 @triton_op("spmdmoe::swiglu_quant_forward", mutates_args=())
