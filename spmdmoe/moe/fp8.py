@@ -227,140 +227,114 @@ def _wgrad(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, out_
             _wgrad_plain(a_RA[:, split:], b_RB, offsets_e, out_dtype))
 
 
-# The experts are two autograd nodes (up-projection with the SwiGLU, down-projection with the copies' sum
-# when folded), each freeing what it saved as soon as it is done with it: the step peak is the bf16
-# layer's. Each node is a pair of custom ops (forward, backward) tied by ``register_autograd``: opaque to Dynamo
-# and AOTAutograd, so ``torch.compile(fullgraph=True)`` traces them through their fake implementations and
-# runs the real ones as they are. (An ``autograd.Function`` traced into the graph gave zero gradients on
-# CUDA with torch 2.11; this form keeps the numerics of eager and compiled runs identical by construction.)
-# ``ready`` (the weight cache's refresh token) orders the GEMMs after the refresh; it is not read.
-@torch.library.custom_op("spmdmoe::fp8_up_swiglu", mutates_args=())
-def _fp8_up_swiglu(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w3_eFD: torch.Tensor, offsets_e: torch.Tensor,
-                   valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
-                   ready: torch.Tensor, wgrad_fp8: bool, xq_RD: Optional[torch.Tensor], xs_R: Optional[torch.Tensor],
-                   w_R: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(h_RF, hq_RF, hs_R, h13_R2F)``: ``h13 = x @ [w1 | w3]^T`` per group on ``x``'s rowwise e4m3 (``(xq,
-    xs)`` when the dispatch made them, quantized once per token; else quantized here), then ``h = w * silu(h1)
-    * h3`` and its rowwise e4m3 from the same registers. Only ``h`` has a gradient; ``h13`` is returned for the
-    backward (``up_t`` rides along for it too)."""
+# The experts are ONE autograd node whose backward frees each saved activation as soon as it has read it: a
+# node per projection would hold its incoming gradient for all of its backward (the engine's reference), and
+# handing the SwiGLU backward's e4m3 ``dh13`` to the up-projection's node would need a second gradient
+# channel. The node is a custom op tied to its backward by ``register_autograd``; the backward's GEMMs are
+# custom ops too (:func:`_fp8_dgrad`, :func:`_fp8_wgrad`): opaque to Dynamo and AOTAutograd, so
+# ``torch.compile(fullgraph=True)`` traces them through their fake implementations and runs the real ones as
+# they are (whether a GEMM runs natively is asked on real tensors). (An ``autograd.Function`` traced into the
+# graph gave zero gradients on CUDA with torch 2.11; this form keeps the numerics of eager and compiled runs
+# identical by construction.) ``ready`` (the weight cache's refresh token) orders the GEMMs after the
+# refresh; it is not read.
+@torch.library.custom_op("spmdmoe::fp8_experts", mutates_args=())
+def _fp8_experts(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor,
+                 offsets_e: torch.Tensor, valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor, up_t: torch.Tensor,
+                 up_t_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, down_t: torch.Tensor,
+                 down_t_s: torch.Tensor, ready: torch.Tensor, wgrad_fp8: bool, xq_RD: Optional[torch.Tensor],
+                 xs_R: Optional[torch.Tensor], w_R: Optional[torch.Tensor], copies_TK: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, h13_R2F, h_RF)``: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (``(xq, xs)`` when the dispatch
+    made them, else quantized here), ``h = w * silu(h1) * h3`` with its rowwise e4m3 from the same registers,
+    ``y_RD = h @ w2^T`` on that e4m3; ``y`` is ``y_RD``, or ``y_TD`` (each token's copies summed) with
+    ``copies_TK``. Only ``y`` has a gradient; ``h13`` and ``h`` are returned for the backward."""
     native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
     q = (xq_RD, xs_R) if xq_RD is not None and xs_R is not None else quantize_rows(x_RD, valid)
     h13_R2F = _mm_rows(*q, up, up_s, offsets_e, x_RD.dtype, native, "forward")
-    return (*swiglu_quant_forward(h13_R2F, valid, w_R), h13_R2F)
+    h_RF, hq_RF, hs_R = swiglu_quant_forward(h13_R2F, valid, w_R)
+    y_RD = _mm_rows(hq_RF, hs_R, down, down_s, offsets_e, x_RD.dtype, native, "forward")
+    return (y_RD if copies_TK is None else gather_sum(y_RD, copies_TK)), h13_R2F, h_RF
 
 
-@_fp8_up_swiglu.register_fake
-def _(x_RD, w1_eFD, *rest):  # type: ignore[no-untyped-def]
-    R, F = x_RD.shape[0], w1_eFD.shape[1]
-    return (x_RD.new_empty((R, F)), x_RD.new_empty((R, F), dtype=FP8), x_RD.new_empty((R,), dtype=torch.float32),
-            x_RD.new_empty((R, 2 * F)))
+@_fp8_experts.register_fake
+def _(x_RD, w1_eFD, w2_eDF, *rest):  # type: ignore[no-untyped-def]
+    (R, D), F, copies_TK = x_RD.shape, w1_eFD.shape[1], rest[-1]
+    return (x_RD.new_empty((R if copies_TK is None else copies_TK.shape[0], D)), x_RD.new_empty((R, 2 * F)),
+            x_RD.new_empty((R, F)))
 
 
-@torch.library.custom_op("spmdmoe::fp8_up_backward", mutates_args=())
-def _fp8_up_backward(g13_R2F: torch.Tensor, q13_R2F: torch.Tensor, s13_R: torch.Tensor, x_RD: torch.Tensor,
-                     offsets_e: torch.Tensor, valid: torch.Tensor, up_t: torch.Tensor, up_t_s: torch.Tensor,
-                     w_dtype: torch.dtype, need_dx: bool, wgrad_fp8: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx_RD, dw1_eFD, dw3_eFD)`` from ``dh13`` (``g13``) and its rowwise e4m3 ``(q13, s13)``; ``dx`` empty
-    when not ``need_dx``."""
-    F = g13_R2F.shape[1] // 2
-    native = fp8_native(x_RD, x_RD.shape[1], F)
-    dx = g13_R2F.new_empty((0, x_RD.shape[1]))
-    if need_dx:
-        dx = _mm_rows(q13_R2F, s13_R, up_t, up_t_s, offsets_e, g13_R2F.dtype, native, "dgrad")
-    dw1, dw3 = _wgrad(g13_R2F, x_RD, offsets_e, w_dtype, native, wgrad_fp8, split=F)
-    return dx, dw1, dw3
+@torch.library.custom_op("spmdmoe::fp8_dgrad", mutates_args=())
+def _fp8_dgrad(q_RK: torch.Tensor, s_R: torch.Tensor, w_t: torch.Tensor, w_t_s: torch.Tensor, offsets_e: torch.Tensor,
+               out_dtype: torch.dtype, dims: list[int]) -> torch.Tensor:
+    """An input gradient ``q @ w`` per group on rowwise e4m3 ``(q, s)`` and the weight's transposed e4m3;
+    ``dims``: the layer's ``(D, F)`` (native or emulated, as the forward)."""
+    return _mm_rows(q_RK, s_R, w_t, w_t_s, offsets_e, out_dtype, fp8_native(q_RK, *dims), "dgrad")
 
 
-@_fp8_up_backward.register_fake
-def _(g13_R2F, q13_R2F, s13_R, x_RD, offsets_e, valid, up_t, up_t_s, w_dtype, need_dx, wgrad_fp8):  # type: ignore[no-untyped-def]
-    (R, D), F, e = x_RD.shape, g13_R2F.shape[1] // 2, offsets_e.shape[0]
-    return (g13_R2F.new_empty((R if need_dx else 0, D)), g13_R2F.new_empty((e, F, D), dtype=w_dtype),
-            g13_R2F.new_empty((e, F, D), dtype=w_dtype))
+@_fp8_dgrad.register_fake
+def _(q_RK, s_R, w_t, w_t_s, offsets_e, out_dtype, dims):  # type: ignore[no-untyped-def]
+    return q_RK.new_empty((q_RK.shape[0], w_t.shape[1]), dtype=out_dtype)
 
 
-def _up_swiglu_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x_RD, w1_eFD, _, offsets_e, valid, _, _, up_t, up_t_s, _, wgrad_fp8, _, _, w_R = inputs
-    ctx.w_dtype, ctx.wgrad_fp8 = w1_eFD.dtype, wgrad_fp8
-    ctx.save_for_backward(x_RD, offsets_e, valid, up_t, up_t_s, w_R)
-    # ``h13`` in a box, not saved: the backward drops it once the SwiGLU backward has read it, so it is not
-    # alive during the input- and weight-gradient GEMMs (the step peak stays the bf16 layer's).
-    ctx.h13 = [output[3]]
-    ctx.set_materialize_grads(False)  # the e4m3 outputs and h13 get no gradient: no zero-filled one either
+@torch.library.custom_op("spmdmoe::fp8_wgrad", mutates_args=())
+def _fp8_wgrad(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, w_dtype: torch.dtype, in_fp8: bool,
+               split: int, dims: list[int]) -> list[torch.Tensor]:
+    """The weight gradients ``a^T @ b`` per group (:func:`_wgrad`); ``split`` > 0: two of them, ``a``'s columns
+    ``[0, split)`` and ``[split, A)``."""
+    return list(_wgrad(a_RA.contiguous(), b_RB, offsets_e, w_dtype, fp8_native(b_RB, *dims), in_fp8, split))
 
 
-def _up_swiglu_grad(ctx: Any, g_RF: Optional[torch.Tensor], _gq: Any, _gs: Any, _g13: Any) -> tuple:
-    if g_RF is None:
-        return (None,) * 14
-    x_RD, offsets_e, valid, up_t, up_t_s, w_R = ctx.saved_tensors
-    if not ctx.h13:
+@_fp8_wgrad.register_fake
+def _(a_RA, b_RB, offsets_e, w_dtype, in_fp8, split, dims):  # type: ignore[no-untyped-def]
+    e, A, B = offsets_e.shape[0], a_RA.shape[1], b_RB.shape[1]
+    parts = [A] if not split else [split, A - split]
+    return [a_RA.new_empty((e, n, B), dtype=w_dtype) for n in parts]
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    (x_RD, w1_eFD, _, _, offsets_e, valid, _, _, up_t, up_t_s, _, _, down_t, down_t_s, _, wgrad_fp8, _, _, w_R,
+     copies_TK) = inputs
+    ctx.w_dtype, ctx.wgrad_fp8, ctx.dims = w1_eFD.dtype, wgrad_fp8, [x_RD.shape[1], w1_eFD.shape[1]]
+    ctx.save_for_backward(offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_R, copies_TK)
+    # The activations in a box, not saved: the backward drops each once it has read it, so none is alive
+    # longer than in the bf16 layer (detached aliases: no reference back to this node).
+    ctx.box = {"x": x_RD.detach(), "h13": output[1].detach(), "h": output[2].detach()}
+    ctx.set_materialize_grads(False)  # h13 and h get no gradient: no zero-filled one either
+
+
+def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
+    """The backward, in the order that frees each activation soonest: down (``dy``'s rowwise e4m3, once per
+    token with ``copies_TK``; ``dh``; ``dw2``; drop ``dy``, ``h``), SwiGLU (``dh13`` and its rowwise e4m3 in one
+    pass; drop ``dh``, ``h13``), up (``dx``; drop the e4m3; ``dw1``, ``dw3``)."""
+    if g is None:
+        return (None,) * 20
+    offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_R, copies_TK = ctx.saved_tensors
+    if not ctx.box:
         raise RuntimeError("spmdmoe FP8 experts: a second backward through the same forward (retain_graph=True): "
-                           "the first freed the saved SwiGLU input to keep the step peak at the bf16 layer's. "
-                           "Run the forward again for each backward, or use expert_precision='bf16'.")
-    h13_R2F = ctx.h13.pop()
-    g13_R2F, q13_R2F, s13_R, dw_R = swiglu_quant_backward(g_RF.contiguous(), h13_R2F, valid, w_R)
-    del h13_R2F
-    dx, dw1, dw3 = _fp8_up_backward(g13_R2F, q13_R2F, s13_R, x_RD, offsets_e, valid, up_t, up_t_s, ctx.w_dtype,
-                                    ctx.needs_input_grad[0], ctx.wgrad_fp8)
-    dw = dw_R.to(w_R.dtype) if w_R is not None and ctx.needs_input_grad[13] else None
-    return (dx if ctx.needs_input_grad[0] else None, dw1, dw3) + (None,) * 10 + (dw,)
-
-
-_fp8_up_swiglu.register_autograd(_up_swiglu_grad, setup_context=_up_swiglu_setup)
-
-
-@torch.library.custom_op("spmdmoe::fp8_down", mutates_args=())
-def _fp8_down(h_RF: torch.Tensor, hq_RF: torch.Tensor, hs_R: torch.Tensor, w2_eDF: torch.Tensor,
-              offsets_e: torch.Tensor, valid: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, down_t: torch.Tensor,
-              down_t_s: torch.Tensor, ready: torch.Tensor, wgrad_fp8: bool,
-              copies_TK: Optional[torch.Tensor]) -> torch.Tensor:
-    """``y_RD = h @ w2^T`` per group on ``h``'s rowwise e4m3 ``(hq, hs)`` (``h`` itself: for the backward);
-    ``copies_TK`` (the rows of each token's copies): ``y_TD``, each token's copies summed instead."""
-    native = fp8_native(h_RF, w2_eDF.shape[1], h_RF.shape[1])
-    y_RD = _mm_rows(hq_RF, hs_R, down, down_s, offsets_e, h_RF.dtype, native, "forward")
-    return y_RD if copies_TK is None else gather_sum(y_RD, copies_TK)
-
-
-@_fp8_down.register_fake
-def _(h_RF, hq_RF, hs_R, w2_eDF, offsets_e, valid, down, down_s, down_t, down_t_s, ready, wgrad_fp8, copies_TK):  # type: ignore[no-untyped-def]
-    return h_RF.new_empty((h_RF.shape[0] if copies_TK is None else copies_TK.shape[0], w2_eDF.shape[1]))
-
-
-@torch.library.custom_op("spmdmoe::fp8_down_backward", mutates_args=())
-def _fp8_down_backward(g: torch.Tensor, h_RF: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
-                       down_t: torch.Tensor, down_t_s: torch.Tensor, w_dtype: torch.dtype, wgrad_fp8: bool,
-                       copies_TK: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dh_RF, dw2_eDF)`` for the output gradient ``g``: ``g_RD``, or ``g_TD`` with ``copies_TK`` (each
-    token's gradient fanned out to its copies and quantized once per token in the same pass)."""
-    native = fp8_native(h_RF, g.shape[1], h_RF.shape[1])
+                           "the first freed the saved activations as it went, to keep the step peak at the bf16 "
+                           "layer's. Run the forward again for each backward, or use expert_precision='bf16'.")
+    x_RD, h13_R2F, h_RF = ctx.box.pop("x"), ctx.box.pop("h13"), ctx.box.pop("h")
+    ctx.box.clear()
+    dims, dtype = ctx.dims, h_RF.dtype
     if copies_TK is None:
         g_RD = g.contiguous()
         gq_RD, gs_R = quantize_rows(g_RD, valid)
     else:
         g_RD, gq_RD, gs_R = fan_out_fp8(g.contiguous(), copies_TK, h_RF.shape[0])
-    dh_RF = _mm_rows(gq_RD, gs_R, down_t, down_t_s, offsets_e, g_RD.dtype, native, "dgrad")
-    (dw2,) = _wgrad(g_RD, h_RF, offsets_e, w_dtype, native, wgrad_fp8)
-    return dh_RF, dw2
+    dh_RF = _fp8_dgrad(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims)
+    del gq_RD, gs_R
+    (dw2,) = _fp8_wgrad(g_RD, h_RF, offsets_e, ctx.w_dtype, ctx.wgrad_fp8, 0, dims)
+    del g_RD, h_RF
+    g13_R2F, q13_R2F, s13_R, dw_R = swiglu_quant_backward(dh_RF, h13_R2F, valid, w_R)
+    del dh_RF, h13_R2F
+    dx = _fp8_dgrad(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims) if ctx.needs_input_grad[0] else None
+    del q13_R2F, s13_R
+    dw1, dw3 = _fp8_wgrad(g13_R2F, x_RD, offsets_e, ctx.w_dtype, ctx.wgrad_fp8, dims[1], dims)
+    dw = dw_R.to(w_R.dtype) if w_R is not None and ctx.needs_input_grad[18] else None
+    return (dx, dw1, dw2, dw3) + (None,) * 14 + (dw, None)
 
 
-@_fp8_down_backward.register_fake
-def _(g, h_RF, offsets_e, valid, down_t, down_t_s, w_dtype, wgrad_fp8, copies_TK):  # type: ignore[no-untyped-def]
-    return h_RF.new_empty(h_RF.shape), g.new_empty((offsets_e.shape[0], g.shape[1], h_RF.shape[1]), dtype=w_dtype)
-
-
-def _down_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    h_RF, _, _, w2_eDF, offsets_e, valid, _, _, down_t, down_t_s, _, wgrad_fp8, copies_TK = inputs
-    ctx.w_dtype, ctx.wgrad_fp8 = w2_eDF.dtype, wgrad_fp8
-    ctx.save_for_backward(h_RF, offsets_e, valid, down_t, down_t_s, copies_TK)
-
-
-def _down_grad(ctx: Any, g: torch.Tensor) -> tuple:
-    h_RF, offsets_e, valid, down_t, down_t_s, copies_TK = ctx.saved_tensors
-    dh, dw2 = _fp8_down_backward(g, h_RF, offsets_e, valid, down_t, down_t_s, ctx.w_dtype, ctx.wgrad_fp8, copies_TK)
-    return (dh, None, None, dw2) + (None,) * 9
-
-
-_fp8_down.register_autograd(_down_grad, setup_context=_down_setup)
+_fp8_experts.register_autograd(_grad, setup_context=_setup)
 
 
 def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor, w1_eFD: torch.Tensor,
@@ -373,13 +347,12 @@ def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
     when the dispatch made them (``RoutedTokens.fp8_rows``), bit for bit ``quantize_rows(x_RD)``; ``w_R``:
     each row's routing weight when the dispatch folded them in (the SwiGLU output row times it);
     ``copies_TK``: the rows of each token's copies (``RoutedTokens.copies_TK``): ``y_TD``, the sum of each
-    token's copies, instead (the combine in the down-projection's node, whose backward then quantizes
-    each token's output gradient once for its ``K`` copies)."""
+    token's copies, instead (the combine inside the experts' node, whose backward then quantizes each
+    token's output gradient once for its ``K`` copies)."""
     q = quantized
     ready = q.ready if q.ready is not None else x_RD.new_empty(0)
     in_fp8 = fp8_wgrad(x_RD.shape[1], w1_eFD.shape[1], w1_eFD.shape[0], x_RD.dtype, wgrad)
     xq, xs = x_fp8 or (None, None)
-    h_RF, hq_RF, hs_R, _ = _fp8_up_swiglu(x_RD, w1_eFD, w3_eFD, offsets_e, valid, q.up, q.up_s, q.up_t, q.up_t_s,
-                                          ready, in_fp8, xq, xs, w_R)
-    return _fp8_down(h_RF, hq_RF, hs_R, w2_eDF, offsets_e, valid, q.down, q.down_s, q.down_t, q.down_t_s, ready,
-                     in_fp8, copies_TK)
+    y, _, _ = _fp8_experts(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, q.up, q.up_s, q.up_t, q.up_t_s, q.down,
+                           q.down_s, q.down_t, q.down_t_s, ready, in_fp8, xq, xs, w_R, copies_TK)
+    return y
