@@ -409,6 +409,7 @@ def main() -> None:
         if base is not None:
             old = ours("fp8_rowwise", lib=base)
             cands["base FP8 eager, cached (b)"] = Candidate(old, old, True, cache_gib=gib)
+            compiled("base FP8 compiled, cached (b)", old, True, cache_gib=gib)
         titan_rows(True)
 
     ref_fwd = cands.get("torchtitan bf16 eager", next(iter(cands.values()))).fwd
