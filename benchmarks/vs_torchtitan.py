@@ -28,7 +28,7 @@ Every candidate is timed in ONE rotation (``timing.timed``: interleaved, median 
 
 Also in the rotation: our FP8 layer with the weight-gradient precision ``fp8_wgrad="auto"`` did not pick
 (eager, compiled), and with ``--base DIR`` an older spmdmoe (``benchmarks/base_copy.sh``: bf16 eager and
-compiled, FP8 cached eager), so a change is measured against the code before it in one process.
+compiled, FP8 cached eager and compiled), so a change is measured against the code before it in one process.
 
 Each FP8 figure of ours comes under two weight policies, each on its own layer (own cache):
 (a) "weights changed every step": one weight element is flipped in place before every step (what an
@@ -283,7 +283,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims, fp32, compile with aot_eager, no timing")
     ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base`, an older spmdmoe renamed "
-                    "(benchmarks/base_copy.sh): its bf16 layer (eager, compiled) and FP8 layer join the rotation")
+                    "(benchmarks/base_copy.sh): its bf16 and FP8 layers (eager, compiled) join the rotation")
     args = ap.parse_args()
     try:
         from torchtitan.distributed.spmd_types import set_spmd_meshes
