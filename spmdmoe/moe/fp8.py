@@ -8,26 +8,29 @@ The experts' forward and input-gradient GEMMs run in e4m3 with fp32 scales
 (``torch._scaled_grouped_mm``, fast accumulation, bf16 out), their weight-gradient
 GEMMs in FP8 or unquantized (:func:`fp8_wgrad`); everything else (router, shared
 experts, combine, master weights and their gradients) stays in the activations'
-precision. Two autograd nodes, each freeing what it saved as soon as it is done
-with it (the step peak is the bf16 layer's):
+precision. One autograd node whose backward frees each activation as soon as it
+has read it, so none lives longer than in the bf16 layer (the step peak is at most
+the bf16 layer's):
 
-* up-projection and SwiGLU: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by
-  the local dispatch in its fan-out pass, once per token: ``RoutedTokens.fp8_rows``;
-  other transports: quantized here, :func:`spmdmoe.kernels.quantize_rows`), then
-  ``h = w * silu(h1) * h3`` (``w`` the routing weight when the dispatch folded it in)
-  and ``h``'s rowwise e4m3 from the same registers
-  (:func:`spmdmoe.kernels.swiglu_quant_forward`); saves the bf16 ``x`` (wgrad) and
-  ``h13``; backward: the SwiGLU backward writes ``dh13`` and its rowwise e4m3 in one
-  pass, its row dot giving the routing weight's gradient
-  (:func:`spmdmoe.kernels.swiglu_quant_backward`), ``h13`` is dropped, then
-  ``dx = dh13 @ [w1 | w3]`` on the e4m3 and ``dw1``, ``dw3``. (``h13`` is kept in a
-  box on the node, not saved, so the backward can free it before its GEMMs: a second
-  backward through the same forward, ``retain_graph=True``, raises.)
-* down-projection ``y = h @ w2^T`` on ``h``'s e4m3; saves the bf16 ``h``; with the
-  weights folded (``RoutedTokens.copies_TK``, the local transport) it also sums each
-  token's copies (the combine), so its backward fans each token's ``dy`` out to its
-  copies and quantizes it once in the same pass (:func:`spmdmoe.kernels.fan_out_fp8`);
-  otherwise ``dy`` is quantized per row. Then ``dh = dy @ w2`` on the e4m3, and ``dw2``.
+* forward: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by the local
+  dispatch in its fan-out pass, once per token: ``RoutedTokens.fp8_rows``; other
+  transports: quantized here, :func:`spmdmoe.kernels.quantize_rows`); ``h = w *
+  silu(h1) * h3`` (``w`` the routing weight when the dispatch folded it in) and ``h``'s
+  rowwise e4m3 from the same registers (:func:`spmdmoe.kernels.swiglu_quant_forward`);
+  ``y = h @ w2^T`` on that e4m3, and with the weights folded (``RoutedTokens.copies_TK``,
+  the local transport) each token's copies summed (the combine). Kept for the
+  backward: the bf16 ``x``, ``h13`` and ``h``.
+* backward, weight gradients before input gradients: ``dy`` fanned out to each
+  token's copies and quantized once per token in the same pass
+  (:func:`spmdmoe.kernels.fan_out_fp8`; per row without ``copies_TK``); ``dw2``, drop
+  ``dy`` and ``h``; ``dh = dy @ w2`` on the e4m3; the SwiGLU backward writes ``dh13``
+  and its rowwise e4m3 in one pass, its row dot giving the routing weight's gradient
+  (:func:`spmdmoe.kernels.swiglu_quant_backward`), drop ``dh`` and ``h13``; ``dw1``,
+  ``dw3``, drop ``dh13`` and ``x``; ``dx = dh13 @ [w1 | w3]`` on the e4m3.
+
+The activations are kept in a box on the node, not saved, so the backward can drop
+them as it goes: a second backward through the same forward (``retain_graph=True``)
+raises and says so.
 
 The weights enter per output column (forward) and per input column (dgrad):
 both layouts are quantized when the weights change and kept by the weight
@@ -60,10 +63,10 @@ emulated: the same quantizers (their references on CPU), the same alignment,
 then dequantize and an ordinary GEMM (bf16 for a bf16 layer on CUDA, fp32
 elsewhere); a CUDA device takes that route with a one-time warning.
 
-Each node is a pair of custom ops tied by ``register_autograd``, so
-``torch.compile(fullgraph=True)`` sees them as opaque calls (their fake
-implementations give the shapes) and compiled runs execute the very code
-eager runs do.
+The node is a custom op tied to its backward by ``register_autograd``, and the
+backward's GEMMs are custom ops too, so ``torch.compile(fullgraph=True)`` sees
+opaque calls (their fake implementations give the shapes) and compiled runs
+execute the very code eager runs do.
 """
 
 from __future__ import annotations
@@ -303,9 +306,10 @@ def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
-    """The backward, in the order that frees each activation soonest: down (``dy``'s rowwise e4m3, once per
-    token with ``copies_TK``; ``dh``; ``dw2``; drop ``dy``, ``h``), SwiGLU (``dh13`` and its rowwise e4m3 in one
-    pass; drop ``dh``, ``h13``), up (``dx``; drop the e4m3; ``dw1``, ``dw3``)."""
+    """The backward, in the order that frees each activation soonest (the weight gradients before the input
+    gradients, so the bf16 operands are gone before the input gradient is allocated): down (``dy`` and its
+    rowwise e4m3, once per token with ``copies_TK``; ``dw2``; drop ``dy``, ``h``; ``dh``), SwiGLU (``dh13`` and
+    its rowwise e4m3 in one pass; drop ``dh``, ``h13``), up (``dw1``, ``dw3``; drop ``dh13``, ``x``; ``dx``)."""
     if g is None:
         return (None,) * 20
     offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_R, copies_TK = ctx.saved_tensors
@@ -321,15 +325,15 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
         gq_RD, gs_R = quantize_rows(g_RD, valid)
     else:
         g_RD, gq_RD, gs_R = fan_out_fp8(g.contiguous(), copies_TK, h_RF.shape[0])
-    dh_RF = _fp8_dgrad(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims)
-    del gq_RD, gs_R
     (dw2,) = _fp8_wgrad(g_RD, h_RF, offsets_e, ctx.w_dtype, ctx.wgrad_fp8, 0, dims)
     del g_RD, h_RF
+    dh_RF = _fp8_dgrad(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims)
+    del gq_RD, gs_R
     g13_R2F, q13_R2F, s13_R, dw_R = swiglu_quant_backward(dh_RF, h13_R2F, valid, w_R)
     del dh_RF, h13_R2F
-    dx = _fp8_dgrad(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims) if ctx.needs_input_grad[0] else None
-    del q13_R2F, s13_R
     dw1, dw3 = _fp8_wgrad(g13_R2F, x_RD, offsets_e, ctx.w_dtype, ctx.wgrad_fp8, dims[1], dims)
+    del g13_R2F, x_RD
+    dx = _fp8_dgrad(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims) if ctx.needs_input_grad[0] else None
     dw = dw_R.to(w_R.dtype) if w_R is not None and ctx.needs_input_grad[18] else None
     return (dx, dw1, dw2, dw3) + (None,) * 14 + (dw, None)
 
