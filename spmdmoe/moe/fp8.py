@@ -42,7 +42,8 @@ Weight gradients (:func:`fp8_wgrad`, ``MoEConfig.fp8_wgrad``): in FP8 both opera
 ``dw2[g] = dy[g]^T h[g]`` and ``dw1|dw3[g] = dh13[g]^T x[g]`` are quantized per
 (group, column) by one launch each into a 16-row-aligned transposed layout with
 zero pad rows (:func:`spmdmoe.kernels.quantize_cols_pair`, the only padding of
-the path); unquantized, torch's grouped GEMM takes the bf16 operands as they are.
+the path), and the bf16 operands are dropped before the GEMM; unquantized,
+torch's grouped GEMM takes the bf16 operands as they are.
 The per-(group, column) quantizers read every operand twice (1.5 TB/s counted)
 and the 2-D x 2-D scaled GEMM gains only 1.08-1.13x over bf16 at 1-2k rows per
 expert, so at small ``D F / (2 D + 3 F)`` the unquantized wgrad is faster (H200,
@@ -215,19 +216,22 @@ def fp8_wgrad(D: int, F: int, e: int, dtype: torch.dtype, setting: str = "auto")
     return D * F / (2 * D + 3 * F) >= WGRAD_FP8_MIN
 
 
-def _wgrad(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, out_dtype: torch.dtype, native: bool,
-           in_fp8: bool, split: int = 0) -> tuple[torch.Tensor, ...]:
-    """``a^T @ b`` per group, in FP8 (both operands quantized per (group, column) by one launch) or
-    unquantized; ``split`` > 0: as two gradients, ``a``'s columns ``[0, split)`` and ``[split, A)``."""
-    if in_fp8:
-        qa, qb, sa, sb, padded_e = quantize_cols_pair(a_RA, b_RB, offsets_e)
-        parts = [(0, a_RA.shape[1])] if not split else [(0, split), (split, a_RA.shape[1])]
-        return tuple(_mm_groups(qa[i:j], qb, sa[:, i:j].contiguous(), sb, padded_e, out_dtype, native)
-                     for i, j in parts)
-    if not split:
-        return (_wgrad_plain(a_RA, b_RB, offsets_e, out_dtype),)
-    return (_wgrad_plain(a_RA[:, :split], b_RB, offsets_e, out_dtype),
-            _wgrad_plain(a_RA[:, split:], b_RB, offsets_e, out_dtype))
+def _parts(A: int, split: int) -> list[tuple[int, int]]:
+    """The column ranges of the weight gradients in one ``A``-wide operand: all, or ``[0, split)`` and ``[split, A)``."""
+    return [(0, A)] if not split else [(0, split), (split, A)]
+
+
+def _wgrad_fp8(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb_eB: torch.Tensor,
+               padded_e: torch.Tensor, out_dtype: torch.dtype, native: bool, split: int = 0) -> list[torch.Tensor]:
+    """``a^T @ b`` per group from both operands quantized per (group, column) (:func:`quantize_cols_pair`)."""
+    return [_mm_groups(qa_AP[i:j], qb_BP, sa_eA[:, i:j].contiguous(), sb_eB, padded_e, out_dtype, native)
+            for i, j in _parts(qa_AP.shape[0], split)]
+
+
+def _wgrad_bf16(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, out_dtype: torch.dtype,
+                split: int = 0) -> list[torch.Tensor]:
+    """``a^T @ b`` per group, unquantized."""
+    return [_wgrad_plain(a_RA[:, i:j], b_RB, offsets_e, out_dtype) for i, j in _parts(a_RA.shape[1], split)]
 
 
 # The experts are ONE autograd node whose backward frees each saved activation as soon as it has read it: a
@@ -279,19 +283,44 @@ def _(q_RK, s_R, w_t, w_t_s, offsets_e, out_dtype, dims):  # type: ignore[no-unt
     return q_RK.new_empty((q_RK.shape[0], w_t.shape[1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("spmdmoe::fp8_wgrad", mutates_args=())
-def _fp8_wgrad(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, w_dtype: torch.dtype, in_fp8: bool,
-               split: int, dims: list[int]) -> list[torch.Tensor]:
-    """The weight gradients ``a^T @ b`` per group (:func:`_wgrad`); ``split`` > 0: two of them, ``a``'s columns
+@torch.library.custom_op("spmdmoe::wgrad_bf16", mutates_args=())
+def _wgrad_bf16_op(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, w_dtype: torch.dtype,
+                   split: int) -> list[torch.Tensor]:
+    """The weight gradients ``a^T @ b`` per group, unquantized; ``split`` > 0: two of them, ``a``'s columns
     ``[0, split)`` and ``[split, A)``."""
-    return list(_wgrad(a_RA.contiguous(), b_RB, offsets_e, w_dtype, fp8_native(b_RB, *dims), in_fp8, split))
+    return _wgrad_bf16(a_RA.contiguous(), b_RB, offsets_e, w_dtype, split)
 
 
-@_fp8_wgrad.register_fake
-def _(a_RA, b_RB, offsets_e, w_dtype, in_fp8, split, dims):  # type: ignore[no-untyped-def]
-    e, A, B = offsets_e.shape[0], a_RA.shape[1], b_RB.shape[1]
-    parts = [A] if not split else [split, A - split]
-    return [a_RA.new_empty((e, n, B), dtype=w_dtype) for n in parts]
+@_wgrad_bf16_op.register_fake
+def _(a_RA, b_RB, offsets_e, w_dtype, split):  # type: ignore[no-untyped-def]
+    e, B = offsets_e.shape[0], b_RB.shape[1]
+    return [a_RA.new_empty((e, j - i, B), dtype=w_dtype) for i, j in _parts(a_RA.shape[1], split)]
+
+
+@torch.library.custom_op("spmdmoe::wgrad_fp8", mutates_args=())
+def _wgrad_fp8_op(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb_eB: torch.Tensor,
+                  padded_e: torch.Tensor, w_dtype: torch.dtype, split: int, dims: list[int]) -> list[torch.Tensor]:
+    """The weight gradients from both operands quantized per (group, column) (:func:`quantize_cols_pair`);
+    ``dims``: the layer's ``(D, F)`` (native or emulated, as the forward)."""
+    return _wgrad_fp8(qa_AP, qb_BP, sa_eA, sb_eB, padded_e, w_dtype, fp8_native(qb_BP.t(), *dims), split)
+
+
+@_wgrad_fp8_op.register_fake
+def _(qa_AP, qb_BP, sa_eA, sb_eB, padded_e, w_dtype, split, dims):  # type: ignore[no-untyped-def]
+    e, B = padded_e.shape[0], qb_BP.shape[0]
+    return [qa_AP.new_empty((e, j - i, B), dtype=w_dtype) for i, j in _parts(qa_AP.shape[0], split)]
+
+
+def _weight_grads(operands: list[torch.Tensor], offsets_e: torch.Tensor, ctx: Any, split: int = 0) -> list[torch.Tensor]:
+    """The weight gradients ``a^T @ b`` of ``operands = [a, b]`` (emptied here: with FP8 weight gradients the bf16
+    operands are freed once quantized, before the GEMM allocates its output), in FP8 or unquantized."""
+    a_RA, b_RB = operands
+    operands.clear()
+    if not ctx.wgrad_fp8:
+        return _wgrad_bf16_op(a_RA, b_RB, offsets_e, ctx.w_dtype, split)
+    q = quantize_cols_pair(a_RA.contiguous(), b_RB, offsets_e)
+    del a_RA, b_RB
+    return _wgrad_fp8_op(*q, ctx.w_dtype, split, ctx.dims)
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -325,14 +354,16 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
         gq_RD, gs_R = quantize_rows(g_RD, valid)
     else:
         g_RD, gq_RD, gs_R = fan_out_fp8(g.contiguous(), copies_TK, h_RF.shape[0])
-    (dw2,) = _fp8_wgrad(g_RD, h_RF, offsets_e, ctx.w_dtype, ctx.wgrad_fp8, 0, dims)
+    operands = [g_RD, h_RF]
     del g_RD, h_RF
+    (dw2,) = _weight_grads(operands, offsets_e, ctx)
     dh_RF = _fp8_dgrad(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims)
     del gq_RD, gs_R
     g13_R2F, q13_R2F, s13_R, dw_R = swiglu_quant_backward(dh_RF, h13_R2F, valid, w_R)
     del dh_RF, h13_R2F
-    dw1, dw3 = _fp8_wgrad(g13_R2F, x_RD, offsets_e, ctx.w_dtype, ctx.wgrad_fp8, dims[1], dims)
+    operands = [g13_R2F, x_RD]
     del g13_R2F, x_RD
+    dw1, dw3 = _weight_grads(operands, offsets_e, ctx, dims[1])
     dx = _fp8_dgrad(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims) if ctx.needs_input_grad[0] else None
     dw = dw_R.to(w_R.dtype) if w_R is not None and ctx.needs_input_grad[18] else None
     return (dx, dw1, dw2, dw3) + (None,) * 14 + (dw, None)
