@@ -184,6 +184,15 @@ def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monk
         assert dw.shape == want_dw.shape
         if weighted:
             torch.testing.assert_close(dw[:valid], want_dw[:valid], rtol=1e-5, atol=1e-5 * F)
+    # in place (dh13 over h13): the same bits, rows past valid untouched
+    for impl, (fused, inplace) in {"kernel": (K.swiglu_quant_backward_triton, K.swiglu_quant_backward_inplace_triton),
+                                   "reference": (K.swiglu_quant_backward_reference,
+                                                 K.swiglu_quant_backward_inplace_reference)}.items():
+        want = fused(g, h13, count, w)
+        over = h13.clone()
+        got = inplace(g, over, count, w)
+        _assert_equal([t[:valid] for t in (over, *got)], [t[:valid] for t in want], f"in place {impl}")
+        assert over[valid:].isnan().all(), f"in place {impl}: rows past valid written"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

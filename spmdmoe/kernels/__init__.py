@@ -31,6 +31,9 @@ from .fp8_cols import (
 from .fp8_rows import quantize_rows, quantize_rows_into, quantize_rows_reference, quantize_rows_triton
 from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
 from .swiglu_fp8 import (
+    swiglu_quant_backward_,
+    swiglu_quant_backward_inplace_reference,
+    swiglu_quant_backward_inplace_triton,
     swiglu_quant_backward,
     swiglu_quant_backward_reference,
     swiglu_quant_backward_triton,
@@ -55,6 +58,7 @@ __all__ = [
     "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",
     "swiglu_quant_backward", "swiglu_quant_backward_reference", "swiglu_quant_backward_triton",
+    "swiglu_quant_backward_", "swiglu_quant_backward_inplace_reference", "swiglu_quant_backward_inplace_triton",
 
     "quantize_rows", "quantize_rows_into", "quantize_rows_reference", "quantize_rows_triton",
     "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",

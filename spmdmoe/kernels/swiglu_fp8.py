@@ -50,6 +50,7 @@ from .swiglu import swiglu_backward_reference, swiglu_forward_reference, swiglu_
 __all__ = [
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",
     "swiglu_quant_backward", "swiglu_quant_backward_reference", "swiglu_quant_backward_triton",
+    "swiglu_quant_backward_", "swiglu_quant_backward_inplace_reference", "swiglu_quant_backward_inplace_triton",
 ]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
@@ -202,17 +203,38 @@ def swiglu_quant_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, vali
     """The Triton launcher of the backward: ``(dh13_R2F, q_R2F e4m3, s_R fp32, dw_R fp32)``: the SwiGLU's input
     gradient, its rowwise e4m3 over all ``2F`` columns with the scales, and the routing weights' gradient
     (empty without ``w_R``). ``g_RF``: the output gradient; ``h13_R2F``, ``valid``, ``w_R``: the forward's."""
-    g_RF, h13_R2F = g_RF.contiguous(), h13_R2F.contiguous()
-    R, F = g_RF.shape
+    h13_R2F = h13_R2F.contiguous()
     d13_R2F = torch.empty_like(h13_R2F)
+    return (d13_R2F, *_bwd_launch(g_RF, h13_R2F, d13_R2F, valid, w_R))
+
+
+@triton_op("spmdmoe::swiglu_quant_backward_", mutates_args=("h13_R2F",))
+def swiglu_quant_backward_inplace_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
+                                         w_R: Optional[torch.Tensor] = None
+                                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`swiglu_quant_backward_triton` writing ``dh13`` over ``h13_R2F`` (contiguous; each element is read
+    before it is written, by the same program): ``(q_R2F, s_R, dw_R)``, ``h13_R2F`` then holds ``dh13``
+    (rows past ``valid`` unchanged). Saves the ``R x 2F`` output where ``h13`` is not needed after."""
+    if not h13_R2F.is_contiguous():
+        raise ValueError("swiglu_quant_backward_ writes dh13 over h13: h13 must be contiguous, found strides "
+                         f"{h13_R2F.stride()}; use swiglu_quant_backward (out of place)")
+    return _bwd_launch(g_RF, h13_R2F, h13_R2F, valid, w_R, in_place=True)
+
+
+def _bwd_launch(g_RF: torch.Tensor, h13_R2F: torch.Tensor, d13_R2F: torch.Tensor, valid: torch.Tensor,
+                w_R: Optional[torch.Tensor], in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel into ``d13_R2F`` (``h13_R2F`` itself when ``in_place``: then a multi-tile row
+    reads its stored ``dh13`` back instead of recomputing from the overwritten ``h13``)."""
+    g_RF = g_RF.contiguous()
+    R, F = g_RF.shape
     q_R2F = torch.empty(h13_R2F.shape, dtype=FP8, device=h13_R2F.device)
     s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
     dw_R = torch.empty((R if w_R is not None else 0,), dtype=torch.float32, device=h13_R2F.device)
     if R > 0 and F > 0:
-        grid, meta = _launch(R, F, BWD_CONFIG)
+        grid, meta = _launch(R, F, {**BWD_CONFIG, "reload": BWD_CONFIG["reload"] or in_place})
         wrap_triton(_bwd_kernel)[grid](g_RF, h13_R2F, d13_R2F, q_R2F, s_R, dw_R, valid,
                                        w_R if w_R is not None else s_R, F, HAS_W=w_R is not None, **meta)
-    return d13_R2F, q_R2F, s_R, dw_R
+    return q_R2F, s_R, dw_R
 
 
 def swiglu_quant_forward_reference(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
@@ -230,6 +252,16 @@ def swiglu_quant_backward_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, v
     return (d13_R2F, *quantize_rows_reference(d13_R2F, valid), dw_R)
 
 
+def swiglu_quant_backward_inplace_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
+                                            w_R: Optional[torch.Tensor] = None
+                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch, same signature: the out-of-place reference, its ``dh13`` copied over ``h13`` on the valid rows."""
+    d13_R2F, q_R2F, s_R, dw_R = swiglu_quant_backward_reference(g_RF, h13_R2F, valid, w_R)
+    live = (torch.arange(h13_R2F.shape[0], device=h13_R2F.device) < valid.reshape(-1)[:1].to(h13_R2F.device))[:, None]
+    h13_R2F.copy_(torch.where(live, d13_R2F, h13_R2F))
+    return q_R2F, s_R, dw_R
+
+
 def swiglu_quant_forward(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
@@ -242,4 +274,12 @@ def swiglu_quant_backward(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torc
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
     impl = swiglu_quant_backward_triton if use_triton("swiglu_fp8", h13_R2F) else swiglu_quant_backward_reference
+    return impl(g_RF, h13_R2F, valid, w_R)
+
+
+def swiglu_quant_backward_(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
+                           w_R: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place (``dh13`` over ``h13``): the Triton kernel on CUDA, the reference elsewhere."""
+    impl = (swiglu_quant_backward_inplace_triton if use_triton("swiglu_fp8", h13_R2F)
+            else swiglu_quant_backward_inplace_reference)
     return impl(g_RF, h13_R2F, valid, w_R)

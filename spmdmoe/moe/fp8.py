@@ -79,7 +79,7 @@ import torch
 
 from ..host import to_host
 from ..kernels import (fan_out_fp8, gather_sum, quantize_cols_pair, quantize_rows, quantize_weight_cols,
-                       swiglu_quant_backward, swiglu_quant_forward)
+                       swiglu_quant_backward, swiglu_quant_backward_, swiglu_quant_forward)
 from ..kernels.fp8_common import FP8
 from .gemm import grouped_mm, up_weights
 
@@ -334,6 +334,12 @@ def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.set_materialize_grads(False)  # h13 and h get no gradient: no zero-filled one either
 
 
+def _traced(t: torch.Tensor) -> bool:
+    """Whether this backward is being traced by ``torch.compile`` (Dynamo, or AOTAutograd's fake tensors)."""
+    return torch.compiler.is_compiling() or isinstance(t, torch._subclasses.FakeTensor) or \
+        type(t).__name__ == "FunctionalTensor"
+
+
 def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
     """The backward, in the order that frees each activation soonest (the weight gradients before the input
     gradients, so the bf16 operands are gone before the input gradient is allocated): down (``dy`` and its
@@ -359,7 +365,11 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
     (dw2,) = _weight_grads(operands, offsets_e, ctx)
     dh_RF = _fp8_dgrad(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims)
     del gq_RD, gs_R
-    g13_R2F, q13_R2F, s13_R, dw_R = swiglu_quant_backward(dh_RF, h13_R2F, valid, w_R)
+    if _traced(h13_R2F):  # compiled: out of place (a mutation of a saved tensor would be copied back)
+        g13_R2F, q13_R2F, s13_R, dw_R = swiglu_quant_backward(dh_RF, h13_R2F, valid, w_R)
+    else:  # eager: dh13 written over h13, read for the last time here (one R x 2F buffer less at the peak)
+        q13_R2F, s13_R, dw_R = swiglu_quant_backward_(dh_RF, h13_R2F, valid, w_R)
+        g13_R2F = h13_R2F
     del dh_RF, h13_R2F
     operands = [g13_R2F, x_RD]
     del g13_R2F, x_RD
