@@ -238,11 +238,11 @@ def _wgrad_bf16(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor,
 # node per projection would hold its incoming gradient for all of its backward (the engine's reference), and
 # handing the SwiGLU backward's e4m3 ``dh13`` to the up-projection's node would need a second gradient
 # channel. The node is a custom op tied to its backward by ``register_autograd``; the backward's GEMMs are
-# custom ops too (:func:`_fp8_dgrad`, :func:`_fp8_wgrad`): opaque to Dynamo and AOTAutograd, so
-# ``torch.compile(fullgraph=True)`` traces them through their fake implementations and runs the real ones as
-# they are (whether a GEMM runs natively is asked on real tensors). (An ``autograd.Function`` traced into the
-# graph gave zero gradients on CUDA with torch 2.11; this form keeps the numerics of eager and compiled runs
-# identical by construction.) ``ready`` (the weight cache's refresh token) orders the GEMMs after the
+# custom ops too (:func:`_fp8_dgrad`, :func:`_wgrad_bf16_op`, :func:`_wgrad_fp8_op`): opaque to Dynamo and
+# AOTAutograd, so ``torch.compile(fullgraph=True)`` traces them through their fake implementations and runs
+# the real ones as they are (whether a GEMM runs natively is asked on real tensors). (An ``autograd.Function``
+# traced into the graph gave zero gradients on CUDA with torch 2.11; this form keeps the numerics of eager
+# and compiled runs identical by construction.) ``ready`` (the weight cache's refresh token) orders the GEMMs after the
 # refresh; it is not read.
 @torch.library.custom_op("spmdmoe::fp8_experts", mutates_args=())
 def _fp8_experts(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor,
@@ -311,7 +311,8 @@ def _(qa_AP, qb_BP, sa_eA, sb_eB, padded_e, w_dtype, split, dims):  # type: igno
     return [qa_AP.new_empty((e, j - i, B), dtype=w_dtype) for i, j in _parts(qa_AP.shape[0], split)]
 
 
-def _weight_grads(operands: list[torch.Tensor], offsets_e: torch.Tensor, ctx: Any, split: int = 0) -> list[torch.Tensor]:
+def _weight_grads(operands: list[torch.Tensor], offsets_e: torch.Tensor, ctx: Any,
+                  split: int = 0) -> list[torch.Tensor]:
     """The weight gradients ``a^T @ b`` of ``operands = [a, b]`` (emptied here: with FP8 weight gradients the bf16
     operands are freed once quantized, before the GEMM allocates its output), in FP8 or unquantized."""
     a_RA, b_RB = operands
