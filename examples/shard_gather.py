@@ -63,8 +63,8 @@ def main() -> int:
     ok = torch.equal(gathered.local, full)
     if rank == 0:
         print(f"all_gather -> {gathered.placement}, {tuple(gathered.local.shape)} rows, equal to the batch: {ok}")
-    return 0 if ok else 1  # process exit tears the gloo group down
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    spmdmoe.shutdown(main())  # flush, tear the groups down, run atexit handlers, leave: no gloo exit abort

@@ -10,6 +10,7 @@ from . import types  # first: spmdmoe.agreement imports types' submodules, and t
 from . import agreement, collectives, dtensor, moe, testing
 from .agreement import check_errors
 from .collectives import all_gather, all_reduce, all_to_all, exchange_counts, redistribute, reduce_scatter
+from .shutdown import shutdown
 from .types import *  # noqa: F401,F403
 from .types import __all__ as _types_all
 
@@ -29,5 +30,6 @@ __all__ = [
     "exchange_counts",
     "redistribute",
     "reduce_scatter",
+    "shutdown",
     *_types_all,
 ]

@@ -183,11 +183,12 @@ def mesh_axis(mesh: MeshLike) -> MeshAxis:
 def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tuple[str, ...]") -> DeviceMesh:
     """``init_device_mesh`` with the process groups created explicitly, one per row of each dim.
 
-    Same mesh (ranks laid out row-major), same named dims. Why: in torch
-    2.13, after a 2-D ``init_device_mesh`` on gloo, 7 of 16 four-process runs
-    under CPU load aborted at exit ("terminate called without an active
-    exception"); meshes built with ``DeviceMesh.from_group`` on groups made
-    by ``new_group`` aborted in none of 32 such runs. Every rank must call it, in the same order.
+    Same mesh (ranks laid out row-major), same named dims, every group made
+    by ``new_group`` in the same order on every rank (every rank must call
+    it). It does not prevent gloo's abort at interpreter exit ("terminate
+    called without an active exception": 8 of 15 four-process runs of a
+    1-D ``init_mesh`` script on torch 2.13 that ended with
+    ``destroy_process_group()``); end jobs with :func:`spmdmoe.shutdown`.
 
     >>> import spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
