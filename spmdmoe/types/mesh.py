@@ -190,18 +190,26 @@ def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tu
     1-D ``init_mesh`` script on torch 2.13 that ended with
     ``destroy_process_group()``); end jobs with :func:`spmdmoe.shutdown`.
 
+    Every rank first exchanges its ``shape`` and ``mesh_dim_names`` (one all-gather of 10 integers per
+    rank): a rank that passes other ones makes every rank raise the same :class:`SPMDMeshError`, naming
+    the values per rank, instead of leaving its peers waiting in ``new_group``.
+
     >>> import spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
     >>> spmdmoe.init_mesh("cpu", (1, 1), mesh_dim_names=("dp", "sp"))["sp"].size()
     1
     """
     world, me = dist.get_world_size(), dist.get_rank()
-    grid = torch.arange(world).view(*shape)
-    if grid.numel() != world or len(mesh_dim_names) != len(shape):
+    _agree_on_mesh(tuple(shape), tuple(mesh_dim_names))
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel != world or len(mesh_dim_names) != len(shape):
         raise SPMDMeshError(
             f"rank {me}: a mesh of shape {tuple(shape)} ({len(mesh_dim_names)} names) needs "
-            f"{grid.numel()} processes and one name per dim, found {world} processes"
+            f"{numel} processes and one name per dim, found {world} processes"
         )
+    grid = torch.arange(world).view(*shape)
     groups = []
     for dim in range(grid.dim()):
         rows = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
@@ -213,3 +221,23 @@ def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tu
         groups.append(mine)
     return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device_type, mesh=grid,
                                  mesh_dim_names=tuple(mesh_dim_names))
+
+
+_MAX_DIMS = 8
+
+
+def _agree_on_mesh(shape: "tuple[int, ...]", names: "tuple[str, ...]") -> None:
+    """Raise the same :class:`SPMDMeshError` on every rank when ranks pass different meshes to :func:`init_mesh`
+    (one all-gather over the world: dims, each size, a checksum of the names)."""
+    import zlib
+
+    from ..agreement import Field, Found, agree  # here: spmdmoe.agreement imports this package
+
+    fix = "every rank must call init_mesh with the same shape and mesh_dim_names, in the same order"
+    sizes = [int(s) for s in shape[:_MAX_DIMS]] + [0] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
+    fields = [(Field("number of mesh dims", SPMDMeshError, fix=fix), len(shape))]
+    fields += [(Field(f"size of mesh dim {i}", SPMDMeshError, fix=fix), v) for i, v in enumerate(sizes)]
+    checksum = zlib.crc32("\0".join(names).encode())
+    fields.append((Field("mesh_dim_names", SPMDMeshError, lambda v: f"names checksum {v:#010x}",
+                         fix=f"{fix} (this rank: {names})"), checksum))
+    agree("init_mesh", None, Found(), fields, global_ranks=True)
