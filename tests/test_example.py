@@ -4,7 +4,6 @@ With FP8 experts (emulated on CPU) the parallel loss curve must track the full-p
 one within 1e-3 relative (5.4e-6 measured over 6 steps on CPU)."""
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("plan", [["--steps", "3"], ["--steps", "2", "--sp", "2", "--ep", "2", "--seq-len", "61"],
                                   ["--steps", "3", "--expert-precision", "fp8_rowwise", "--tolerance", "1e-3"]])
-def test_train_moe_example_matches_single_process(plan):
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "train_moe.py"), *plan]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=540)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: leave nothing behind
-        out, err = proc.communicate()
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+def test_train_moe_example_matches_single_process(plan, torchrun_job):
+    returncode, out, err = torchrun_job("examples/train_moe.py", *plan, timeout=540)
+    assert returncode == 0, out[-3000:] + err[-3000:]
     tolerance = plan[plan.index("--tolerance") + 1] if "--tolerance" in plan else "1e-4"
     assert "| step | single-process loss |" in out and f"(tolerance {float(tolerance):.0e}): OK" in out
     assert out.count("step ") >= int(plan[1])

@@ -325,60 +325,50 @@ def test_fp8_layer_makes_no_host_sync(wgrad):
     assert host_sync_count() == before
 
 
+def _same_bits_without(monkeypatch, wgrad: str, seed: int, offered, withheld) -> None:
+    """The FP8 layer's output and every gradient (the router gate's too) with the local dispatch as it is,
+    which must make what ``offered(routed)`` checks, equal bit for bit those with ``withheld(real)``, a
+    replacement of ``LocalTransport.dispatch`` built from the real one, in its place."""
+    from spmdmoe.moe.dispatch import LocalTransport
+
+    _, fp8 = _layers(wgrad=wgrad)
+    gen = torch.Generator().manual_seed(seed)
+    x, g = (torch.randn(300, D, generator=gen).to(DEVICE) for _ in range(2))
+    seen = []
+    real = LocalTransport.dispatch
+
+    def spy(self, *args, **kwargs):
+        routed = real(self, *args, **kwargs)
+        seen.append(offered(routed))
+        return routed
+    monkeypatch.setattr(LocalTransport, "dispatch", spy)
+    taken = _step(fp8, x, g) + [fp8.router.gate.weight.grad]  # the routing weights' gradient reaches the gate
+    monkeypatch.setattr(LocalTransport, "dispatch", withheld(real))
+    without = _step(fp8, x, g) + [fp8.router.gate.weight.grad]
+    assert seen == [True], "the FP8 layer's local dispatch takes the offer"
+    for a, b in zip(taken, without):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("wgrad", WGRADS)
 def test_quantizing_before_the_fan_out_changes_no_bit(monkeypatch, wgrad):
     """The local dispatch quantizes each token once and fans out its e4m3 row with it
     (``RoutedTokens.fp8_rows``); the layer's output and every gradient equal, bit for bit, those of the
     same layer whose experts quantize the K fanned-out copies themselves."""
-    from spmdmoe.moe.dispatch import LocalTransport
-
-    _, fp8 = _layers(wgrad=wgrad)
-    gen = torch.Generator().manual_seed(21)
-    x, g = (torch.randn(300, D, generator=gen).to(DEVICE) for _ in range(2))
-    seen = []
-    real = LocalTransport.dispatch
-
-    def spy(self, *args, **kwargs):
-        routed = real(self, *args, **kwargs)
-        seen.append(routed.fp8_rows is not None)
-        return routed
-    monkeypatch.setattr(LocalTransport, "dispatch", spy)
-    once = _step(fp8, x, g)
-    monkeypatch.setattr(LocalTransport, "dispatch", lambda self, *a, **k: real(self, *a, **{**k, "fp8_rows": False}))
-    per_copy = _step(fp8, x, g)
-    assert seen == [True], "the FP8 layer asks its local dispatch for e4m3 rows"
-    for a, b in zip(once, per_copy):
-        assert torch.equal(a, b)
+    _same_bits_without(monkeypatch, wgrad, 21, lambda routed: routed.fp8_rows is not None,
+                       lambda real: lambda self, *a, **k: real(self, *a, **{**k, "fp8_rows": False}))
 
 
 @pytest.mark.parametrize("wgrad", WGRADS)
 def test_summing_the_copies_in_the_down_projection_changes_no_bit(monkeypatch, wgrad):
-    """With the routing weights folded in, the FP8 experts sum each token's copies in their down-projection's
-    node (``RoutedTokens.copies_TK``), whose backward fans the output gradient out and quantizes it once per
+    """With the routing weights folded in, the FP8 experts sum each token's copies in their node
+    (``RoutedTokens.copies_TK``), whose backward fans the output gradient out and quantizes it once per
     token; the layer's output and every gradient equal, bit for bit, those of the same layer that returns
     the copies and lets the transport's combine sum them."""
     import dataclasses
 
-    from spmdmoe.moe.dispatch import LocalTransport
-
-    _, fp8 = _layers(wgrad=wgrad)
-    gen = torch.Generator().manual_seed(23)
-    x, g = (torch.randn(300, D, generator=gen).to(DEVICE) for _ in range(2))
-    seen = []
-    real = LocalTransport.dispatch
-
-    def spy(self, *args, **kwargs):
-        routed = real(self, *args, **kwargs)
-        seen.append(routed.copies_TK is not None)
-        return routed
-    monkeypatch.setattr(LocalTransport, "dispatch", spy)
-    fused = _step(fp8, x, g) + [fp8.router.gate.weight.grad]  # the routing weights' gradient reaches the gate
-    monkeypatch.setattr(LocalTransport, "dispatch",
-                        lambda self, *a, **k: dataclasses.replace(real(self, *a, **k), copies_TK=None))
-    apart = _step(fp8, x, g) + [fp8.router.gate.weight.grad]
-    assert seen == [True], "the local dispatch asks the experts to sum the copies"
-    for a, b in zip(fused, apart):
-        assert torch.equal(a, b)
+    _same_bits_without(monkeypatch, wgrad, 23, lambda routed: routed.copies_TK is not None,
+                       lambda real: lambda self, *a, **k: dataclasses.replace(real(self, *a, **k), copies_TK=None))
 
 
 def test_a_second_backward_through_the_fp8_experts_says_why():

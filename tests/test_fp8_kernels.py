@@ -27,6 +27,11 @@ if DEVICE == "cuda":
     GROUPS += [([700, 0, 1301, 15, 16, 1], 37, 2048, 1408)]
 
 
+# (R, F, valid rows, max tile width): odd sizes, no valid rows, empty, rows wider than one tile, a real F
+SWIGLU_SHAPES = [(9, 24, 6, None), (5, 7, 5, None), (4, 16, 0, None), (0, 8, 0, None), (11, 40, 9, 16),
+                 (6, 1408 if DEVICE == "cuda" else 48, 5, None)]
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
@@ -116,10 +121,22 @@ def test_cols_pair_scales_are_per_group():
         assert torch.equal(sa[1], torch.full((4,), 1.0 / 448, device=DEVICE))
 
 
+def _swiglu_inputs(R: int, F: int, valid: int, dtype: torch.dtype, weighted: bool, gen: torch.Generator):
+    """``(h13, count, w)``: ``h13`` rows of all magnitudes, NaN past the device-side count ``valid`` (never
+    read); the routing weights (``weighted``) with zeros among them, NaN past ``valid``, else ``None``."""
+    h13 = _rows_input(R, 2 * F, dtype, gen)
+    h13[valid:] = float("nan")
+    w = None
+    if weighted:
+        w = torch.rand(R, generator=gen).to(DEVICE)
+        w[::3] = 0.0
+        w[valid:] = float("nan")
+    return h13, torch.tensor([valid], dtype=torch.int32, device=DEVICE), w
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("R,F,valid,block", [(9, 24, 6, None), (5, 7, 5, None), (4, 16, 0, None), (0, 8, 0, None),
-                                             (11, 40, 9, 16), (6, 1408 if DEVICE == "cuda" else 48, 5, None)])
+@pytest.mark.parametrize("R,F,valid,block", SWIGLU_SHAPES)
 def test_swiglu_quant(R, F, valid, block, dtype, weighted, monkeypatch):
     """The fused SwiGLU + rowwise quantizer equals the SwiGLU kernel followed by the rowwise quantizer, bit
     for bit (``block``: rows wider than one tile, the recomputing path; ``weighted``: the routing weights
@@ -128,14 +145,7 @@ def test_swiglu_quant(R, F, valid, block, dtype, weighted, monkeypatch):
     if block is not None:
         monkeypatch.setitem(swiglu_fp8.CONFIG, "max_block_f", block)
     gen = torch.Generator().manual_seed(R * 131 + F + valid)
-    h13 = _rows_input(R, 2 * F, dtype, gen)
-    h13[valid:] = float("nan")  # past the device-side count: never read
-    count = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
-    w = None
-    if weighted:
-        w = torch.rand(R, generator=gen).to(DEVICE)
-        w[::3] = 0.0
-        w[valid:] = float("nan")
+    h13, count, w = _swiglu_inputs(R, F, valid, dtype, weighted, gen)
     # (fused, the SwiGLU alone, the rowwise quantizer): kernels with kernels, references with references
     cases = {"kernel": (K.swiglu_quant_forward_triton, K.swiglu_forward_triton, K.quantize_rows_triton),
              "reference": (K.swiglu_quant_forward_reference, K.swiglu_forward_reference, K.quantize_rows_reference)}
@@ -149,8 +159,7 @@ def test_swiglu_quant(R, F, valid, block, dtype, weighted, monkeypatch):
 
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("R,F,valid,block", [(9, 24, 6, None), (5, 7, 5, None), (4, 16, 0, None), (0, 8, 0, None),
-                                             (11, 40, 9, 16), (6, 1408 if DEVICE == "cuda" else 48, 5, None)])
+@pytest.mark.parametrize("R,F,valid,block", SWIGLU_SHAPES)
 @pytest.mark.parametrize("reload", [False, True])
 def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monkeypatch):
     """The fused SwiGLU backward + rowwise quantizer of ``dh13``: ``dh13`` bit for bit the SwiGLU backward
@@ -163,16 +172,9 @@ def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monk
         monkeypatch.setitem(swiglu_fp8.BWD_CONFIG, "max_block_f", block)
     monkeypatch.setitem(swiglu_fp8.BWD_CONFIG, "reload", reload)  # the multi-tile path: e4m3 from the stored rows
     gen = torch.Generator().manual_seed(R * 131 + F + valid + 7)
-    h13 = _rows_input(R, 2 * F, dtype, gen)
+    h13, count, w = _swiglu_inputs(R, F, valid, dtype, weighted, gen)
     g = (torch.randn(R, F, generator=gen) * 3).to(DEVICE, dtype)
-    h13[valid:] = float("nan")
     g[valid:] = float("nan")
-    count = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
-    w = None
-    if weighted:
-        w = torch.rand(R, generator=gen).to(DEVICE)
-        w[::3] = 0.0
-        w[valid:] = float("nan")
     cases = {"kernel": (K.swiglu_quant_backward_triton, K.swiglu_backward_triton, K.quantize_rows_triton),
              "reference": (K.swiglu_quant_backward_reference, K.swiglu_backward_reference, K.quantize_rows_reference)}
     for impl, (fused, plain, quantize) in cases.items():

@@ -3,8 +3,6 @@ output, ``atexit`` handlers, log records), also with a process group up; the exa
 on 4 gloo processes, run after run (torch's gloo teardown aborted 8 of 15 runs of such a script that ended
 with ``destroy_process_group()``; ``spmdmoe.shutdown`` 0 of 50, measured on torch 2.13)."""
 
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -50,19 +48,10 @@ def test_shutdown_exits_with_the_code_and_loses_nothing(tmp_path, group, code):
 
 
 @pytest.mark.timeout(300)
-def test_the_examples_end_cleanly_run_after_run():
+def test_the_examples_end_cleanly_run_after_run(torchrun_job):
     """``examples/shard_gather.py`` on 4 gloo processes, 3 runs: exit 0 every time, no abort at exit
     (``examples/train_moe.py`` ends the same way and runs 3 times in ``test_example.py``)."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     for _ in range(3):
-        proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "4",
-                                 str(ROOT / "examples" / "shard_gather.py")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        assert proc.returncode == 0 and "terminate called" not in err, out[-2000:] + err[-2000:]
+        returncode, out, err = torchrun_job("examples/shard_gather.py", timeout=90)
+        assert returncode == 0 and "terminate called" not in err, out[-2000:] + err[-2000:]
         assert "equal to the batch: True" in out

@@ -45,7 +45,7 @@ from torch.library import triton_op, wrap_triton
 from .backend import use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
-from .swiglu import swiglu_backward_reference, swiglu_forward_reference, swiglu_grads
+from .swiglu import _valid_mask, swiglu_backward_reference, swiglu_forward_reference, swiglu_grads
 
 __all__ = [
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",
@@ -257,8 +257,7 @@ def swiglu_quant_backward_inplace_reference(g_RF: torch.Tensor, h13_R2F: torch.T
                                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain torch, same signature: the out-of-place reference, its ``dh13`` copied over ``h13`` on the valid rows."""
     d13_R2F, q_R2F, s_R, dw_R = swiglu_quant_backward_reference(g_RF, h13_R2F, valid, w_R)
-    live = (torch.arange(h13_R2F.shape[0], device=h13_R2F.device) < valid.reshape(-1)[:1].to(h13_R2F.device))[:, None]
-    h13_R2F.copy_(torch.where(live, d13_R2F, h13_R2F))
+    h13_R2F.copy_(torch.where(_valid_mask(h13_R2F, valid), d13_R2F, h13_R2F))
     return q_R2F, s_R, dw_R
 
 
