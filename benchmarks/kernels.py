@@ -29,8 +29,8 @@ import torch
 
 import importlib
 
-fo, gs, sw, fr, fc, sq, fg = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in (
-    "fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols", "swiglu_fp8", "fingerprint"))
+fo, gs, sw, fr, fc, sq, fg, fw = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in (
+    "fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols", "swiglu_fp8", "fingerprint", "fp8_weights"))
 from timing import report, timed
 
 CEILING = 4.2e12
@@ -45,10 +45,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-only", default=None, help="comma-separated kernel modules to sweep (e.g. fp8_cols,swiglu_fp8,swiglu_fp8_bwd: its backward config)")
+    ap.add_argument("--sweep-only", default=None, help="comma-separated kernel modules to sweep (e.g. fp8_cols,swiglu_fp8,"
+                    "swiglu_fp8_bwd: its BWD_CONFIG, fp8_weights_cols: its COLS_CONFIG)")
     ap.add_argument("--sweep-out", default=None, help="write each swept module's fastest CONFIG here (JSON)")
     ap.add_argument("--only", default=None, help="comma-separated substrings: time only the kernels named so")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base` (benchmarks/base_copy.sh): its weight "
+                    "quantization joins the rotation as 'base'")
     args = ap.parse_args()
     T, K, D, F = args.tokens, args.top_k, args.dim, args.hidden
     N = T * K
@@ -132,6 +135,12 @@ def main() -> None:
             sw.swiglu_backward_triton(gh, h13, valid, wN)[0], valid),
         "dispatch fan-out + FP8 rows, quantized once per token": lambda: fr.quantize_rows_triton(
             fo.fan_out_triton(x, pos, N)[0], valid)}
+    base = {}
+    if args.base:
+        import sys
+        sys.path.insert(0, args.base)
+        from spmdmoe_base.moe.fp8 import quantize_weights as base_weights
+        base["FP8 weights, both layouts of [w1|w3] and w2 (E=64)"] = lambda: base_weights(w1v, w2, w3v)
     torchao = {}
     try:
         from torchao.prototype.moe_training.kernels.float8_rowwise import triton_fp8_rowwise_2d_scale_and_cast
@@ -147,7 +156,8 @@ def main() -> None:
         sweep(cases, args)
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, T={T} K={K} D={D} F={F}; "
              f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}, fp8_rows {fr.CONFIG}, "
-             f"fp8_cols {fc.CONFIG}, swiglu_fp8 {sq.CONFIG} / backward {sq.BWD_CONFIG}, fingerprint {fg.CONFIG}", "",
+             f"fp8_cols {fc.CONFIG}, fp8_weights {fw.CONFIG} / {fw.COLS_CONFIG}, swiglu_fp8 {sq.CONFIG} / backward "
+             f"{sq.BWD_CONFIG}, fingerprint {fg.CONFIG}", "",
              "| kernel | Triton ms | TB/s | % of 4.2 | torch eager ms | torch compiled ms | Triton vs compiled | "
              "torchao ms (TB/s) | ours vs torchao |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -161,6 +171,8 @@ def main() -> None:
             fns["torchao"] = torchao[name]
         if name in unfused:
             fns["unfused"] = unfused[name]
+        if name in base:
+            fns["base"] = base[name]
         t = timed(fns, args.iters, args.reps)
         tbs = nbytes / (t["triton"] * 1e-3) / 1e12
         tao = (f"{t['torchao']:.3f} ({nbytes / (t['torchao'] * 1e-3) / 1e12:.2f}) | {t['torchao'] / t['triton']:.2f}x"
@@ -171,12 +183,15 @@ def main() -> None:
         if "unfused" in t:
             notes.append(f"{name}: {t['triton']:.3f} ms vs unfused Triton {t['unfused']:.3f} ms "
                          f"({t['unfused'] / t['triton']:.2f}x)")
+        if "base" in t:
+            notes.append(f"{name}: {t['triton']:.3f} ms vs the base copy's {t['base']:.3f} ms ({t['base'] / t['triton']:.2f}x)")
     report("\n".join(lines + [""] + notes), args.out)
 
 
 def sweep(cases, args) -> None:
     """Time every launch configuration; keep the fastest in each module's CONFIG (printed)."""
-    grids = {  # module: (case or cases, grid); (module, "BWD_CONFIG") sweeps that dict of the module instead
+    grids = {  # module: (case or cases, grid); (module, "BWD_CONFIG") sweeps that dict of the module instead (named
+        # module_bwd in --sweep-only)
         fo: ("dispatch fan-out", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         gs: ("combine (weighted sum of K)", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         sw: (("SwiGLU forward", "SwiGLU backward, routing weights folded (+ row dots)"),  # the local transport's pair
@@ -190,6 +205,11 @@ def sweep(cases, args) -> None:
         (sq, "BWD_CONFIG"): ("SwiGLU backward + FP8 rows of dh13 (fused, weights folded)",
                              {"block_r": [1, 2, 4], "max_block_f": [256, 512, 1024, 2048], "num_warps": [4, 8, 16],
                               "reload": [False, True]}),
+        fw: ("FP8 weights, both layouts of [w1|w3] and w2 (E=64)", {"block_r": [4, 8, 16, 32], "max_block_c": [256, 512, 1024],
+                                                                    "num_warps": [4, 8]}),
+        (fw, "COLS_CONFIG"): ("FP8 weights, both layouts of [w1|w3] and w2 (E=64)",
+                              {"block_r": [32, 64, 128], "block_c": [32, 64, 128], "rows": [256, 1024, 4096],
+                               "num_warps": [4, 8]}),
         fg: ("fingerprint of the expert weights ([w1|w3], w2; E=64)", {"block": [1024, 2048, 4096, 8192],
                                                                        "programs_per_sm": [2, 4, 8],
                                                                        "num_warps": [4, 8, 16]}),
@@ -198,7 +218,7 @@ def sweep(cases, args) -> None:
     chosen: dict[str, dict] = {}
     for key, (case, grid) in grids.items():
         module, attr = key if isinstance(key, tuple) else (key, "CONFIG")
-        name = module.__name__.rsplit(".", 1)[1] + ("" if attr == "CONFIG" else "_bwd")
+        name = module.__name__.rsplit(".", 1)[1] + ("" if attr == "CONFIG" else "_" + attr.split("_")[0].lower())
         if only is not None and name not in only:
             continue
         config = getattr(module, attr)

@@ -198,50 +198,50 @@ def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monk
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("e,A,C", [(3, 33, 20), (2, 16, 70), (0, 4, 4), (1, 5, 1), (2, 300, 9)]
+@pytest.mark.parametrize("e,A,C", [(3, 33, 20), (2, 16, 70), (0, 4, 4), (1, 5, 1), (2, 300, 9), (2, 40, 700),
+                                   (1, 1100, 3)]
                          + ([(4, 2816, 2048), (3, 2048, 1408)] if DEVICE == "cuda" else []))
-def test_quantize_weight_cols(e, A, C, dtype):
-    """The transposed weight layout, quantized per column without the transposing copy, equals the rowwise
-    quantizer on the transposed copy bit for bit (huge, tiny and all-zero columns included)."""
+def test_quantize_weight_pair(e, A, C, dtype):
+    """Both layouts of a weight (rowwise, and the transpose per column without a transposing copy) equal the
+    rowwise quantizer on ``w`` and on the transposed copy bit for bit: rows and columns of every magnitude
+    (huge, tiny, all zero), rows wider than one tile (C = 700), more rows than one program takes (A = 1100)."""
     gen = torch.Generator().manual_seed(e * 1000 + A + C)
-    w = _rows_input(e * C, A, dtype, gen).view(e, C, A).transpose(1, 2).contiguous()  # columns of each magnitude
-    got = K.quantize_weight_cols_triton(w)
-    want = K.quantize_weight_cols_reference(w)
-    _assert_equal(got, want, "weight cols")
-    assert got[0].shape == (e, C, A) and got[1].shape == (e, C)
+    col_mags = torch.tensor([1.0, 0.0, 3e4, 2.0, 1e-3])[torch.arange(C) % 5].to(DEVICE, dtype)
+    w = (_rows_input(e * A, C, dtype, gen) * col_mags).view(e, A, C)
+    got = K.quantize_weight_pair_triton(w)
+    want = K.quantize_weight_pair_reference(w)
+    _assert_equal(got, want, "weight pair")
+    assert [t.shape for t in got] == [(e, A, C), (e, A), (e, C, A), (e, C)]
+    # the reference is the rowwise quantizer on both layouts (so the kernel is too)
+    rows_q, rows_s = K.quantize_rows_reference(w.transpose(1, 2).reshape(e * C, A))
+    _assert_equal((got[2].reshape(e * C, A), got[3].reshape(-1)), (rows_q, rows_s), "transposed layout")
 
 
 @pytest.mark.parametrize("gate", [0, 1])
 def test_gated_writes_into_given_tensors(gate):
-    """The weight cache's quantizers write into its tensors exactly when the device flag is set: an open gate
+    """The weight cache's quantizer writes into its tensors exactly when the device flag is set: an open gate
     gives the allocating kernel's bits, a closed one leaves the (poisoned) tensors untouched; kernel and
     reference alike."""
-    from spmdmoe.kernels.fp8_cols import _launch_weight_cols, _weight_cols_kernel
+    from spmdmoe.kernels import fp8_weights
     from spmdmoe.kernels.fp8_common import write_where
-    from spmdmoe.kernels.fp8_rows import _launch, _rows_kernel
 
     gen = torch.Generator().manual_seed(17 + gate)
-    x = _rows_input(7, 33, torch.bfloat16, gen)
-    w = _rows_input(2 * 9, 5, torch.bfloat16, gen).view(2, 9, 5)
+    w = _rows_input(2 * 33, 5, torch.bfloat16, gen).view(2, 33, 5)  # three row blocks per expert
     flag = torch.tensor([gate], dtype=torch.int64, device=DEVICE)
 
-    def poisoned(*shapes_dtypes):
+    def poisoned():
         return [torch.full(s, 0x7F, dtype=torch.uint8, device=DEVICE).view(d) if d == torch.float8_e4m3fn
-                else torch.full(s, -3.0, dtype=d, device=DEVICE) for s, d in shapes_dtypes]
+                else torch.full(s, -3.0, dtype=d, device=DEVICE)
+                for s, d in [((2, 33, 5), torch.float8_e4m3fn), ((2, 33), torch.float32),
+                             ((2, 5, 33), torch.float8_e4m3fn), ((2, 5), torch.float32)]]
 
-    rows = [((7, 33), torch.float8_e4m3fn), ((7,), torch.float32)]
-    cols = [((2, 5, 9), torch.float8_e4m3fn), ((2, 5), torch.float32)]
-    for name, write, layout, fresh in (
-            ("rows kernel", lambda q, s: _launch(_rows_kernel, x, q, s, None, flag), rows, K.quantize_rows_triton(x)),
-            ("rows reference", lambda q, s: write_where(flag, (q, s), K.quantize_rows_reference(x)), rows,
-             K.quantize_rows_triton(x)),
-            ("cols kernel", lambda q, s: _launch_weight_cols(_weight_cols_kernel, w, q, s, flag), cols,
-             K.quantize_weight_cols_triton(w)),
-            ("cols reference", lambda q, s: write_where(flag, (q, s), K.quantize_weight_cols_reference(w)),
-             cols, K.quantize_weight_cols_triton(w))):
-        outs = poisoned(*layout)
+    fresh = K.quantize_weight_pair_triton(w)
+    for name, write in (
+            ("kernel", lambda *qs: fp8_weights._launch(fp8_weights._rows_pass, fp8_weights._cols_pass, w, *qs, flag)),
+            ("reference", lambda *qs: write_where(flag, qs, K.quantize_weight_pair_reference(w)))):
+        outs = poisoned()
         write(*outs)
-        _assert_equal(outs, fresh if gate else poisoned(*layout), f"{name}, gate {gate}")
+        _assert_equal(outs, fresh if gate else poisoned(), f"{name}, gate {gate}")
 
 
 FINGERPRINT_CASES = [  # (dtype, shapes): 32-bit words, 16-bit words (odd byte counts of 4), several tensors, empty

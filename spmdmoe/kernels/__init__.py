@@ -11,24 +11,23 @@ elsewhere; :mod:`spmdmoe.kernels.backend`).
 * :func:`swiglu_quant_forward` / :func:`swiglu_quant_backward`: SwiGLU (backward) fused with the rowwise FP8 of its result;
 * :func:`quantize_rows`: rowwise FP8 scale+cast in one pass, valid rows only;
 * :func:`quantize_cols_pair`: the two wgrad operands' per-group columnwise FP8, 16-row aligned, one launch;
-* :func:`quantize_weight_cols`: a 3-D weight's transpose in rowwise FP8, without the transposing copy;
-* :func:`quantize_rows_into` / :func:`quantize_weight_cols_into`: the same into given tensors, gated by a device flag;
+* :func:`quantize_weight_pair`: both FP8 layouts of a 3-D weight (rowwise, and its transpose without a
+  transposing copy) from two reads;
+* :func:`quantize_weight_pair_into`: the same into given tensors, gated by a device flag (the FP8 weight cache);
 * :func:`fingerprint_`: a content fingerprint of tensors compared on the device (the FP8 weight cache's check).
 """
 
 from .backend import COMPILED, kernel_backend, set_kernel_backend, use_triton
 from .fan_out import fan_out, fan_out_fp8, fan_out_fp8_reference, fan_out_fp8_triton, fan_out_reference, fan_out_triton
 from .fingerprint import fingerprint_, fingerprint_reference, fingerprint_triton
-from .fp8_cols import (
-    quantize_cols_pair,
-    quantize_cols_pair_reference,
-    quantize_cols_pair_triton,
-    quantize_weight_cols,
-    quantize_weight_cols_into,
-    quantize_weight_cols_reference,
-    quantize_weight_cols_triton,
+from .fp8_cols import quantize_cols_pair, quantize_cols_pair_reference, quantize_cols_pair_triton
+from .fp8_rows import quantize_rows, quantize_rows_reference, quantize_rows_triton
+from .fp8_weights import (
+    quantize_weight_pair,
+    quantize_weight_pair_into,
+    quantize_weight_pair_reference,
+    quantize_weight_pair_triton,
 )
-from .fp8_rows import quantize_rows, quantize_rows_into, quantize_rows_reference, quantize_rows_triton
 from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
 from .swiglu_fp8 import (
     swiglu_quant_backward_,
@@ -60,8 +59,8 @@ __all__ = [
     "swiglu_quant_backward", "swiglu_quant_backward_reference", "swiglu_quant_backward_triton",
     "swiglu_quant_backward_", "swiglu_quant_backward_inplace_reference", "swiglu_quant_backward_inplace_triton",
 
-    "quantize_rows", "quantize_rows_into", "quantize_rows_reference", "quantize_rows_triton",
+    "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
     "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",
-    "quantize_weight_cols", "quantize_weight_cols_into", "quantize_weight_cols_reference", "quantize_weight_cols_triton",
+    "quantize_weight_pair", "quantize_weight_pair_into", "quantize_weight_pair_reference", "quantize_weight_pair_triton",
     "fingerprint_", "fingerprint_reference", "fingerprint_triton",
 ]

@@ -32,6 +32,7 @@ COMPILED: dict[str, Literal["triton", "torch"]] = {
     "swiglu_fp8": "triton",
     "fp8_rows": "triton",
     "fp8_cols": "triton",
+    "fp8_weights": "triton",
     "fingerprint": "triton",
 }
 

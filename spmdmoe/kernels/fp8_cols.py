@@ -24,9 +24,6 @@ padding of the FP8 path (forward and dgrad GEMMs take unaligned groups), and
 it is written here, by the quantizer: no separate pad or unpad copy. Rows
 past ``offsets[-1]`` (a capacity buffer's tail) are never read.
 
-The same program serves the weights' transposed layouts (:func:`quantize_weight_cols`: each expert a
-group, written as ``(e, C, A)`` without a transposing copy, once per weight change).
-
 One program per (group, block of ``BLOCK_C`` columns of either operand): it
 reads the group's rows twice (amax, then scale and cast, the second pass
 backwards so that the rows read last are re-read first, from L2 if they are
@@ -43,20 +40,15 @@ kernels that produce the operands would remove that read.
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
-from .fp8_common import EPS_C, FP8, dequant_scale, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3, write_where
-from .fp8_rows import quantize_rows_reference
+from .fp8_common import EPS_C, FP8, dequant_scale, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3
 
-__all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",
-           "quantize_weight_cols", "quantize_weight_cols_into", "quantize_weight_cols_reference",
-           "quantize_weight_cols_triton"]
+__all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton"]
 
 ALIGN = 16
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
@@ -76,10 +68,10 @@ def _padded_ends(offsets_e: torch.Tensor, P: int) -> torch.Tensor:
 
 
 @triton.jit
-def _quantize_group_cols(src_ptr, dst_ptr, s_ptr, C, dst_g, dst_c, g, c0, start, end, pstart, pend,
+def _quantize_group_cols(src_ptr, dst_ptr, s_ptr, C, P, g, c0, start, end, pstart, pend,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Group ``g``'s rows ``[start, end)`` of columns ``[c0, c0 + BLOCK_C)``: column amax, then the e4m3 values
-    written transposed at ``dst_ptr + g * dst_g + col * dst_c + (row - start + pstart)``, zero rows up to ``pend``."""
+    written transposed at ``dst_ptr + col * P + (row - start + pstart)``, zero rows up to ``pend``."""
     cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
     cmask = cols < C
     rr = tl.arange(0, BLOCK_R)
@@ -99,13 +91,13 @@ def _quantize_group_cols(src_ptr, dst_ptr, s_ptr, C, dst_g, dst_c, g, c0, start,
         m = (rows < end)[:, None] & cmask[None, :]
         x = tl.load(src_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
         q = to_e4m3(x, inv[None, :])
-        tl.store(dst_ptr + g * dst_g + cols[None, :] * dst_c + (rows + shift)[:, None], q.to(dst_ptr.dtype.element_ty),
+        tl.store(dst_ptr + cols[None, :] * P + (rows + shift)[:, None], q.to(dst_ptr.dtype.element_ty),
                  mask=m)
     zero = tl.zeros([BLOCK_R, BLOCK_C], tl.float32).to(dst_ptr.dtype.element_ty)
     for r0 in range(end + shift, pend, BLOCK_R):
         rows = r0 + rr
         m = (rows < pend)[:, None] & cmask[None, :]
-        tl.store(dst_ptr + g * dst_g + cols[None, :] * dst_c + rows[:, None], zero, mask=m)
+        tl.store(dst_ptr + cols[None, :] * P + rows[:, None], zero, mask=m)
 
 
 @triton.jit
@@ -119,25 +111,11 @@ def _cols_pair_kernel(a_ptr, b_ptr, qa_ptr, qb_ptr, sa_ptr, sb_ptr, offs_ptr, pa
     pend = tl.load(pads_ptr + g).to(tl.int64)
     blocks_a = tl.cdiv(A, BLOCK_C)
     if cb < blocks_a:
-        _quantize_group_cols(a_ptr, qa_ptr, sa_ptr, A, 0, P, g, cb * BLOCK_C, start, end, pstart, pend,
+        _quantize_group_cols(a_ptr, qa_ptr, sa_ptr, A, P, g, cb * BLOCK_C, start, end, pstart, pend,
                              BLOCK_R, BLOCK_C)
     else:
-        _quantize_group_cols(b_ptr, qb_ptr, sb_ptr, B, 0, P, g, (cb - blocks_a) * BLOCK_C, start, end, pstart, pend,
+        _quantize_group_cols(b_ptr, qb_ptr, sb_ptr, B, P, g, (cb - blocks_a) * BLOCK_C, start, end, pstart, pend,
                              BLOCK_R, BLOCK_C)
-
-
-@triton.jit
-def _weight_cols_kernel(w_ptr, q_ptr, s_ptr, gate_ptr, A, C, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
-    """Expert ``g`` = program 0 of a ``(e, A, C)`` weight: ``q[g] = e4m3(w[g]^T)`` per column, no padding;
-    nothing written when ``HAS_GATE`` and the gate is zero."""
-    g = tl.program_id(0).to(tl.int64)
-    go = tl.full([], 1, tl.int32)
-    if HAS_GATE:
-        go = (tl.load(gate_ptr) != 0).to(tl.int32)
-    if go != 0:
-        _quantize_group_cols(w_ptr, q_ptr, s_ptr, C, C * A, A, g, tl.program_id(1) * BLOCK_C, g * A, g * A + A, 0,
-                             A, BLOCK_R, BLOCK_C)
 
 
 def _empty_outputs(a_RA: torch.Tensor, b_RB: torch.Tensor, e: int, P: int) -> list[torch.Tensor]:
@@ -166,50 +144,6 @@ def quantize_cols_pair_triton(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e:
             a_RA, b_RB, qa, qb, sa, sb, offsets_e, padded_e, A, B, P,
             BLOCK_R=CONFIG["block_r"], BLOCK_C=CONFIG["block_c"], num_warps=CONFIG["num_warps"])
     return qa, qb, sa, sb, padded_e
-
-
-def _launch_weight_cols(kernel: Any, w_eAC: torch.Tensor, q_eCA: torch.Tensor, s_eC: torch.Tensor,
-                        gate: Optional[torch.Tensor]) -> None:
-    """``kernel`` (``_weight_cols_kernel``, or ``wrap_triton`` of it inside a ``triton_op``) over ``w_eAC``."""
-    e, A, C = w_eAC.shape
-    if e and A and C:
-        kernel[(e, triton.cdiv(C, CONFIG["block_c"]))](
-            w_eAC, q_eCA, s_eC, gate if gate is not None else s_eC, A, C, HAS_GATE=gate is not None,
-            BLOCK_R=CONFIG["block_r"], BLOCK_C=CONFIG["block_c"], num_warps=CONFIG["num_warps"])
-
-
-@triton_op("spmdmoe::quantize_weight_cols", mutates_args=())
-def quantize_weight_cols_triton(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 3-D weight's transpose quantized per row without the transposing copy: ``(q_eCA, s_eC)``, equal to
-    :func:`spmdmoe.kernels.quantize_rows` of ``w.transpose(1, 2).contiguous()`` (each expert one group)."""
-    w_eAC = w_eAC.contiguous()
-    e, A, C = w_eAC.shape
-    q_eCA = torch.empty((e, C, A), dtype=FP8, device=w_eAC.device)
-    s_eC = torch.empty((e, C), dtype=torch.float32, device=w_eAC.device)
-    _launch_weight_cols(wrap_triton(_weight_cols_kernel), w_eAC, q_eCA, s_eC, None)
-    return q_eCA, s_eC
-
-
-def quantize_weight_cols_reference(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch, same signature: the transposing copy, then the rowwise reference."""
-    e, A, C = w_eAC.shape
-    q, s = quantize_rows_reference(w_eAC.transpose(1, 2).reshape(e * C, A))
-    return q.view(e, C, A), s.view(e, C)
-
-
-def quantize_weight_cols(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = quantize_weight_cols_triton if use_triton("fp8_cols", w_eAC) else quantize_weight_cols_reference
-    return impl(w_eAC)
-
-
-def quantize_weight_cols_into(w_eAC: torch.Tensor, q_eCA: torch.Tensor, s_eC: torch.Tensor, gate: torch.Tensor) -> None:
-    """``q_eCA, s_eC = quantize_weight_cols(w_eAC)`` in place where the one-element device tensor ``gate`` is
-    nonzero, else untouched (as :func:`spmdmoe.kernels.fp8_rows.quantize_rows_into`)."""
-    if use_triton("fp8_cols", w_eAC):
-        _launch_weight_cols(_weight_cols_kernel, w_eAC.contiguous(), q_eCA, s_eC, gate)
-    else:
-        write_where(gate, (q_eCA, s_eC), quantize_weight_cols_reference(w_eAC))
 
 
 def _cols_reference(x_RC: torch.Tensor, group_R: torch.Tensor, dest_R: torch.Tensor, e: int, P: int):

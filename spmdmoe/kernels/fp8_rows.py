@@ -4,9 +4,8 @@ Legend: ``R`` rows in the buffer (a capacity), ``C`` columns.
 
 The activations of the FP8 experts (``spmdmoe.moe.fp8``): the routed rows
 before the up-projection, the SwiGLU output before the down-projection, and
-the two row gradients of the backward; also the weights, once per optimizer
-step, as rows of their 2-D views. Only the first ``valid`` rows are read
-(``valid`` a one-element device tensor, e.g. ``RoutedTokens.valid_rows``; ``None``:
+the two row gradients of the backward (the weights: :mod:`spmdmoe.kernels.fp8_weights`).
+Only the first ``valid`` rows are read (``valid`` a one-element device tensor, e.g. ``RoutedTokens.valid_rows``; ``None``:
 every row); rows past it of both outputs are left unspecified (the kernel
 does not touch them; the reference writes zeros). The scale rule and the
 rounding: :mod:`spmdmoe.kernels.fp8_common`; kernel and reference agree bit for bit.
@@ -32,23 +31,21 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
-from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3, write_where
+from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3
 
-__all__ = ["quantize_rows", "quantize_rows_into", "quantize_rows_reference", "quantize_rows_triton"]
+__all__ = ["quantize_rows", "quantize_rows_reference", "quantize_rows_triton"]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
 CONFIG = {"block_r": 2, "max_block_c": 1024, "num_warps": 4}
 
 
 @triton.jit
-def _rows_kernel(x_ptr, q_ptr, s_ptr, valid_ptr, gate_ptr, R, C, HAS_VALID: tl.constexpr, HAS_GATE: tl.constexpr,
+def _rows_kernel(x_ptr, q_ptr, s_ptr, valid_ptr, R, C, HAS_VALID: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_TILE: tl.constexpr):
     if HAS_VALID:
         n = tl.minimum(tl.load(valid_ptr).to(tl.int64), R)
     else:
         n = tl.full([], R, tl.int64)
-    if HAS_GATE:  # a closed gate: no row to write
-        n = tl.where(tl.load(gate_ptr) != 0, n, 0)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
         rows = r0 + tl.arange(0, BLOCK_R)
@@ -77,17 +74,15 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, valid_ptr, gate_ptr, R, C, HAS_VALID: tl.c
         tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
 
 
-def _launch(kernel: Any, x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor, valid: Optional[torch.Tensor],
-            gate: Optional[torch.Tensor]) -> None:
+def _launch(kernel: Any, x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
     """``kernel`` (``_rows_kernel`` itself, or ``wrap_triton`` of it inside a ``triton_op``) over ``x_RC``."""
     R, C = x_RC.shape
     if R > 0 and C > 0:
         block_c = min(triton.next_power_of_2(C), CONFIG["max_block_c"])
         grid = (triton.cdiv(R, CONFIG["block_r"]),)
         kernel[grid](
-            x_RC, q_RC, s_R, valid if valid is not None else s_R, gate if gate is not None else s_R, R, C,
-            HAS_VALID=valid is not None, HAS_GATE=gate is not None, BLOCK_R=CONFIG["block_r"], BLOCK_C=block_c,
-            ONE_TILE=block_c >= C, num_warps=CONFIG["num_warps"])
+            x_RC, q_RC, s_R, valid if valid is not None else s_R, R, C, HAS_VALID=valid is not None,
+            BLOCK_R=CONFIG["block_r"], BLOCK_C=block_c, ONE_TILE=block_c >= C, num_warps=CONFIG["num_warps"])
 
 
 @triton_op("spmdmoe::quantize_rows", mutates_args=())
@@ -97,7 +92,7 @@ def quantize_rows_triton(x_RC: torch.Tensor, valid: Optional[torch.Tensor] = Non
     R, C = x_RC.shape
     q_RC = torch.empty((R, C), dtype=FP8, device=x_RC.device)
     s_R = torch.empty((R,), dtype=torch.float32, device=x_RC.device)
-    _launch(wrap_triton(_rows_kernel), x_RC, q_RC, s_R, valid, None)
+    _launch(wrap_triton(_rows_kernel), x_RC, q_RC, s_R, valid)
     return q_RC, s_R
 
 
@@ -118,13 +113,3 @@ def quantize_rows(x_RC: torch.Tensor, valid: Optional[torch.Tensor] = None) -> t
     impl = quantize_rows_triton if use_triton("fp8_rows", x_RC) else quantize_rows_reference
     return impl(x_RC, valid)
 
-
-def quantize_rows_into(x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor, gate: torch.Tensor) -> None:
-    """``q_RC, s_R = quantize_rows(x_RC)`` in place, where the one-element int device tensor ``gate`` is
-    nonzero; a zero gate leaves both untouched (the weight cache's refresh, ``spmdmoe.moe.fp8_cache``: the
-    device decides, so a captured CUDA graph refreshes exactly when the weights changed). The kernel reads
-    the gate and writes nothing when it is closed; the reference quantizes and selects."""
-    if use_triton("fp8_rows", x_RC):
-        _launch(_rows_kernel, x_RC.contiguous(), q_RC, s_R, None, gate)
-    else:
-        write_where(gate, (q_RC, s_R), quantize_rows_reference(x_RC))

@@ -78,7 +78,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..host import to_host
-from ..kernels import (fan_out_fp8, gather_sum, quantize_cols_pair, quantize_rows, quantize_weight_cols,
+from ..kernels import (fan_out_fp8, gather_sum, quantize_cols_pair, quantize_rows, quantize_weight_pair,
                        swiglu_quant_backward, swiglu_quant_backward_, swiglu_quant_forward)
 from ..kernels.fp8_common import FP8
 from .gemm import grouped_mm, up_weights
@@ -135,18 +135,12 @@ class Fp8Weights(NamedTuple):
     ready: Optional[torch.Tensor] = None  # the cache's refresh token (spmdmoe.moe.fp8_cache); None: fresh values
 
 
-def _rows3(w_eAB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize each ``(expert, row)`` of a 3-D weight over its last dim: ``(q_eAB, s_eA)``."""
-    e, A, B = w_eAB.shape
-    q, s = quantize_rows(w_eAB.reshape(e * A, B))
-    return q.view(e, A, B), s.view(e, A)
-
-
 def quantize_weights(w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor) -> Fp8Weights:
-    """Both layouts of both weights (the transposed ones quantized per column, no transposing copy)."""
+    """Both layouts of both weights (the transposed ones quantized per column, no transposing copy; two reads
+    of each weight, :func:`spmdmoe.kernels.quantize_weight_pair`)."""
     with torch.no_grad():
         up = up_weights(w1_eFD, w3_eFD)
-        return Fp8Weights(*_rows3(up), *quantize_weight_cols(up), *_rows3(w2_eDF), *quantize_weight_cols(w2_eDF))
+        return Fp8Weights(*quantize_weight_pair(up), *quantize_weight_pair(w2_eDF))
 
 
 def _mm_rows(q_MK: torch.Tensor, s_M: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor,

@@ -14,8 +14,8 @@ runs no Python cache logic at all. So the cache compares the bytes:
   (:mod:`spmdmoe.kernels.fingerprint`: two 64-bit sums of mixed 32-bit words; one changed word always
   changes them) and compares the result with the fingerprint of the weights the cache holds, all on the
   device, with no host read;
-* the four quantizers run gated by that verdict (:func:`spmdmoe.kernels.quantize_rows_into`,
-  :func:`~spmdmoe.kernels.quantize_weight_cols_into`): they write only when the weights changed.
+* the quantizers run gated by that verdict (:func:`spmdmoe.kernels.quantize_weight_pair_into`, both layouts
+  of a weight from two reads): they write only when the weights changed.
 
 The same code runs eagerly, inside a compiled graph and inside a captured CUDA graph: the check and the
 gated writes are one custom op (``spmdmoe::fp8_refresh_weights``), opaque to ``torch.compile``. So the cache
@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels import quantize_rows_into, quantize_weight_cols_into
+from ..kernels import quantize_weight_pair_into
 from ..kernels.fingerprint import CHANGED, COUNT, fingerprint_, new_state
 from ..kernels.fp8_common import FP8
 from .fp8 import Fp8Weights, quantize_weights
@@ -120,12 +120,8 @@ def _refresh(w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor, u
     up_eGD = up_weights(w1_eFD, w3_eFD)  # [w1 | w3]: a view when packed, else a copy
     fingerprint_([up_eGD, w2_eDF], state)
     gate = state[CHANGED:CHANGED + 1]
-    e, G, D = up_eGD.shape
-    F = w2_eDF.shape[2]
-    quantize_rows_into(up_eGD.reshape(e * G, D), up.view(e * G, D), up_s.view(-1), gate)
-    quantize_weight_cols_into(up_eGD, up_t, up_t_s, gate)
-    quantize_rows_into(w2_eDF.reshape(e * D, F), down.view(e * D, F), down_s.view(-1), gate)
-    quantize_weight_cols_into(w2_eDF, down_t, down_t_s, gate)
+    quantize_weight_pair_into(up_eGD, up, up_s, up_t, up_t_s, gate)
+    quantize_weight_pair_into(w2_eDF, down, down_s, down_t, down_t_s, gate)
     return state.new_empty(0)
 
 

@@ -1,0 +1,176 @@
+"""Both FP8 layouts of a 3-D weight from two reads: rowwise (the forward GEMM's) and its transpose (dgrad's).
+
+Legend: ``e`` experts (groups), ``A`` rows and ``C`` columns of each expert's matrix.
+
+An expert weight ``w[g]`` (``A x C``) feeds two FP8 GEMMs (:mod:`spmdmoe.moe.fp8`): the forward, contracting
+``C``, takes it quantized per row (``q_eAC``, ``s_eA``); the input gradient, contracting ``A``, takes its
+transpose quantized per row of the transpose, i.e. per column of ``w[g]`` (``q_eCA``, ``s_eC``), written
+transposed so that ``A`` is contiguous. Each scale is a max over a whole row or a whole column, so one read
+cannot produce both; this takes two, in two launches:
+
+1. one program per ``BLOCK_R`` rows of one expert reads its rows, writes their rowwise e4m3 and scales, and
+   stores the column amax over its ``BLOCK_R`` rows (``partial_eBC``, fp32, ``B = cdiv(A, BLOCK_R)``);
+2. one program per (expert, ``BLOCK_C`` columns, ``ROWS`` rows) reduces those partials to the column amax,
+   reads its rows again and writes them quantized and transposed.
+
+Max is exact in any order, so both outputs equal the rowwise quantizer's (:mod:`spmdmoe.kernels.fp8_rows`)
+of ``w`` and of ``w.transpose(1, 2)`` bit for bit (tested; :func:`quantize_weight_pair_reference`). The
+scale rule and the rounding: :mod:`spmdmoe.kernels.fp8_common`. The ``_into`` form writes into given tensors
+where a one-element device ``gate`` is nonzero and touches nothing otherwise (the weight cache's gated
+refresh, :mod:`spmdmoe.moe.fp8_cache`; both launches read the gate, so a closed gate costs two empty launches).
+
+Before this module the two layouts took the rowwise quantizer plus a column kernel reading each expert's
+columns twice, the second read mostly from HBM: three reads of the weights against two here.
+
+Measured: not yet (``benchmarks/kernels.py``, "FP8 weights, both layouts").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from .backend import use_triton
+from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3, write_where
+from .fp8_rows import quantize_rows_reference
+
+__all__ = ["quantize_weight_pair", "quantize_weight_pair_into", "quantize_weight_pair_reference",
+           "quantize_weight_pair_triton"]
+
+# launch configurations (benchmarks/kernels.py sweeps them on the GPU): the rows pass, then the columns pass
+CONFIG = {"block_r": 16, "max_block_c": 512, "num_warps": 4}
+COLS_CONFIG = {"block_r": 64, "block_c": 64, "rows": 1024, "num_warps": 4}
+
+
+@triton.jit
+def _rows_pass(w_ptr, q_ptr, s_ptr, part_ptr, gate_ptr, A, C, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr, ONE_TILE: tl.constexpr):
+    """Rows ``[rb * BLOCK_R, ...)`` of expert ``g``: rowwise e4m3 + scales, and their column amax into
+    ``part[g, rb, :]``."""
+    rb = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    go = tl.full([], 1, tl.int32)
+    if HAS_GATE:
+        go = (tl.load(gate_ptr) != 0).to(tl.int32)
+    if go != 0:
+        rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = rows < A
+        base = (g * A + rows)[:, None].to(tl.int64) * C
+        part = part_ptr + (g * tl.cdiv(A, BLOCK_R) + rb) * C
+        cols = tl.arange(0, BLOCK_C)
+        if ONE_TILE:
+            m = live[:, None] & (cols < C)[None, :]
+            x = tl.load(w_ptr + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(part + cols, tl.max(tl.abs(x), axis=0), mask=cols < C)
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS_C)
+            q = to_e4m3(x, e4m3_inverse(amax)[:, None])
+            tl.store(q_ptr + base + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        else:
+            amax = tl.full([BLOCK_R], EPS_C, tl.float32)
+            for c0 in range(0, C, BLOCK_C):
+                m = live[:, None] & (c0 + cols < C)[None, :]
+                x = tl.abs(tl.load(w_ptr + base + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32))
+                tl.store(part + c0 + cols, tl.max(x, axis=0), mask=c0 + cols < C)
+                amax = tl.maximum(amax, tl.max(x, axis=1))
+            inv = e4m3_inverse(amax)
+            for c0 in range(0, C, BLOCK_C):  # the rows again, from L1/L2
+                m = live[:, None] & (c0 + cols < C)[None, :]
+                x = tl.load(w_ptr + base + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                q = to_e4m3(x, inv[:, None])
+                tl.store(q_ptr + base + c0 + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + g * A + rows, e4m3_scale(amax), mask=live)
+
+
+@triton.jit
+def _cols_pass(w_ptr, q_ptr, s_ptr, part_ptr, gate_ptr, A, C, PARTS, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr, ROWS: tl.constexpr):
+    """Columns ``[cb * BLOCK_C, ...)`` of expert ``g``, rows ``[rs * ROWS, ...)``: the column amax from the
+    ``PARTS`` partials, then ``q[g, col, row] = e4m3(w[g, row, col])`` (and the scales, by ``rs == 0``)."""
+    cb = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    rs = tl.program_id(2)
+    go = tl.full([], 1, tl.int32)
+    if HAS_GATE:
+        go = (tl.load(gate_ptr) != 0).to(tl.int32)
+    if go != 0:
+        cols = (cb * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+        cmask = cols < C
+        amax = tl.full([BLOCK_C], EPS_C, tl.float32)
+        for p in range(0, PARTS):
+            amax = tl.maximum(amax, tl.load(part_ptr + (g * PARTS + p) * C + cols, mask=cmask, other=0.0))
+        if rs == 0:
+            tl.store(s_ptr + g * C + cols, e4m3_scale(amax), mask=cmask)
+        inv = e4m3_inverse(amax)
+        rr = tl.arange(0, BLOCK_R)
+        r_end = tl.minimum(rs * ROWS + ROWS, A)
+        for r0 in range(rs * ROWS, r_end, BLOCK_R):
+            rows = (r0 + rr).to(tl.int64)
+            m = (rows < r_end)[:, None] & cmask[None, :]
+            x = tl.load(w_ptr + (g * A + rows)[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            q = to_e4m3(x, inv[None, :])
+            tl.store(q_ptr + g * C * A + cols[None, :] * A + rows[:, None], q.to(q_ptr.dtype.element_ty), mask=m)
+
+
+def _launch(rows_kernel: Any, cols_kernel: Any, w_eAC: torch.Tensor, q_eAC: torch.Tensor, s_eA: torch.Tensor,
+            q_eCA: torch.Tensor, s_eC: torch.Tensor, gate: Optional[torch.Tensor]) -> None:
+    """The two passes over a contiguous ``w_eAC`` (the kernels themselves, or ``wrap_triton`` of them)."""
+    e, A, C = w_eAC.shape
+    if not (e and A and C):
+        return
+    block_r = CONFIG["block_r"]
+    parts = triton.cdiv(A, block_r)
+    block_c = min(triton.next_power_of_2(C), CONFIG["max_block_c"])
+    partial_eBC = torch.empty((e, parts, C), dtype=torch.float32, device=w_eAC.device)
+    g = gate if gate is not None else s_eA
+    rows_kernel[(parts, e)](w_eAC, q_eAC, s_eA, partial_eBC, g, A, C, HAS_GATE=gate is not None, BLOCK_R=block_r,
+                            BLOCK_C=block_c, ONE_TILE=block_c >= C, num_warps=CONFIG["num_warps"])
+    cc = COLS_CONFIG
+    cols_kernel[(triton.cdiv(C, cc["block_c"]), e, triton.cdiv(A, cc["rows"]))](
+        w_eAC, q_eCA, s_eC, partial_eBC, g, A, C, parts, HAS_GATE=gate is not None, BLOCK_R=cc["block_r"],
+        BLOCK_C=cc["block_c"], ROWS=cc["rows"], num_warps=cc["num_warps"])
+
+
+def _empty_pair(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    e, A, C = w_eAC.shape
+    f32, dev = torch.float32, w_eAC.device
+    return (torch.empty((e, A, C), dtype=FP8, device=dev), torch.empty((e, A), dtype=f32, device=dev),
+            torch.empty((e, C, A), dtype=FP8, device=dev), torch.empty((e, C), dtype=f32, device=dev))
+
+
+@triton_op("spmdmoe::quantize_weight_pair", mutates_args=())
+def quantize_weight_pair_triton(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton launcher. ``w_eAC``: ``(e, A, C)`` bf16 / fp16 / fp32 weights. Returns ``(q_eAC, s_eA, q_eCA,
+    s_eC)``: e4m3 rows of each ``w[g]`` and their fp32 dequantization scales, then e4m3 rows of each
+    ``w[g]^T`` (``(e, C, A)``, no transposing copy made) and theirs."""
+    w_eAC = w_eAC.contiguous()
+    out = _empty_pair(w_eAC)
+    _launch(wrap_triton(_rows_pass), wrap_triton(_cols_pass), w_eAC, *out, None)
+    return out
+
+
+def quantize_weight_pair_reference(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch, same signature: the rowwise reference of ``w`` and of the transposing copy of ``w``."""
+    e, A, C = w_eAC.shape
+    q, s = quantize_rows_reference(w_eAC.reshape(e * A, C))
+    q_t, s_t = quantize_rows_reference(w_eAC.transpose(1, 2).reshape(e * C, A))
+    return q.view(e, A, C), s.view(e, A), q_t.view(e, C, A), s_t.view(e, C)
+
+
+def quantize_weight_pair(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernels on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
+    impl = quantize_weight_pair_triton if use_triton("fp8_weights", w_eAC) else quantize_weight_pair_reference
+    return impl(w_eAC)
+
+
+def quantize_weight_pair_into(w_eAC: torch.Tensor, q_eAC: torch.Tensor, s_eA: torch.Tensor, q_eCA: torch.Tensor,
+                              s_eC: torch.Tensor, gate: torch.Tensor) -> None:
+    """``q_eAC, s_eA, q_eCA, s_eC = quantize_weight_pair(w_eAC)`` in place where the one-element int device
+    tensor ``gate`` is nonzero; a zero gate leaves all four untouched (module docstring)."""
+    if use_triton("fp8_weights", w_eAC):
+        _launch(_rows_pass, _cols_pass, w_eAC.contiguous(), q_eAC, s_eA, q_eCA, s_eC, gate)
+    else:
+        write_where(gate, (q_eAC, s_eA, q_eCA, s_eC), quantize_weight_pair_reference(w_eAC))
