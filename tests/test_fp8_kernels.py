@@ -201,10 +201,16 @@ def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monk
 @pytest.mark.parametrize("e,A,C", [(3, 33, 20), (2, 16, 70), (0, 4, 4), (1, 5, 1), (2, 300, 9), (2, 40, 700),
                                    (1, 1100, 3)]
                          + ([(4, 2816, 2048), (3, 2048, 1408)] if DEVICE == "cuda" else []))
-def test_quantize_weight_pair(e, A, C, dtype):
+@pytest.mark.parametrize("narrow", [False, True])
+def test_quantize_weight_pair(e, A, C, dtype, narrow, monkeypatch):
     """Both layouts of a weight (rowwise, and the transpose per column without a transposing copy) equal the
     rowwise quantizer on ``w`` and on the transposed copy bit for bit: rows and columns of every magnitude
-    (huge, tiny, all zero), rows wider than one tile (C = 700), more rows than one program takes (A = 1100)."""
+    (huge, tiny, all zero), more rows than one program takes (A = 1100); ``narrow``: launch configurations
+    with tiles narrower than the rows (the two-read path) and few rows per program."""
+    from spmdmoe.kernels import fp8_weights
+    if narrow:
+        monkeypatch.setattr(fp8_weights, "CONFIG", {"block_r": 8, "sub_r": 4, "max_block_c": 16, "num_warps": 4})
+        monkeypatch.setattr(fp8_weights, "COLS_CONFIG", {"block_r": 16, "block_c": 16, "rows": 64, "num_warps": 4})
     gen = torch.Generator().manual_seed(e * 1000 + A + C)
     col_mags = torch.tensor([1.0, 0.0, 3e4, 2.0, 1e-3])[torch.arange(C) % 5].to(DEVICE, dtype)
     w = (_rows_input(e * A, C, dtype, gen) * col_mags).view(e, A, C)

@@ -42,34 +42,43 @@ __all__ = ["quantize_weight_pair", "quantize_weight_pair_into", "quantize_weight
            "quantize_weight_pair_triton"]
 
 # launch configurations (benchmarks/kernels.py sweeps them on the GPU): the rows pass, then the columns pass
-CONFIG = {"block_r": 16, "max_block_c": 512, "num_warps": 4}
-COLS_CONFIG = {"block_r": 64, "block_c": 64, "rows": 1024, "num_warps": 4}
+CONFIG = {"block_r": 32, "sub_r": 2, "max_block_c": 8192, "num_warps": 8}
+COLS_CONFIG = {"block_r": 128, "block_c": 128, "rows": 4096, "num_warps": 4}
 
 
 @triton.jit
 def _rows_pass(w_ptr, q_ptr, s_ptr, part_ptr, gate_ptr, A, C, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr, ONE_TILE: tl.constexpr):
+               SUB_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_TILE: tl.constexpr):
     """Rows ``[rb * BLOCK_R, ...)`` of expert ``g``: rowwise e4m3 + scales, and their column amax into
-    ``part[g, rb, :]``."""
+    ``part[g, rb, :]``. A row up to ``BLOCK_C`` columns: ``SUB_R`` rows at a time, each read once, the column
+    amax kept in registers; wider rows: ``BLOCK_R x BLOCK_C`` tiles, read twice (the second time from L2)."""
     rb = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     go = tl.full([], 1, tl.int32)
     if HAS_GATE:
         go = (tl.load(gate_ptr) != 0).to(tl.int32)
     if go != 0:
-        rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-        live = rows < A
-        base = (g * A + rows)[:, None].to(tl.int64) * C
         part = part_ptr + (g * tl.cdiv(A, BLOCK_R) + rb) * C
         cols = tl.arange(0, BLOCK_C)
         if ONE_TILE:
-            m = live[:, None] & (cols < C)[None, :]
-            x = tl.load(w_ptr + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(part + cols, tl.max(tl.abs(x), axis=0), mask=cols < C)
-            amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS_C)
-            q = to_e4m3(x, e4m3_inverse(amax)[:, None])
-            tl.store(q_ptr + base + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+            cmask = cols < C
+            col_amax = tl.zeros([BLOCK_C], tl.float32)
+            for r0 in tl.static_range(0, BLOCK_R, SUB_R):
+                rows = rb * BLOCK_R + r0 + tl.arange(0, SUB_R)
+                live = rows < A
+                base = (g * A + rows)[:, None].to(tl.int64) * C
+                m = live[:, None] & cmask[None, :]
+                x = tl.load(w_ptr + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                col_amax = tl.maximum(col_amax, tl.max(tl.abs(x), axis=0))
+                amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS_C)
+                q = to_e4m3(x, e4m3_inverse(amax)[:, None])
+                tl.store(q_ptr + base + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+                tl.store(s_ptr + g * A + rows, e4m3_scale(amax), mask=live)
+            tl.store(part + cols, col_amax, mask=cmask)
         else:
+            rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+            live = rows < A
+            base = (g * A + rows)[:, None].to(tl.int64) * C
             amax = tl.full([BLOCK_R], EPS_C, tl.float32)
             for c0 in range(0, C, BLOCK_C):
                 m = live[:, None] & (c0 + cols < C)[None, :]
@@ -77,12 +86,12 @@ def _rows_pass(w_ptr, q_ptr, s_ptr, part_ptr, gate_ptr, A, C, HAS_GATE: tl.const
                 tl.store(part + c0 + cols, tl.max(x, axis=0), mask=c0 + cols < C)
                 amax = tl.maximum(amax, tl.max(x, axis=1))
             inv = e4m3_inverse(amax)
-            for c0 in range(0, C, BLOCK_C):  # the rows again, from L1/L2
+            for c0 in range(0, C, BLOCK_C):  # the rows again, from L2
                 m = live[:, None] & (c0 + cols < C)[None, :]
                 x = tl.load(w_ptr + base + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
                 q = to_e4m3(x, inv[:, None])
                 tl.store(q_ptr + base + c0 + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
-        tl.store(s_ptr + g * A + rows, e4m3_scale(amax), mask=live)
+            tl.store(s_ptr + g * A + rows, e4m3_scale(amax), mask=live)
 
 
 @triton.jit
@@ -121,13 +130,15 @@ def _launch(rows_kernel: Any, cols_kernel: Any, w_eAC: torch.Tensor, q_eAC: torc
     e, A, C = w_eAC.shape
     if not (e and A and C):
         return
-    block_r = CONFIG["block_r"]
+    block_r, sub_r = CONFIG["block_r"], min(CONFIG["sub_r"], CONFIG["block_r"])
+    assert block_r % sub_r == 0, f"fp8_weights.CONFIG: sub_r must divide block_r, found {sub_r} and {block_r}"
     parts = triton.cdiv(A, block_r)
     block_c = min(triton.next_power_of_2(C), CONFIG["max_block_c"])
     partial_eBC = torch.empty((e, parts, C), dtype=torch.float32, device=w_eAC.device)
     g = gate if gate is not None else s_eA
     rows_kernel[(parts, e)](w_eAC, q_eAC, s_eA, partial_eBC, g, A, C, HAS_GATE=gate is not None, BLOCK_R=block_r,
-                            BLOCK_C=block_c, ONE_TILE=block_c >= C, num_warps=CONFIG["num_warps"])
+                            SUB_R=sub_r, BLOCK_C=block_c, ONE_TILE=block_c >= C,
+                            num_warps=CONFIG["num_warps"])
     cc = COLS_CONFIG
     cols_kernel[(triton.cdiv(C, cc["block_c"]), e, triton.cdiv(A, cc["rows"]))](
         w_eAC, q_eCA, s_eC, partial_eBC, g, A, C, parts, HAS_GATE=gate is not None, BLOCK_R=cc["block_r"],
