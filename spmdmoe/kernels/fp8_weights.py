@@ -41,8 +41,9 @@ from .fp8_rows import quantize_rows_reference
 __all__ = ["quantize_weight_pair", "quantize_weight_pair_into", "quantize_weight_pair_reference",
            "quantize_weight_pair_triton"]
 
-# launch configurations (benchmarks/kernels.py sweeps them on the GPU): the rows pass, then the columns pass
-CONFIG = {"block_r": 32, "sub_r": 2, "max_block_c": 8192, "num_warps": 8}
+# launch configurations (benchmarks/kernels.py sweeps them on the GPU): the rows pass, then the columns pass.
+# The rows pass takes num_warps or, for wider rows, enough warps to hold 32 values per thread (spills otherwise)
+CONFIG = {"block_r": 16, "sub_r": 2, "max_block_c": 8192, "num_warps": 4}
 COLS_CONFIG = {"block_r": 128, "block_c": 128, "rows": 4096, "num_warps": 4}
 
 
@@ -138,7 +139,7 @@ def _launch(rows_kernel: Any, cols_kernel: Any, w_eAC: torch.Tensor, q_eAC: torc
     g = gate if gate is not None else s_eA
     rows_kernel[(parts, e)](w_eAC, q_eAC, s_eA, partial_eBC, g, A, C, HAS_GATE=gate is not None, BLOCK_R=block_r,
                             SUB_R=sub_r, BLOCK_C=block_c, ONE_TILE=block_c >= C,
-                            num_warps=CONFIG["num_warps"])
+                            num_warps=max(CONFIG["num_warps"], min(16, sub_r * block_c // 1024)))
     cc = COLS_CONFIG
     cols_kernel[(triton.cdiv(C, cc["block_c"]), e, triton.cdiv(A, cc["rows"]))](
         w_eAC, q_eCA, s_eC, partial_eBC, g, A, C, parts, HAS_GATE=gate is not None, BLOCK_R=cc["block_r"],
