@@ -46,7 +46,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-only", default=None, help="comma-separated kernel modules to sweep (e.g. fp8_cols,swiglu_fp8,"
-                    "swiglu_fp8_bwd: its BWD_CONFIG, fp8_weights_cols: its COLS_CONFIG)")
+                    "swiglu_fp8_bwd: its BWD_CONFIG, fp8_weights_cols: its COLS_CONFIG; fp8_weights' rows pass: "
+                    "benchmarks/sweep_weight_rows.py)")
     ap.add_argument("--sweep-out", default=None, help="write each swept module's fastest CONFIG here (JSON)")
     ap.add_argument("--only", default=None, help="comma-separated substrings: time only the kernels named so")
     ap.add_argument("--out", default=None)
@@ -156,7 +157,7 @@ def main() -> None:
         sweep(cases, args)
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, T={T} K={K} D={D} F={F}; "
              f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}, fp8_rows {fr.CONFIG}, "
-             f"fp8_cols {fc.CONFIG}, fp8_weights {fw.CONFIG} / {fw.COLS_CONFIG}, swiglu_fp8 {sq.CONFIG} / backward "
+             f"fp8_cols {fc.CONFIG}, fp8_weights {fw.ROWS_CONFIG} / {fw.TILED_CONFIG} / {fw.COLS_CONFIG}, swiglu_fp8 {sq.CONFIG} / backward "
              f"{sq.BWD_CONFIG}, fingerprint {fg.CONFIG}", "",
              "| kernel | Triton ms | TB/s | % of 4.2 | torch eager ms | torch compiled ms | Triton vs compiled | "
              "torchao ms (TB/s) | ours vs torchao |",
@@ -205,8 +206,6 @@ def sweep(cases, args) -> None:
         (sq, "BWD_CONFIG"): ("SwiGLU backward + FP8 rows of dh13 (fused, weights folded)",
                              {"block_r": [1, 2, 4], "max_block_f": [256, 512, 1024, 2048], "num_warps": [4, 8, 16],
                               "reload": [False, True]}),
-        fw: ("FP8 weights, both layouts of [w1|w3] and w2 (E=64)", {"block_r": [16, 32, 64], "sub_r": [1, 2, 4],
-                                                                    "num_warps": [4, 8, 16]}),
         (fw, "COLS_CONFIG"): ("FP8 weights, both layouts of [w1|w3] and w2 (E=64)",
                               {"block_r": [32, 64, 128], "block_c": [32, 64, 128], "rows": [256, 1024, 4096],
                                "num_warps": [4, 8]}),

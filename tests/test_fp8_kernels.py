@@ -209,7 +209,8 @@ def test_quantize_weight_pair(e, A, C, dtype, narrow, monkeypatch):
     with tiles narrower than the rows (the two-read path) and few rows per program."""
     from spmdmoe.kernels import fp8_weights
     if narrow:
-        monkeypatch.setattr(fp8_weights, "CONFIG", {"block_r": 8, "sub_r": 4, "max_block_c": 16, "num_warps": 4})
+        monkeypatch.setattr(fp8_weights, "ROWS_CONFIG", {16: (8, 4, 4)})
+        monkeypatch.setattr(fp8_weights, "TILED_CONFIG", (8, 16, 4))
         monkeypatch.setattr(fp8_weights, "COLS_CONFIG", {"block_r": 16, "block_c": 16, "rows": 64, "num_warps": 4})
     gen = torch.Generator().manual_seed(e * 1000 + A + C)
     col_mags = torch.tensor([1.0, 0.0, 3e4, 2.0, 1e-3])[torch.arange(C) % 5].to(DEVICE, dtype)

@@ -41,10 +41,24 @@ from .fp8_rows import quantize_rows_reference
 __all__ = ["quantize_weight_pair", "quantize_weight_pair_into", "quantize_weight_pair_reference",
            "quantize_weight_pair_triton"]
 
-# launch configurations (benchmarks/kernels.py sweeps them on the GPU): the rows pass, then the columns pass.
-# The rows pass takes num_warps or, for wider rows, enough warps to hold 32 values per thread (spills otherwise)
-CONFIG = {"block_r": 16, "sub_r": 2, "max_block_c": 8192, "num_warps": 4}
+# launch configurations. The rows pass, by the row's width rounded up to a power of two (narrower rows take
+# the first entry, wider ones the tiled path): (block_r, sub_r, num_warps), swept per width on the H200
+# (benchmarks/sweep_weight_rows.py; some configurations run 4x slower at one width only, so one config for
+# all widths does not do); the tiled path's (block_r, block_c, num_warps). The columns pass: one config
+# (benchmarks/kernels.py --sweep-only fp8_weights_cols).
+ROWS_CONFIG = {1024: (32, 1, 8), 2048: (16, 2, 4), 4096: (16, 2, 8), 8192: (16, 2, 16)}
+TILED_CONFIG = (32, 256, 4)
 COLS_CONFIG = {"block_r": 128, "block_c": 128, "rows": 4096, "num_warps": 4}
+
+
+def rows_launch(C: int) -> tuple[int, int, int, int, bool]:
+    """``(block_r, sub_r, block_c, num_warps, one_tile)`` of the rows pass for rows of ``C`` columns."""
+    width = max(triton.next_power_of_2(C), min(ROWS_CONFIG))
+    if width in ROWS_CONFIG:
+        block_r, sub_r, num_warps = ROWS_CONFIG[width]
+        return block_r, sub_r, width, num_warps, True
+    block_r, block_c, num_warps = TILED_CONFIG
+    return block_r, block_r, block_c, num_warps, False
 
 
 @triton.jit
@@ -131,15 +145,13 @@ def _launch(rows_kernel: Any, cols_kernel: Any, w_eAC: torch.Tensor, q_eAC: torc
     e, A, C = w_eAC.shape
     if not (e and A and C):
         return
-    block_r, sub_r = CONFIG["block_r"], min(CONFIG["sub_r"], CONFIG["block_r"])
-    assert block_r % sub_r == 0, f"fp8_weights.CONFIG: sub_r must divide block_r, found {sub_r} and {block_r}"
+    block_r, sub_r, block_c, num_warps, one_tile = rows_launch(C)
+    assert block_r % sub_r == 0, f"fp8_weights.ROWS_CONFIG: sub_r must divide block_r, found {sub_r} and {block_r}"
     parts = triton.cdiv(A, block_r)
-    block_c = min(triton.next_power_of_2(C), CONFIG["max_block_c"])
     partial_eBC = torch.empty((e, parts, C), dtype=torch.float32, device=w_eAC.device)
     g = gate if gate is not None else s_eA
     rows_kernel[(parts, e)](w_eAC, q_eAC, s_eA, partial_eBC, g, A, C, HAS_GATE=gate is not None, BLOCK_R=block_r,
-                            SUB_R=sub_r, BLOCK_C=block_c, ONE_TILE=block_c >= C,
-                            num_warps=max(CONFIG["num_warps"], min(16, sub_r * block_c // 1024)))
+                            SUB_R=sub_r, BLOCK_C=block_c, ONE_TILE=one_tile, num_warps=num_warps)
     cc = COLS_CONFIG
     cols_kernel[(triton.cdiv(C, cc["block_c"]), e, triton.cdiv(A, cc["rows"]))](
         w_eAC, q_eCA, s_eC, partial_eBC, g, A, C, parts, HAS_GATE=gate is not None, BLOCK_R=cc["block_r"],
