@@ -3,7 +3,7 @@
 Legend: ``e`` local experts, ``D`` model dim, ``F`` expert hidden dim.
 
 The FP8 experts (:mod:`spmdmoe.moe.fp8`) need each weight in two e4m3 layouts (:class:`Fp8Weights`).
-Quantizing them costs a read of the bf16 weights and more (1.7 ms for DeepSeek-MoE-16B's experts on an
+Quantizing them costs two reads of the bf16 weights (1.3 ms for DeepSeek-MoE-16B's experts on an
 H200), so they are kept between forwards: micro-batches under gradient accumulation, activation-checkpoint
 recomputes and evaluation reuse them. The hard part is knowing when they are stale. A parameter's version
 counter and data pointer miss an optimizer that writes through ``p.data``, a user's ``w.data.mul_(2)``, an
@@ -23,8 +23,9 @@ follows every way weights change, and the weights are quantized at most once per
 
 Cost (measured on an H200, ``benchmarks/RESULTS.md``, issue 22): the fingerprint reads the bf16 weights once
 per forward, 0.35 ms for DeepSeek-MoE-16B's 1.1 GB of expert weights (3.2 TB/s; a whole use with unchanged
-weights 0.42 ms), about 1.5 ms for Qwen3-235B's 4.8 GB; the quantization when they changed, 1.7 ms at 16B. Where the weights change before every forward anyway (no gradient
-accumulation, no recompute), ``GroupedExperts.fp8_cache = None`` quantizes every call and skips the
+weights 0.42 ms), about 1.5 ms for Qwen3-235B's 4.8 GB; the quantization when they changed, 1.3 ms at 16B
+(5.4 ms at 235B; issue 23). Where the weights change before every forward anyway (no gradient accumulation,
+no recompute), ``GroupedExperts.fp8_cache = None`` quantizes every call and skips the
 fingerprint; ``fully_shard_moe`` does that (its units re-gather the weights each forward, and a cache would
 keep a full-size FP8 copy of each layer's experts beside FSDP2's shards). Memory: two e4m3 layouts of every
 weight (as many bytes as the bf16 weights), fp32 scales and 64 bytes of state.
