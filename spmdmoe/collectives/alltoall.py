@@ -190,9 +190,11 @@ def all_to_all(
     ``send_counts`` sum that is not this rank's row count raise
     ``SPMDLayoutError`` on every rank together. When counts are exchanged this
     rides along with the exchange (always on, free); with both host lists given
-    and checking on, it costs one tiny all-gather and one sync. A
-    ``recv_counts`` that does not match what the peers send is the caller's
-    contract (``exchange_counts`` produces matching ones).
+    and checking on, it costs an ``all_to_all_single`` of ``n`` counts, one
+    tiny all-gather and one sync, and also catches a ``recv_counts`` that
+    contradicts what the peers send to this rank. With checks off such a
+    ``recv_counts`` is the caller's contract (``exchange_counts`` produces
+    matching ones).
 
     Backward: the reverse all_to_all (send and receive splits swapped),
     recorded on every rank whenever grad mode is on.
@@ -225,12 +227,26 @@ def _ints(counts: Sequence[Any]) -> list[Any]:
 
 
 def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAxis) -> None:
-    """Collective verdict on caller-given host counts (agreement mode (b): one tiny all-gather, one sync)."""
+    """Collective verdict on caller-given host counts: one ``all_to_all_single`` of the send counts (each rank
+    learns what every peer sends to it: ``n`` ints per rank), then the problem bits' all-gather (agreement
+    mode (b)) and one host read. A ``recv_counts`` that contradicts what the peers send is a problem of the
+    receiving rank, so every rank raises instead of the one gloo error and the others' hang."""
+    n = axis.size
     problem = (
-        _count_problem(send, axis.size, "send_counts")
-        or _count_problem(recv, axis.size, "recv_counts")
+        _count_problem(send, n, "send_counts")
+        or _count_problem(recv, n, "recv_counts")
         or (None if sum(send) == rows else f"send_counts sum to {sum(send)} but this rank has {rows} rows")
     )
+    # a rank with a problem of its own sends -1 (unknown): its peers do not blame their receive counts for it
+    mine = torch.tensor([-1] * n if problem else send, dtype=torch.int64, device=axis.metadata_device())
+    theirs = torch.empty_like(mine)
+    all_to_all_single(theirs, mine, group=axis.group)  # theirs[src] = send_counts of src for this rank
+    if problem is None:
+        sent = to_host(theirs)
+        wrong = [src for src in range(n) if sent[src] >= 0 and sent[src] != recv[src]]
+        if wrong:
+            problem = (f"recv_counts {recv} expect {[recv[s] for s in wrong]} rows from rank(s) {wrong}, which send "
+                       f"{[sent[s] for s in wrong]}; pass recv_counts=None to have them exchanged")
     found = Found()
     if problem:
         found.add("counts", f"rank {axis.rank}: {problem}")

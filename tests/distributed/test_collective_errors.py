@@ -54,7 +54,7 @@ def test_bad_counts_on_one_rank(world, device):
                              match=r"\(rank 0: bad counts\)")
     negative = [3, -1] + [0] * (n - 2) if r == 0 else counts
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, torch.tensor(negative, device=device)))
-    recv = [2 if s == 0 else 0 for s in range(n)] if r == 0 else [0] * n
+    recv = [2] * n if r == 0 else [0] * n
     host_wrong = [1] + [0] * (n - 1) if r == 2 % n else counts
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, host_wrong, recv),
                              match=rf"\(rank {2 % n}: bad counts\)")
@@ -62,6 +62,20 @@ def test_bad_counts_on_one_rank(world, device):
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, huge), match=rf"\(rank {n - 1}: bad counts\)")
     host_short = counts[:-1] if r == 0 else counts  # a host list of the wrong length, exchanged on device
     assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, host_short), match=r"\(rank 0: bad counts\)")
+
+
+def test_host_recv_counts_that_contradict_the_senders_raise_everywhere(world, device):
+    """Issue 24: consistent send counts, but ONE rank's receive counts disagree with what its peers send it
+    (before: a gloo error on that rank, the others hung in the exchange). Every rank raises, naming it."""
+    n, r = world.size(), world.get_local_rank()
+    x = SPMDTensor(torch.full((2, 3), float(r), device=device), world, Varying())
+    send = [2] + [0] * (n - 1)  # every rank sends its 2 rows to rank 0
+    recv = [2] * n if r == 0 else [0] * n
+    bad = n - 1
+    wrong = ([1] + [0] * (n - 1) if bad else [2] * (n - 1) + [3]) if r == bad else recv
+    assert_raises_everywhere(SPMDLayoutError, lambda: spmdmoe.all_to_all(x, send, wrong),
+                             match=rf"\(rank {bad}: bad counts\)")
+    assert spmdmoe.all_to_all(x, send, recv).local_tokens == (2 * n if r == 0 else 0)  # and the group still works
 
 
 def test_numpy_split_sizes_are_ints(world, device):
