@@ -185,7 +185,8 @@ def main() -> None:
             notes.append(f"{name}: {t['triton']:.3f} ms vs unfused Triton {t['unfused']:.3f} ms "
                          f"({t['unfused'] / t['triton']:.2f}x)")
         if "base" in t:
-            notes.append(f"{name}: {t['triton']:.3f} ms vs the base copy's {t['base']:.3f} ms ({t['base'] / t['triton']:.2f}x)")
+            notes.append(f"{name}: {t['triton']:.3f} ms vs the base copy's {t['base']:.3f} ms "
+                         f"({t['base'] / t['triton']:.2f}x)")
     report("\n".join(lines + [""] + notes), args.out)
 
 

@@ -61,6 +61,7 @@ __all__ = [
 
     "quantize_rows", "quantize_rows_reference", "quantize_rows_triton",
     "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton",
-    "quantize_weight_pair", "quantize_weight_pair_into", "quantize_weight_pair_reference", "quantize_weight_pair_triton",
+    "quantize_weight_pair", "quantize_weight_pair_into", "quantize_weight_pair_reference",
+    "quantize_weight_pair_triton",
     "fingerprint_", "fingerprint_reference", "fingerprint_triton",
 ]

@@ -5,8 +5,8 @@ Legend: ``R`` rows in the buffer (a capacity), ``C`` columns.
 The activations of the FP8 experts (``spmdmoe.moe.fp8``): the routed rows
 before the up-projection, the SwiGLU output before the down-projection, and
 the two row gradients of the backward (the weights: :mod:`spmdmoe.kernels.fp8_weights`).
-Only the first ``valid`` rows are read (``valid`` a one-element device tensor, e.g. ``RoutedTokens.valid_rows``; ``None``:
-every row); rows past it of both outputs are left unspecified (the kernel
+Only the first ``valid`` rows are read (``valid`` a one-element device tensor, e.g.
+``RoutedTokens.valid_rows``; ``None``: every row); rows past it of both outputs are left unspecified (the kernel
 does not touch them; the reference writes zeros). The scale rule and the
 rounding: :mod:`spmdmoe.kernels.fp8_common`; kernel and reference agree bit for bit.
 
@@ -74,7 +74,8 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, valid_ptr, R, C, HAS_VALID: tl.constexpr,
         tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
 
 
-def _launch(kernel: Any, x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+def _launch(kernel: Any, x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor,
+            valid: Optional[torch.Tensor]) -> None:
     """``kernel`` (``_rows_kernel`` itself, or ``wrap_triton`` of it inside a ``triton_op``) over ``x_RC``."""
     R, C = x_RC.shape
     if R > 0 and C > 0:

@@ -43,6 +43,8 @@ from .backend import use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3, write_where
 from .fp8_rows import quantize_rows_reference
 
+Pair = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # (q_eAC, s_eA, q_eCA, s_eC)
+
 __all__ = ["quantize_weight_pair", "quantize_weight_pair_into", "quantize_weight_pair_reference",
            "quantize_weight_pair_triton"]
 
@@ -56,7 +58,7 @@ TILED_CONFIG = (32, 256, 4)
 COLS_CONFIG = {"block_r": 128, "block_c": 128, "rows": 4096, "num_warps": 4}
 
 
-def rows_launch(C: int) -> tuple[int, int, int, int, bool]:
+def _rows_launch(C: int) -> tuple[int, int, int, int, bool]:
     """``(block_r, sub_r, block_c, num_warps, one_tile)`` of the rows pass for rows of ``C`` columns."""
     width = max(triton.next_power_of_2(C), min(ROWS_CONFIG))
     if width in ROWS_CONFIG:
@@ -150,7 +152,7 @@ def _launch(rows_kernel: Any, cols_kernel: Any, w_eAC: torch.Tensor, q_eAC: torc
     e, A, C = w_eAC.shape
     if not (e and A and C):
         return
-    block_r, sub_r, block_c, num_warps, one_tile = rows_launch(C)
+    block_r, sub_r, block_c, num_warps, one_tile = _rows_launch(C)
     assert block_r % sub_r == 0, f"fp8_weights.ROWS_CONFIG: sub_r must divide block_r, found {sub_r} and {block_r}"
     parts = triton.cdiv(A, block_r)
     partial_eBC = torch.empty((e, parts, C), dtype=torch.float32, device=w_eAC.device)
@@ -163,7 +165,7 @@ def _launch(rows_kernel: Any, cols_kernel: Any, w_eAC: torch.Tensor, q_eAC: torc
         BLOCK_C=cc["block_c"], ROWS=cc["rows"], num_warps=cc["num_warps"])
 
 
-def _empty_pair(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _empty_pair(w_eAC: torch.Tensor) -> Pair:
     e, A, C = w_eAC.shape
     f32, dev = torch.float32, w_eAC.device
     return (torch.empty((e, A, C), dtype=FP8, device=dev), torch.empty((e, A), dtype=f32, device=dev),
@@ -171,7 +173,7 @@ def _empty_pair(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 @triton_op("spmdmoe::quantize_weight_pair", mutates_args=())
-def quantize_weight_pair_triton(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_weight_pair_triton(w_eAC: torch.Tensor) -> Pair:
     """The Triton launcher. ``w_eAC``: ``(e, A, C)`` bf16 / fp16 / fp32 weights. Returns ``(q_eAC, s_eA, q_eCA,
     s_eC)``: e4m3 rows of each ``w[g]`` and their fp32 dequantization scales, then e4m3 rows of each
     ``w[g]^T`` (``(e, C, A)``, no transposing copy made) and theirs."""
@@ -181,7 +183,7 @@ def quantize_weight_pair_triton(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torc
     return out
 
 
-def quantize_weight_pair_reference(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_weight_pair_reference(w_eAC: torch.Tensor) -> Pair:
     """Plain torch, same signature: the rowwise reference of ``w`` and of the transposing copy of ``w``."""
     e, A, C = w_eAC.shape
     q, s = quantize_rows_reference(w_eAC.reshape(e * A, C))
@@ -189,7 +191,7 @@ def quantize_weight_pair_reference(w_eAC: torch.Tensor) -> tuple[torch.Tensor, t
     return q.view(e, A, C), s.view(e, A), q_t.view(e, C, A), s_t.view(e, C)
 
 
-def quantize_weight_pair(w_eAC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_weight_pair(w_eAC: torch.Tensor) -> Pair:
     """The Triton kernels on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
     impl = quantize_weight_pair_triton if use_triton("fp8_weights", w_eAC) else quantize_weight_pair_reference
     return impl(w_eAC)
