@@ -108,7 +108,9 @@ def update_expert_bias(
     One all-reduce per axis of ``E + world_size`` int64 (the counts and every
     rank's sticky ``problems`` flag of this layer) and one host read of the
     flags: if any rank of the axes recorded a problem, the counts are dropped
-    and every rank raises. With checks off: the counts alone, no host read.
+    and every rank raises. With checks off the payload is the same (the flag
+    slots zero: a rank with checks off and one with checks on still exchange
+    the same size), and the flags are not read.
 
     A layer with no peers (every axis of one rank) in a job of several
     processes (a plain ``MoE`` under torch DDP) cannot tell whether its peers
@@ -117,15 +119,15 @@ def update_expert_bias(
     """
     E = tokens_per_expert.numel()
     checking = checks_enabled()
-    parts = [tokens_per_expert.to(torch.int64)] + ([problems.slots(tokens_per_expert.device)] if checking else [])
-    payload = torch.cat(parts)
+    slots = problems.slots(tokens_per_expert.device)
+    payload = torch.cat([tokens_per_expert.to(torch.int64), slots if checking else torch.zeros_like(slots)])
     for axis in axes:
         all_reduce(payload, group=axis.group)
     if checking:
-        slots = to_host(payload[E:])
-        if any(slots):
+        verdict = to_host(payload[E:])
+        if any(verdict):
             if alone() or any(axis.size > 1 for axis in axes):
-                problems.raise_slots("update_expert_bias (problems recorded during the step)", slots)
+                problems.raise_slots("update_expert_bias (problems recorded during the step)", verdict)
             tokens_per_expert.zero_()  # no peers here, but peers elsewhere: check_errors raises everywhere
             return payload[:E].to(torch.float32)
     load = payload[:E].to(torch.float32)

@@ -91,3 +91,23 @@ def test_nan_router_logits_without_ep_raise_at_check_errors(world, device):
     layer(spmdmoe.from_local(local, world))
     assert_raises_everywhere(SPMDRoutingError, spmdmoe.check_errors, match=r"\(rank 0: non-finite router logits")
     spmdmoe.check_errors()  # raised once, then cleared
+
+
+def test_update_expert_bias_with_checks_off_on_one_rank(world, device):
+    """Issue 24: the bias update exchanges the same payload in every mode (the problem slots zero when checks
+    are off). Before, a rank with checks off sent E counts while its peers sent E + world: a size mismatch
+    inside the all-reduce (a gloo error or a hang). Now every rank returns the same summed load."""
+    import dataclasses
+
+    from spmdmoe.types import checks
+
+    layer = parallelize_moe(reference_moe(dataclasses.replace(CFG, load_balance_coeff=1e-3), 0, device), sp_mesh=world)
+    rows = 4 * world.size()
+    y = layer(spmdmoe.from_local(_rows(world, rows, device), world))
+    y.local.sum().backward()  # the counts are added in the backward
+    with checks(world.get_local_rank() != 0):  # checks off on rank 0 only
+        load = layer.update_expert_bias()
+    every = [torch.empty_like(load) for _ in range(world.size())]
+    torch.distributed.all_gather(every, load, group=world.get_group())
+    assert all(torch.equal(other, load) for other in every)
+    assert int(load.sum()) == rows * CFG.top_k
