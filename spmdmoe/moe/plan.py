@@ -30,7 +30,9 @@ gather mode without SP, axes that are not orthogonal, a layer that is already
 parallel) travel as problem bits in the same exchange: every rank raises the
 same error. So ``parallelize_moe`` is a collective over ``agree_over``: every
 rank of it calls it for the same layers in the same order. With checks off
-nothing is exchanged and local problems raise locally.
+the exchange is the same (the fields zero: nothing is compared, local problems
+still raise on every rank), so a rank whose setting differs makes every rank
+raise, naming it, instead of hanging or aborting its peers.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..agreement import Field, Found, agree, dtype_code, dtype_name, global_rank, raise_problems
+from ..agreement import Field, Found, agree, dtype_code, dtype_name, global_rank
 from ..host import to_host
 from ..types.checks import checks_enabled
 from ..types.errors import MoEConfigError, SPMDMeshError
@@ -65,6 +67,9 @@ def _plan_field(name: str, show: Any = str) -> Field:
     return Field(f"plan's {name}", MoEConfigError, show, "call parallelize_moe with the same meshes and sp_mode on every rank")
 
 
+# first: a rank with checks off sends zeros for every field below, so a mixed setting is named as such
+_CHECKS = Field("checks setting (spmdmoe.set_checks)", MoEConfigError, lambda v: "on" if v else "off",
+                "use the same spmdmoe.set_checks setting on every rank")
 _FIELDS = (
     *(_config_field(n) for n in ("dim", "hidden_dim", "num_experts", "top_k", "num_shared_experts")),
     Field("MoEConfig (hash of every option)", MoEConfigError, fix=_SAME_CONFIG),
@@ -156,6 +161,7 @@ def agree_plan(moe: Any, sp_mesh: Optional[MeshLike], ep_mesh: Optional[MeshLike
     module docstring); ``agree_over`` ``None`` means the world. ``transport``: ``(ep_mode,
     capacity_factor, max_tokens)``."""
     found = Found()
+    checking = checks_enabled()
     over = None if agree_over is None else mesh_axis(agree_over)
     sp, ep, dp = (_axis(n, m, found) for n, m in (("sp_mesh", sp_mesh), ("ep_mesh", ep_mesh), ("dp_mesh", dp_mesh)))
     if not isinstance(moe, single_device_type):
@@ -166,11 +172,10 @@ def agree_plan(moe: Any, sp_mesh: Optional[MeshLike], ep_mesh: Optional[MeshLike
     else:
         _plan_problems(moe.config, sp, ep, dp, sp_mode, found)
         _transport_problems(*transport, found)
-        values = _values(moe, sp, ep, dp, sp_mode, transport) if checks_enabled() else []
-    if checks_enabled():
-        agree("parallelize_moe", over, found, list(zip(_FIELDS, values)), global_ranks=True)
-    else:
-        raise_problems("parallelize_moe", [found.bits], found.details)
+        values = _values(moe, sp, ep, dp, sp_mode, transport) if checking else [0] * len(_FIELDS)
+    # the same exchange in every mode (checks off: the fields zero, not compared with anything but zeros), so a
+    # rank's local setting never decides whether a collective runs
+    agree("parallelize_moe", over, found, [(_CHECKS, int(checking)), *zip(_FIELDS, values)], global_ranks=True)
     return sp, ep, dp, over
 
 

@@ -111,3 +111,15 @@ def test_update_expert_bias_with_checks_off_on_one_rank(world, device):
     torch.distributed.all_gather(every, load, group=world.get_group())
     assert all(torch.equal(other, load) for other in every)
     assert int(load.sum()) == rows * CFG.top_k
+
+
+def test_parallelize_moe_with_checks_off_on_one_rank_raises_everywhere(world, device):
+    """Issue 24: parallelize_moe exchanges the same payload in every mode. Before, a rank with checks off
+    skipped the agreement its peers ran (they hung). Now every rank raises, naming the setting."""
+    from spmdmoe.types import checks
+
+    with checks(world.get_local_rank() != world.size() - 1):
+        assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world),
+                                 match="checks setting")
+    with checks(False):  # off everywhere: accepted, and still one exchange
+        parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world)
