@@ -5,7 +5,7 @@ Legend: ``E`` experts, ``F`` expert hidden dim, ``D`` model dim, ``K`` top-k.
 Ranks that disagree on a layer hang, abort or silently compute another model
 (one rank with ``top_k=3``, one with ``sp_mode="local"``, one built from
 another seed). So every rank fingerprints what it was given and one agreement
-exchange (``spmdmoe.agreement.agree``: one all-gather of 18 int64 per rank,
+exchange (``spmdmoe.agreement.agree``: one all-gather of 19 int64 per rank,
 once per layer, plus the host reads of the fingerprint and of the table)
 compares them, over ``agree_over``: by default the world, which every rank
 can name before anything is agreed; pipeline stages that build different
@@ -14,6 +14,8 @@ layers pass the group of the stage instead.
 =========================  ===================================================  ================
 field                      value                                                error
 =========================  ===================================================  ================
+checks                     the ``set_checks`` setting (with checks off every    MoEConfigError
+                           field below is sent as zero)
 config                     ``dim``, ``hidden_dim``, ``num_experts``,            MoEConfigError
                            ``top_k``, ``num_shared_experts``, and a hash of
                            every option
