@@ -239,10 +239,9 @@ def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAx
     )
     # a rank with a problem of its own sends -1 (unknown): its peers do not blame their receive counts for it
     mine = torch.tensor([-1] * n if problem else send, dtype=torch.int64, device=axis.metadata_device())
-    theirs = torch.empty_like(mine)
-    all_to_all_single(theirs, mine, group=axis.group)  # theirs[src] = send_counts of src for this rank
+    _, theirs = _counts_with_codes(mine[:, None], 0, axis)  # theirs[src, 0]: send_counts of src for this rank
     if problem is None:
-        sent = to_host(theirs)
+        sent = to_host(theirs[:, 0])
         wrong = [src for src in range(n) if sent[src] >= 0 and sent[src] != recv[src]]
         if wrong:
             problem = (f"recv_counts {recv} expect {[recv[s] for s in wrong]} rows from rank(s) {wrong}, which send "

@@ -23,7 +23,7 @@ sweep: 0.501 ms against 0.561 for the one that gave 0.189 ms at C = 2048 alone).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -74,14 +74,13 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, valid_ptr, R, C, HAS_VALID: tl.constexpr,
         tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
 
 
-def _launch(kernel: Any, x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor,
-            valid: Optional[torch.Tensor]) -> None:
-    """``kernel`` (``_rows_kernel`` itself, or ``wrap_triton`` of it inside a ``triton_op``) over ``x_RC``."""
+def _launch(x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+    """``_rows_kernel`` over ``x_RC`` (inside the ``triton_op``: ``wrap_triton``)."""
     R, C = x_RC.shape
     if R > 0 and C > 0:
         block_c = min(triton.next_power_of_2(C), CONFIG["max_block_c"])
         grid = (triton.cdiv(R, CONFIG["block_r"]),)
-        kernel[grid](
+        wrap_triton(_rows_kernel)[grid](
             x_RC, q_RC, s_R, valid if valid is not None else s_R, R, C, HAS_VALID=valid is not None,
             BLOCK_R=CONFIG["block_r"], BLOCK_C=block_c, ONE_TILE=block_c >= C, num_warps=CONFIG["num_warps"])
 
@@ -93,7 +92,7 @@ def quantize_rows_triton(x_RC: torch.Tensor, valid: Optional[torch.Tensor] = Non
     R, C = x_RC.shape
     q_RC = torch.empty((R, C), dtype=FP8, device=x_RC.device)
     s_R = torch.empty((R,), dtype=torch.float32, device=x_RC.device)
-    _launch(wrap_triton(_rows_kernel), x_RC, q_RC, s_R, valid)
+    _launch(x_RC, q_RC, s_R, valid)
     return q_RC, s_R
 
 

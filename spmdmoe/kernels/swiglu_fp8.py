@@ -80,17 +80,25 @@ def _fwd_chunk(h13_ptr, rows, live, c0, F, w, HAS_W: tl.constexpr, BLOCK_F: tl.c
 
 
 @triton.jit
+def _row_block(r0, n, w_ptr, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The program's rows from ``r0``: ``(rows, live, amax, w)``, ``amax`` starting at EPS, ``w`` the folded
+    routing weights (fp32; a placeholder without them)."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    live = rows < n
+    amax = tl.full([BLOCK_R], EPS_C, tl.float32)
+    w = amax  # unused without weights
+    if HAS_W:
+        w = tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)
+    return rows, live, amax, w
+
+
+@triton.jit
 def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_F: tl.constexpr, ONE_TILE: tl.constexpr):
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows = r0 + tl.arange(0, BLOCK_R)
-        live = rows < n
-        amax = tl.full([BLOCK_R], EPS_C, tl.float32)
-        w = amax  # unused without weights
-        if HAS_W:
-            w = tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)
+        rows, live, amax, w = _row_block(r0, n, w_ptr, HAS_W, BLOCK_R)
         if ONE_TILE:
             at, m, h = _fwd_chunk(h13_ptr, rows, live, 0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
             tl.store(h_ptr + at, h, mask=m)
@@ -130,12 +138,7 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows = r0 + tl.arange(0, BLOCK_R)
-        live = rows < n
-        amax = tl.full([BLOCK_R], EPS_C, tl.float32)
-        w = amax  # unused without weights
-        if HAS_W:
-            w = tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)
+        rows, live, amax, w = _row_block(r0, n, w_ptr, HAS_W, BLOCK_R)
         OUT_TY = d13_ptr.dtype.element_ty
         if ONE_TILE:
             at, m, d1, d3, dot = _bwd_chunk(g_ptr, h13_ptr, rows, live, 0, F, w, HAS_W, BLOCK_F, OUT_TY)

@@ -151,13 +151,12 @@ def test_mesh_axis_cache_follows_groups_and_stays_bounded(mesh2x2, device):
     assert len(mesh_module._cache) == size
 
 
+@pytest.mark.world4
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bad", ["shape", "names"])
 def test_init_mesh_with_another_mesh_on_one_rank_raises_everywhere(device, bad):
     """One rank asks ``init_mesh`` for another shape (or other dim names): every rank raises the same
     ``SPMDMeshError`` naming the field, none waits in ``new_group``."""
-    if dist.get_world_size() != 4:
-        pytest.skip("needs 4 processes")
     odd = dist.get_rank() == 3
     shape = (1, 4) if odd and bad == "shape" else (2, 2)
     names = ("dp", "tp") if odd and bad == "names" else ("dp", "sp")
