@@ -1,6 +1,6 @@
 """Where one step of our MoE layer spends its time and its memory, per precision (1 GPU).
 
-    python benchmarks/profile_step.py --shape dsmoe16b [--precision bf16,fp8_rowwise] [--out FILE]
+    python benchmarks/profile_step.py --shape dsmoe16b [--precision bf16,fp8_rowwise] [--compile] [--out FILE]
 
 For each precision, on the same weights and input (bf16 activations, FP8 weights cached):
 
@@ -8,7 +8,9 @@ For each precision, on the same weights and input (bf16 activations, FP8 weights
   steps), fill / zero kernels listed, and the device time of the torch ops that fill;
 * memory: the step's peak above what was allocated before it (weights, input and FP8 cache excluded,
   gradients included, as ``vs_torchtitan.py`` counts it), and the tensors alive at that peak, grouped by
-  the innermost spmdmoe frame that allocated them (``torch.cuda.memory._record_memory_history``).
+  the innermost spmdmoe frame that allocated them (``torch.cuda.memory._record_memory_history``); with
+  ``--compile`` (the layer under ``torch.compile(fullgraph=True)``) the line of inductor's generated code
+  that allocated them, where no spmdmoe frame is on the stack.
 
 A diagnosis tool: the timings that compare candidates are ``vs_torchtitan.py``'s (interleaved).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import linecache
 import os
 import sys
 
@@ -49,11 +52,15 @@ def kernels(step, n: int = 3) -> tuple[list[tuple[str, float, int]], list[tuple[
 
 
 def frame_of(frames: list[dict]) -> str:
-    """The innermost spmdmoe frame of an allocation's stack (else the innermost Python frame)."""
+    """The innermost spmdmoe frame of an allocation's stack, else the line of inductor's generated code (its
+    source text: the buffer it makes), else the innermost Python frame."""
     for f in frames:
         name = f.get("filename", "")
         if "spmdmoe" in name and "profile_step" not in name:
             return f"{name.split('spmdmoe/')[-1]}:{f.get('line')} {f.get('name')}"
+    for f in frames:
+        if "torchinductor" in f.get("filename", ""):
+            return f"inductor: {linecache.getline(f['filename'], f.get('line', 0)).strip()[:100]}"
     return next((f"{f.get('filename', '?').split('/')[-1]}:{f.get('line')} {f.get('name')}" for f in frames
                  if f.get("filename", "").endswith(".py")), "?")
 
@@ -89,6 +96,7 @@ def main() -> None:
     ap.add_argument("--shape", default="dsmoe16b", choices=sorted(SHAPES))
     ap.add_argument("--precision", default="bf16,fp8_rowwise")
     ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--compile", action="store_true", help="the layer under torch.compile(fullgraph=True)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     s = SHAPES[args.shape]
@@ -99,15 +107,16 @@ def main() -> None:
     x = torch.randn(s.T, s.D, device=dev, dtype=dt, generator=gen).requires_grad_()
     g = torch.randn(s.T, s.D, device=dev, dtype=dt, generator=gen)
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, `python {' '.join(sys.argv)}`",
-             f"shape {args.shape}: {s.label()}"]
+             f"shape {args.shape}: {s.label()}{', compiled (fullgraph)' if args.compile else ', eager'}"]
     for precision in args.precision.split(","):
         torch.manual_seed(0)
         layer = MoE(dataclasses.replace(cfg, expert_precision=precision)).to(device=dev, dtype=dt)
+        fwd = torch.compile(layer, fullgraph=True) if args.compile else layer
 
         def step() -> None:
             x.grad = None
             layer.zero_grad(set_to_none=True)
-            layer(x).backward(g)
+            fwd(x).backward(g)
 
         for _ in range(3):
             step()

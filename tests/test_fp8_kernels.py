@@ -186,14 +186,19 @@ def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monk
         assert dw.shape == want_dw.shape
         if weighted:
             torch.testing.assert_close(dw[:valid], want_dw[:valid], rtol=1e-5, atol=1e-5 * F)
-    # in place (dh13 over h13): the same bits, rows past valid untouched
+    # in place (the e4m3 over g's bytes, 2-byte g only): the same bits, rows past valid of g untouched
+    if g.element_size() != 2:
+        with pytest.raises(ValueError, match="2-byte"):
+            K.swiglu_quant_backward_inplace_triton(g.clone(), h13, count, w)
+        return
     for impl, (fused, inplace) in {"kernel": (K.swiglu_quant_backward_triton, K.swiglu_quant_backward_inplace_triton),
                                    "reference": (K.swiglu_quant_backward_reference,
                                                  K.swiglu_quant_backward_inplace_reference)}.items():
         want = fused(g, h13, count, w)
-        over = h13.clone()
-        got = inplace(g, over, count, w)
-        _assert_equal([t[:valid] for t in (over, *got)], [t[:valid] for t in want], f"in place {impl}")
+        over = g.clone()
+        d13, s, dw = inplace(over, h13, count, w)
+        _assert_equal([t[:valid] for t in (d13, over.view(torch.float8_e4m3fn), s, dw)], [t[:valid] for t in want],
+                      f"in place {impl}")
         assert over[valid:].isnan().all(), f"in place {impl}: rows past valid written"
 
 
@@ -298,7 +303,7 @@ def test_fingerprint_kernel_matches_reference_and_sees_every_change(dtype, shape
 def test_fan_out_fp8_quantizes_once_per_source_row(S, J, D, dtype):
     """The dispatch's fan-out with the rowwise e4m3 of each source row written into its ``J`` slots: kernel
     and reference bit for bit, and both bit for bit what the rowwise quantizer makes of the copies (quantizing
-    once per token before the fan-out changes no bit)."""
+    once per token before the fan-out changes no bit); with ``copies=False`` the same e4m3 and nothing else."""
     gen = torch.Generator().manual_seed(S * 31 + D)
     x = _rows_input(S, D, dtype, gen)
     index = torch.randperm(S * J, generator=gen).view(S, J).to(DEVICE)
@@ -307,3 +312,7 @@ def test_fan_out_fp8_quantizes_once_per_source_row(S, J, D, dtype):
     _assert_equal(got, want, "fan_out_fp8")
     _assert_equal(got[0:1], K.fan_out_reference(x, index, S * J)[:1], "the copies")
     _assert_equal(got[1:], K.quantize_rows_reference(got[0]), "quantized once per source row")
+    for impl in (K.fan_out_fp8_triton, K.fan_out_fp8_reference):  # the e4m3 alone: the same bits, no copies
+        out, q, s = impl(x, index, S * J, copies=False)
+        assert out.shape == (0, D)
+        _assert_equal([q, s], got[1:], f"{impl}, copies=False")

@@ -44,7 +44,8 @@ __all__ = ["fan_out", "fan_out_fp8", "fan_out_fp8_reference", "fan_out_fp8_trito
 @triton.jit
 def _fan_out_kernel(
     src_ptr, index_ptr, w_ptr, other_ptr, out_ptr, dots_ptr, q_ptr, qs_ptr, D, stride_src, stride_other, stride_out,
-    J: tl.constexpr, HAS_W: tl.constexpr, HAS_DOT: tl.constexpr, QUANT: tl.constexpr, BLOCK_D: tl.constexpr,
+    J: tl.constexpr, HAS_W: tl.constexpr, HAS_DOT: tl.constexpr, QUANT: tl.constexpr, COPIES: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     if QUANT:  # the source row's amax first (its second read comes from L1/L2), then K copies of its e4m3
@@ -67,7 +68,7 @@ def _fan_out_kernel(
             v = tl.load(src_ptr + s * stride_src + offs, mask=m, other=0.0)
             if HAS_W:
                 tl.store(out_ptr + r * stride_out + offs, (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty), mask=m)
-            else:
+            elif COPIES:
                 tl.store(out_ptr + r * stride_out + offs, v, mask=m)
             if QUANT:
                 q = to_e4m3(v.to(tl.float32), inv)
@@ -111,39 +112,40 @@ def fan_out_triton(
         wrap_triton(_fan_out_kernel)[(S,)](
             src_SD, index_SJ, w, other, out_RD, dots_SJ, out_RD, dots_SJ, D, src_SD.stride(0), other.stride(0),
             out_RD.stride(0), J=J, HAS_W=weights_SJ is not None, HAS_DOT=other_RD is not None, QUANT=False,
-            BLOCK_D=_block_d(D), num_warps=CONFIG["num_warps"],
+            COPIES=True, BLOCK_D=_block_d(D), num_warps=CONFIG["num_warps"],
         )
     return out_RD, dots_SJ
 
 
 @triton_op("spmdmoe::fan_out_fp8", mutates_args=())
-def fan_out_fp8_triton(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int
+def fan_out_fp8_triton(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int, copies: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out_RD, q_RD e4m3, s_R fp32)``: the copies (no weights) and, from the same read of each source row,
     its rowwise e4m3 (:mod:`spmdmoe.kernels.fp8_rows`' rule) in the same ``J`` slots: quantized once per
     source row, bit for bit what :func:`spmdmoe.kernels.quantize_rows` makes of ``out_RD``. Rows no index
-    names: ``out`` zero, ``q`` and ``s`` unspecified."""
+    names: ``out`` zero, ``q`` and ``s`` unspecified. ``copies=False``: the e4m3 only (``out_RD`` empty,
+    ``(0, D)``), for a caller that made the bf16 copies earlier and freed them."""
     S, J = index_SJ.shape
     D = src_SD.shape[1]
     src_SD = src_SD.contiguous()
     index_SJ = index_SJ.contiguous()
-    out_RD = _output(src_SD, rows, S * J)
+    out_RD = _output(src_SD, rows, S * J) if copies else src_SD.new_empty((0, D))
     q_RD = torch.empty((rows, D), dtype=FP8, device=src_SD.device)
     s_R = torch.empty((rows,), dtype=torch.float32, device=src_SD.device)
     if S > 0 and D > 0:
         wrap_triton(_fan_out_kernel)[(S,)](
             src_SD, index_SJ, index_SJ, src_SD, out_RD, s_R, q_RD, s_R, D, src_SD.stride(0), src_SD.stride(0),
-            out_RD.stride(0), J=J, HAS_W=False, HAS_DOT=False, QUANT=True, BLOCK_D=_block_d(D),
+            out_RD.stride(0), J=J, HAS_W=False, HAS_DOT=False, QUANT=True, COPIES=copies, BLOCK_D=_block_d(D),
             num_warps=CONFIG["num_warps"],
         )
     return out_RD, q_RD, s_R
 
 
-def fan_out_fp8_reference(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int
+def fan_out_fp8_reference(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int, copies: bool = True
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain torch, same signature as :func:`fan_out_fp8_triton` (rows no index names: all zero)."""
     S, J = index_SJ.shape
-    out_RD = fan_out_reference(src_SD, index_SJ, rows)[0]
+    out_RD = fan_out_reference(src_SD, index_SJ, rows)[0] if copies else src_SD.new_empty((0, src_SD.shape[1]))
     q_SD, s_S = quantize_rows_reference(src_SD)
     flat = index_SJ.reshape(-1)
     q_RD = torch.zeros((rows, src_SD.shape[1]), dtype=torch.uint8, device=src_SD.device)
@@ -152,11 +154,11 @@ def fan_out_fp8_reference(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: in
     return out_RD, q_RD.view(FP8), s_R
 
 
-def fan_out_fp8(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int
+def fan_out_fp8(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int, copies: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
     impl = fan_out_fp8_triton if use_triton("fan_out", src_SD) else fan_out_fp8_reference
-    return impl(src_SD, index_SJ, rows)
+    return impl(src_SD, index_SJ, rows, copies)
 
 
 def fan_out_reference(

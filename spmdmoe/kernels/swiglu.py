@@ -35,7 +35,7 @@ from .backend import use_triton
 
 __all__ = [
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
-    "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton", "swiglu_grads",
+    "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton", "swiglu_grads", "load_pair",
 ]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
@@ -43,15 +43,23 @@ CONFIG = {"block_r": 1, "block_f": 2048, "num_warps": 4}
 
 
 @triton.jit
-def _tile(h13_ptr, r0, n, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    """This program's rows and columns (masked to ``[0, n)`` x ``[0, F)``), and ``h1``, ``h3`` there in fp32."""
+def _tile(r0, n, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """This program's rows and columns, their mask (``[0, n)`` x ``[0, F)``) and ``h1``'s offsets in ``h13``.
+    No pointer argument: torch's write analysis counts a helper's results as derived from all of its
+    arguments, so offsets returned by a helper that took a pointer would mark that pointer written (and
+    inductor would copy the tensor before the launch; ``tests/test_kernel_writes.py``)."""
     rows = r0 + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     m = (rows < n)[:, None] & (cols < F)[None, :]
-    at = rows[:, None] * (2 * F) + cols[None, :]
+    return rows, cols, m, rows[:, None] * (2 * F) + cols[None, :]
+
+
+@triton.jit
+def load_pair(h13_ptr, at, m, F):
+    """``h1``, ``h3`` at ``h1``'s offsets ``at`` (masked by ``m``), fp32: loaded values only (see :func:`_tile`)."""
     a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
     b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
-    return rows, cols, m, at, a, b
+    return a, b
 
 
 @triton.jit
@@ -74,7 +82,8 @@ def _swiglu_fwd_kernel(h13_ptr, out_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexp
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows, cols, m, at, a, b = _tile(h13_ptr, r0, n, F, BLOCK_R, BLOCK_F)
+        rows, cols, m, at = _tile(r0, n, F, BLOCK_R, BLOCK_F)
+        a, b = load_pair(h13_ptr, at, m, F)
         h = a * tl.sigmoid(a) * b
         if HAS_W:
             h = h * tl.load(w_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)[:, None]
@@ -87,7 +96,8 @@ def _swiglu_bwd_kernel(g_ptr, h13_ptr, d13_ptr, valid_ptr, w_ptr, dots_ptr, F, H
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows, cols, m, at, a, b = _tile(h13_ptr, r0, n, F, BLOCK_R, BLOCK_F)
+        rows, cols, m, at = _tile(r0, n, F, BLOCK_R, BLOCK_F)
+        a, b = load_pair(h13_ptr, at, m, F)
         g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
         w = tl.zeros([BLOCK_R], tl.float32)  # unused without weights
         if HAS_W:

@@ -31,6 +31,8 @@ wider than ``BLOCK_F`` takes two passes: the first writes ``dh13`` and finds the
 the row back (from L2, after a barrier; ``reload``) or recomputes it, and writes the e4m3. Measured (same
 set-up, weights folded): 0.483 ms, 3.44 TB/s (82 %), 1.42x the weighted SwiGLU backward followed by the
 rowwise quantizer on ``dh13`` (0.684 ms); recomputing instead of reading back: 0.618 ms.
+:func:`swiglu_quant_backward_` writes the e4m3 over ``g``'s bytes instead of a new buffer (a 2-byte row of
+``F`` is exactly an e4m3 row of ``2F``): the FP8 experts' backward, where ``g`` is read for the last time.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from torch.library import triton_op, wrap_triton
 from .backend import use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
-from .swiglu import _valid_mask, swiglu_backward_reference, swiglu_forward_reference, swiglu_grads
+from .swiglu import _valid_mask, load_pair, swiglu_backward_reference, swiglu_forward_reference, swiglu_grads
 
 __all__ = [
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",
@@ -65,31 +67,48 @@ def _amax(v):
 
 
 @triton.jit
-def _fwd_chunk(h13_ptr, rows, live, c0, F, w, HAS_W: tl.constexpr, BLOCK_F: tl.constexpr, OUT_TY: tl.constexpr):
-    """One chunk of columns: ``(at, mask, h)``, ``h`` in the output dtype (times the row weights ``w``)."""
+def _chunk(rows, live, c0, F, BLOCK_F: tl.constexpr):
+    """One chunk of columns from ``c0``: ``(cols, mask, h1's offsets in h13)``. Index helpers take no pointer,
+    pointer helpers return loaded values only (:func:`spmdmoe.kernels.swiglu._tile` says why)."""
     cols = c0 + tl.arange(0, BLOCK_F)
     m = live[:, None] & (cols < F)[None, :]
-    at = rows[:, None] * (2 * F) + cols[None, :]
-    a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
-    h = a * tl.sigmoid(a) * b
-    if HAS_W:
-        h = h * w[:, None]
-    h = h.to(OUT_TY)
-    return rows[:, None] * F + cols[None, :], m, h
+    return cols, m, rows[:, None] * (2 * F) + cols[None, :]
 
 
 @triton.jit
-def _row_block(r0, n, w_ptr, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The program's rows from ``r0``: ``(rows, live, amax, w)``, ``amax`` starting at EPS, ``w`` the folded
-    routing weights (fp32; a placeholder without them)."""
+def _fwd_values(h13_ptr, at, m, F, w, HAS_W: tl.constexpr, OUT_TY: tl.constexpr):
+    """``h`` of one chunk in the output dtype (times the row weights ``w``)."""
+    a, b = load_pair(h13_ptr, at, m, F)
+    h = a * tl.sigmoid(a) * b
+    if HAS_W:
+        h = h * w[:, None]
+    return h.to(OUT_TY)
+
+
+@triton.jit
+def _bwd_values(g_ptr, h13_ptr, rows, cols, at, m, F, w, HAS_W: tl.constexpr, OUT_TY: tl.constexpr):
+    """``(dh1, dh3, dot)`` of one chunk, the gradients in the output dtype, ``dot`` the chunk's share of each
+    row's routing-weight gradient (fp32)."""
+    a, b = load_pair(h13_ptr, at, m, F)
+    g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    d1, d3, dot = swiglu_grads(g, a, b, w, HAS_W)
+    return d1.to(OUT_TY), d3.to(OUT_TY), dot
+
+
+@triton.jit
+def _row_block(r0, n, BLOCK_R: tl.constexpr):
+    """The program's rows from ``r0``: ``(rows, live, amax)``, ``amax`` starting at EPS."""
     rows = r0 + tl.arange(0, BLOCK_R)
-    live = rows < n
-    amax = tl.full([BLOCK_R], EPS_C, tl.float32)
-    w = amax  # unused without weights
+    return rows, rows < n, tl.full([BLOCK_R], EPS_C, tl.float32)
+
+
+@triton.jit
+def _row_weights(w_ptr, rows, live, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows' folded routing weights (fp32; a placeholder without them)."""
+    w = tl.zeros([BLOCK_R], tl.float32)  # unused without weights
     if HAS_W:
         w = tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)
-    return rows, live, amax, w
+    return w
 
 
 @triton.jit
@@ -98,38 +117,30 @@ def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, w_ptr, F, HAS_W: tl.con
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows, live, amax, w = _row_block(r0, n, w_ptr, HAS_W, BLOCK_R)
+        rows, live, amax = _row_block(r0, n, BLOCK_R)
+        w = _row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)
+        OUT_TY = h_ptr.dtype.element_ty
         if ONE_TILE:
-            at, m, h = _fwd_chunk(h13_ptr, rows, live, 0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
-            tl.store(h_ptr + at, h, mask=m)
+            cols, m, at = _chunk(rows, live, 0, F, BLOCK_F)
+            h = _fwd_values(h13_ptr, at, m, F, w, HAS_W, OUT_TY)
+            tl.store(h_ptr + rows[:, None] * F + cols[None, :], h, mask=m)
             amax = tl.maximum(amax, _amax(h))
             inv = e4m3_inverse(amax)
-            tl.store(q_ptr + at, to_e4m3(h.to(tl.float32), inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
+            tl.store(q_ptr + rows[:, None] * F + cols[None, :],
+                     to_e4m3(h.to(tl.float32), inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
         else:
             for c0 in range(0, F, BLOCK_F):
-                at, m, h = _fwd_chunk(h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
-                tl.store(h_ptr + at, h, mask=m)
+                cols, m, at = _chunk(rows, live, c0, F, BLOCK_F)
+                h = _fwd_values(h13_ptr, at, m, F, w, HAS_W, OUT_TY)
+                tl.store(h_ptr + rows[:, None] * F + cols[None, :], h, mask=m)
                 amax = tl.maximum(amax, _amax(h))
             inv = e4m3_inverse(amax)
             for c0 in range(0, F, BLOCK_F):
-                at, m, h = _fwd_chunk(h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, h_ptr.dtype.element_ty)
-                tl.store(q_ptr + at, to_e4m3(h.to(tl.float32), inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
+                cols, m, at = _chunk(rows, live, c0, F, BLOCK_F)
+                h = _fwd_values(h13_ptr, at, m, F, w, HAS_W, OUT_TY)
+                tl.store(q_ptr + rows[:, None] * F + cols[None, :],
+                         to_e4m3(h.to(tl.float32), inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
         tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
-
-
-@triton.jit
-def _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, w, HAS_W: tl.constexpr, BLOCK_F: tl.constexpr,
-               OUT_TY: tl.constexpr):
-    """One chunk of columns: ``(at, mask, dh1, dh3, dot)``, the gradients in the output dtype, ``dot`` the
-    chunk's share of each row's routing-weight gradient (fp32)."""
-    cols = c0 + tl.arange(0, BLOCK_F)
-    m = live[:, None] & (cols < F)[None, :]
-    at = rows[:, None] * (2 * F) + cols[None, :]
-    a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    d1, d3, dot = swiglu_grads(g, a, b, w, HAS_W)
-    return at, m, d1.to(OUT_TY), d3.to(OUT_TY), dot
 
 
 @triton.jit
@@ -138,10 +149,12 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows, live, amax, w = _row_block(r0, n, w_ptr, HAS_W, BLOCK_R)
+        rows, live, amax = _row_block(r0, n, BLOCK_R)
+        w = _row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)
         OUT_TY = d13_ptr.dtype.element_ty
         if ONE_TILE:
-            at, m, d1, d3, dot = _bwd_chunk(g_ptr, h13_ptr, rows, live, 0, F, w, HAS_W, BLOCK_F, OUT_TY)
+            cols, m, at = _chunk(rows, live, 0, F, BLOCK_F)
+            d1, d3, dot = _bwd_values(g_ptr, h13_ptr, rows, cols, at, m, F, w, HAS_W, OUT_TY)
             tl.store(d13_ptr + at, d1, mask=m)
             tl.store(d13_ptr + at + F, d3, mask=m)
             amax = tl.maximum(amax, tl.maximum(_amax(d1), _amax(d3)))
@@ -151,7 +164,8 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
         else:
             dot = tl.zeros([BLOCK_R], tl.float32)
             for c0 in range(0, F, BLOCK_F):
-                at, m, d1, d3, part = _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, OUT_TY)
+                cols, m, at = _chunk(rows, live, c0, F, BLOCK_F)
+                d1, d3, part = _bwd_values(g_ptr, h13_ptr, rows, cols, at, m, F, w, HAS_W, OUT_TY)
                 tl.store(d13_ptr + at, d1, mask=m)
                 tl.store(d13_ptr + at + F, d3, mask=m)
                 amax = tl.maximum(amax, tl.maximum(_amax(d1), _amax(d3)))
@@ -160,14 +174,12 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
             if RELOAD:  # read back what this program just wrote (L2), after a barrier that makes it visible
                 tl.debug_barrier()
             for c0 in range(0, F, BLOCK_F):  # else recomputed from the inputs (L2)
+                cols, m, at = _chunk(rows, live, c0, F, BLOCK_F)
                 if RELOAD:
-                    cols = c0 + tl.arange(0, BLOCK_F)
-                    m = live[:, None] & (cols < F)[None, :]
-                    at = rows[:, None] * (2 * F) + cols[None, :]
                     d1 = tl.load(d13_ptr + at, mask=m, other=0.0)
                     d3 = tl.load(d13_ptr + at + F, mask=m, other=0.0)
                 else:
-                    at, m, d1, d3, part = _bwd_chunk(g_ptr, h13_ptr, rows, live, c0, F, w, HAS_W, BLOCK_F, OUT_TY)
+                    d1, d3, part = _bwd_values(g_ptr, h13_ptr, rows, cols, at, m, F, w, HAS_W, OUT_TY)
                 tl.store(q_ptr + at, to_e4m3(d1.to(tl.float32), inv).to(q_ptr.dtype.element_ty), mask=m)
                 tl.store(q_ptr + at + F, to_e4m3(d3.to(tl.float32), inv).to(q_ptr.dtype.element_ty), mask=m)
         tl.store(s_ptr + rows, e4m3_scale(amax), mask=live)
@@ -206,38 +218,48 @@ def swiglu_quant_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, vali
     """The Triton launcher of the backward: ``(dh13_R2F, q_R2F e4m3, s_R fp32, dw_R fp32)``: the SwiGLU's input
     gradient, its rowwise e4m3 over all ``2F`` columns with the scales, and the routing weights' gradient
     (empty without ``w_R``). ``g_RF``: the output gradient; ``h13_R2F``, ``valid``, ``w_R``: the forward's."""
-    h13_R2F = h13_R2F.contiguous()
-    d13_R2F = torch.empty_like(h13_R2F)
-    return (d13_R2F, *_bwd_launch(g_RF, h13_R2F, d13_R2F, valid, w_R))
+    g_RF = g_RF.contiguous()
+    q_R2F = torch.empty((g_RF.shape[0], 2 * g_RF.shape[1]), dtype=FP8, device=g_RF.device)
+    d13_R2F, s_R, dw_R = _bwd_launch(g_RF, h13_R2F, q_R2F, valid, w_R, reload=BWD_CONFIG["reload"])
+    return d13_R2F, q_R2F, s_R, dw_R
 
 
-@triton_op("spmdmoe::swiglu_quant_backward_", mutates_args=("h13_R2F",))
+@triton_op("spmdmoe::swiglu_quant_backward_", mutates_args=("g_RF",))
 def swiglu_quant_backward_inplace_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
                                          w_R: Optional[torch.Tensor] = None
                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`swiglu_quant_backward_triton` writing ``dh13`` over ``h13_R2F`` (contiguous; each element is read
-    before it is written, by the same program): ``(q_R2F, s_R, dw_R)``, ``h13_R2F`` then holds ``dh13``
-    (rows past ``valid`` unchanged). Saves the ``R x 2F`` output where ``h13`` is not needed after."""
-    if not h13_R2F.is_contiguous():
-        raise ValueError("swiglu_quant_backward_ writes dh13 over h13: h13 must be contiguous, found strides "
-                         f"{h13_R2F.stride()}; use swiglu_quant_backward (out of place)")
-    return _bwd_launch(g_RF, h13_R2F, h13_R2F, valid, w_R, in_place=True)
+    """:func:`swiglu_quant_backward_triton` writing the e4m3 over ``g_RF``'s bytes (a bf16 / fp16 row of ``F``
+    holds exactly an e4m3 row of ``2F``; each program writes only its own rows, after it has read them):
+    ``(dh13_R2F, s_R, dw_R)``, and ``g_RF.view(e4m3)`` (``R x 2F``) then holds ``q`` (rows past ``valid``
+    unchanged). Saves the ``R x 2F`` e4m3 output where ``g`` is not needed after, as in the FP8 experts'
+    backward; ``g`` is an intermediate there, so a compiled graph reuses it in place (a mutated graph input
+    would be copied first)."""
+    _check_inplace(g_RF)
+    return _bwd_launch(g_RF, h13_R2F, g_RF.view(FP8), valid, w_R, reload=True)
 
 
-def _bwd_launch(g_RF: torch.Tensor, h13_R2F: torch.Tensor, d13_R2F: torch.Tensor, valid: torch.Tensor,
-                w_R: Optional[torch.Tensor], in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel into ``d13_R2F`` (``h13_R2F`` itself when ``in_place``: then a multi-tile row
-    reads its stored ``dh13`` back instead of recomputing from the overwritten ``h13``)."""
-    g_RF = g_RF.contiguous()
+def _check_inplace(g_RF: torch.Tensor) -> None:
+    if not g_RF.is_contiguous() or g_RF.element_size() != 2:
+        raise ValueError("swiglu_quant_backward_ writes the e4m3 of dh13 over g: g must be a contiguous 2-byte "
+                         f"float tensor, found dtype {g_RF.dtype}, strides {g_RF.stride()}; use "
+                         "swiglu_quant_backward (out of place)")
+
+
+def _bwd_launch(g_RF: torch.Tensor, h13_R2F: torch.Tensor, q_R2F: torch.Tensor, valid: torch.Tensor,
+                w_R: Optional[torch.Tensor], reload: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel: ``(dh13_R2F, s_R, dw_R)`` allocated here, the e4m3 into ``q_R2F``; ``reload``:
+    a multi-tile row's second pass reads its stored ``dh13`` back (required when ``q_R2F`` is ``g``'s
+    storage: recomputing would read ``g`` after it was overwritten)."""
+    h13_R2F = h13_R2F.contiguous()
     R, F = g_RF.shape
-    q_R2F = torch.empty(h13_R2F.shape, dtype=FP8, device=h13_R2F.device)
+    d13_R2F = torch.empty_like(h13_R2F)
     s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
     dw_R = torch.empty((R if w_R is not None else 0,), dtype=torch.float32, device=h13_R2F.device)
     if R > 0 and F > 0:
-        grid, meta = _launch(R, F, {**BWD_CONFIG, "reload": BWD_CONFIG["reload"] or in_place})
+        grid, meta = _launch(R, F, {**BWD_CONFIG, "reload": reload})
         wrap_triton(_bwd_kernel)[grid](g_RF, h13_R2F, d13_R2F, q_R2F, s_R, dw_R, valid,
                                        w_R if w_R is not None else s_R, F, HAS_W=w_R is not None, **meta)
-    return q_R2F, s_R, dw_R
+    return d13_R2F, s_R, dw_R
 
 
 def swiglu_quant_forward_reference(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
@@ -258,10 +280,12 @@ def swiglu_quant_backward_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, v
 def swiglu_quant_backward_inplace_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
                                             w_R: Optional[torch.Tensor] = None
                                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain torch, same signature: the out-of-place reference, its ``dh13`` copied over ``h13`` on the valid rows."""
+    """Plain torch, same signature: the out-of-place reference, its e4m3 copied over ``g``'s bytes on the valid rows."""
+    _check_inplace(g_RF)
     d13_R2F, q_R2F, s_R, dw_R = swiglu_quant_backward_reference(g_RF, h13_R2F, valid, w_R)
-    h13_R2F.copy_(torch.where(_valid_mask(h13_R2F, valid), d13_R2F, h13_R2F))
-    return q_R2F, s_R, dw_R
+    bytes_R2F = g_RF.view(torch.uint8)
+    bytes_R2F.copy_(torch.where(_valid_mask(bytes_R2F, valid), q_R2F.view(torch.uint8), bytes_R2F))
+    return d13_R2F, s_R, dw_R
 
 
 def swiglu_quant_forward(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
@@ -280,8 +304,11 @@ def swiglu_quant_backward(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torc
 
 
 def swiglu_quant_backward_(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
-                           w_R: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """In place (``dh13`` over ``h13``): the Triton kernel on CUDA, the reference elsewhere."""
+                           w_R: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place (the e4m3 over ``g``'s bytes): the Triton kernel on CUDA, the reference elsewhere. Returns what
+    :func:`swiglu_quant_backward` returns, ``q`` being ``g_RF.view(e4m3)``."""
     impl = (swiglu_quant_backward_inplace_triton if use_triton("swiglu_fp8", h13_R2F)
             else swiglu_quant_backward_inplace_reference)
-    return impl(g_RF, h13_R2F, valid, w_R)
+    d13_R2F, s_R, dw_R = impl(g_RF, h13_R2F, valid, w_R)
+    return d13_R2F, g_RF.view(FP8), s_R, dw_R

@@ -21,11 +21,12 @@ the bf16 layer's):
   the local transport) each token's copies summed (the combine). Kept for the
   backward: the bf16 ``x``, ``h13`` and ``h``.
 * backward, weight gradients before input gradients: ``dy`` fanned out to each
-  token's copies and quantized once per token in the same pass
-  (:func:`spmdmoe.kernels.fan_out_fp8`; per row without ``copies_TK``); ``dw2``, drop
-  ``dy`` and ``h``; ``dh = dy @ w2`` on the e4m3; the SwiGLU backward writes ``dh13``
-  and its rowwise e4m3 in one pass, its row dot giving the routing weight's gradient
-  (:func:`spmdmoe.kernels.swiglu_quant_backward`), drop ``dh`` and ``h13``; ``dw1``,
+  token's copies with its rowwise e4m3, quantized once per token in the same pass
+  (:func:`spmdmoe.kernels.fan_out_fp8`; with FP8 weight gradients the e4m3 only after
+  ``dw2``, so it never coexists with the column-quantized operands; per row without
+  ``copies_TK``); ``dw2``, drop the copies and ``h``; ``dh = dy @ w2`` on the e4m3; the SwiGLU backward writes ``dh13``
+  and its rowwise e4m3 (over ``dh``'s bytes) in one pass, its row dot giving the routing
+  weight's gradient (:func:`spmdmoe.kernels.swiglu_quant_backward_`), drop ``h13``; ``dw1``,
   ``dw3``, drop ``dh13`` and ``x``; ``dx = dh13 @ [w1 | w3]`` on the e4m3.
 
 The activations are kept in a box on the node, not saved, so the backward can drop
@@ -78,7 +79,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..host import to_host
-from ..kernels import (fan_out_fp8, gather_sum, quantize_cols_pair, quantize_rows, quantize_weight_pair,
+from ..kernels import (fan_out, fan_out_fp8, gather_sum, quantize_cols_pair, quantize_rows, quantize_weight_pair,
                        swiglu_quant_backward, swiglu_quant_backward_, swiglu_quant_forward)
 from ..kernels.fp8_common import FP8
 from .gemm import grouped_mm, up_weights
@@ -252,8 +253,10 @@ def _fp8_experts(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor,
     native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
     q = (xq_RD, xs_R) if xq_RD is not None and xs_R is not None else quantize_rows(x_RD, valid)
     h13_R2F = _mm_rows(*q, up, up_s, offsets_e, x_RD.dtype, native, "forward")
+    del q
     h_RF, hq_RF, hs_R = swiglu_quant_forward(h13_R2F, valid, w_R)
     y_RD = _mm_rows(hq_RF, hs_R, down, down_s, offsets_e, x_RD.dtype, native, "forward")
+    del hq_RF, hs_R  # before the combine allocates its output
     return (y_RD if copies_TK is None else gather_sum(y_RD, copies_TK)), h13_R2F, h_RF
 
 
@@ -266,14 +269,16 @@ def _(x_RD, w1_eFD, w2_eDF, *rest):  # type: ignore[no-untyped-def]
 
 @torch.library.custom_op("spmdmoe::fp8_dgrad", mutates_args=())
 def _fp8_dgrad(q_RK: torch.Tensor, s_R: torch.Tensor, w_t: torch.Tensor, w_t_s: torch.Tensor, offsets_e: torch.Tensor,
-               out_dtype: torch.dtype, dims: list[int]) -> torch.Tensor:
+               out_dtype: torch.dtype, dims: list[int], after: torch.Tensor) -> torch.Tensor:
     """An input gradient ``q @ w`` per group on rowwise e4m3 ``(q, s)`` and the weight's transposed e4m3;
-    ``dims``: the layer's ``(D, F)`` (native or emulated, as the forward)."""
+    ``dims``: the layer's ``(D, F)`` (native or emulated, as the forward); ``after``: the weight gradient
+    that must be made first (not read: a compiled graph keeps the order, so the bf16 operands the weight
+    gradient frees are gone before this output is allocated, as in eager runs)."""
     return _mm_rows(q_RK, s_R, w_t, w_t_s, offsets_e, out_dtype, fp8_native(q_RK, *dims), "dgrad")
 
 
 @_fp8_dgrad.register_fake
-def _(q_RK, s_R, w_t, w_t_s, offsets_e, out_dtype, dims):  # type: ignore[no-untyped-def]
+def _(q_RK, s_R, w_t, w_t_s, offsets_e, out_dtype, dims, after):  # type: ignore[no-untyped-def]
     return q_RK.new_empty((q_RK.shape[0], w_t.shape[1]), dtype=out_dtype)
 
 
@@ -305,6 +310,24 @@ def _(qa_AP, qb_BP, sa_eA, sb_eB, padded_e, w_dtype, split, dims):  # type: igno
     return [qa_AP.new_empty((e, j - i, B), dtype=w_dtype) for i, j in _parts(qa_AP.shape[0], split)]
 
 
+@torch.library.custom_op("spmdmoe::fp8_quantize_dy", mutates_args=())
+def _quantize_dy(g: torch.Tensor, copies_TK: Optional[torch.Tensor], rows: int, valid: torch.Tensor,
+                 after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dy``'s rowwise e4m3 and scales for the down-projection's input gradient: each token's once for its
+    ``K`` copies (``g`` is ``dy_TD``, ``copies_TK`` its rows; :func:`fan_out_fp8` without the bf16 copies) or
+    per row (``g`` is ``dy_RD``). ``after``: ``dw2`` (not read), so a compiled graph makes these only once the
+    weight gradient has freed its operands, as eager runs do."""
+    if copies_TK is None:
+        return quantize_rows(g, valid)
+    _, q_RD, s_R = fan_out_fp8(g, copies_TK, rows, copies=False)
+    return q_RD, s_R
+
+
+@_quantize_dy.register_fake
+def _(g, copies_TK, rows, valid, after):  # type: ignore[no-untyped-def]
+    return g.new_empty((rows, g.shape[1]), dtype=FP8), g.new_empty((rows,), dtype=torch.float32)
+
+
 def _weight_grads(operands: list[torch.Tensor], offsets_e: torch.Tensor, ctx: Any,
                   split: int = 0) -> list[torch.Tensor]:
     """The weight gradients ``a^T @ b`` of ``operands = [a, b]`` (emptied here: with FP8 weight gradients the bf16
@@ -329,17 +352,14 @@ def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.set_materialize_grads(False)  # h13 and h get no gradient: no zero-filled one either
 
 
-def _traced(t: torch.Tensor) -> bool:
-    """Whether this backward is being traced by ``torch.compile`` (Dynamo, or AOTAutograd's fake tensors)."""
-    return torch.compiler.is_compiling() or isinstance(t, torch._subclasses.FakeTensor) or \
-        type(t).__name__ == "FunctionalTensor"
-
-
 def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
     """The backward, in the order that frees each activation soonest (the weight gradients before the input
-    gradients, so the bf16 operands are gone before the input gradient is allocated): down (``dy`` and its
-    rowwise e4m3, once per token with ``copies_TK``; ``dw2``; drop ``dy``, ``h``; ``dh``), SwiGLU (``dh13`` and
-    its rowwise e4m3 in one pass; drop ``dh``, ``h13``), up (``dw1``, ``dw3``; drop ``dh13``, ``x``; ``dx``)."""
+    gradients, so the bf16 operands are gone before the input gradient is allocated): down (``dy``'s copies and
+    its rowwise e4m3, once per token with ``copies_TK``, the e4m3 after ``dw2`` with FP8 weight gradients;
+    ``dw2``; drop the copies and ``h``; ``dh``), SwiGLU (``dh13`` and
+    its rowwise e4m3, over ``dh``, in one pass; drop ``h13``), up (``dw1``, ``dw3``; drop ``dh13``, ``x``; ``dx``).
+    Each input gradient takes the weight gradient before it as an (unread) argument, so a compiled graph keeps
+    this order too."""
     if g is None:
         return (None,) * 20
     offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_R, copies_TK = ctx.saved_tensors
@@ -349,27 +369,31 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
                            "layer's. Run the forward again for each backward, or use expert_precision='bf16'.")
     x_RD, h13_R2F, h_RF = ctx.box.pop("x"), ctx.box.pop("h13"), ctx.box.pop("h")
     ctx.box.clear()
-    dims, dtype = ctx.dims, h_RF.dtype
+    dims, dtype, R, g = ctx.dims, h_RF.dtype, h_RF.shape[0], g.contiguous()
+    q: list[torch.Tensor] = []
     if copies_TK is None:
-        g_RD = g.contiguous()
-        gq_RD, gs_R = quantize_rows(g_RD, valid)
-    else:
-        g_RD, gq_RD, gs_R = fan_out_fp8(g.contiguous(), copies_TK, h_RF.shape[0])
+        g_RD = g
+    elif ctx.wgrad_fp8:  # dy's e4m3 after dw2: never alive beside the column-quantized wgrad operands
+        g_RD = fan_out(g, copies_TK, R)[0]
+    else:  # the copies and their e4m3 from one read of dy
+        g_RD, *q = fan_out_fp8(g, copies_TK, R)
     operands = [g_RD, h_RF]
     del g_RD, h_RF
     (dw2,) = _weight_grads(operands, offsets_e, ctx)
-    dh_RF = _fp8_dgrad(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims)
+    gq_RD, gs_R = q or _quantize_dy(g, copies_TK, R, valid, dw2)
+    del q
+    dh_RF = _fp8_dgrad(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims, dw2)
     del gq_RD, gs_R
-    if _traced(h13_R2F):  # compiled: out of place (a mutation of a saved tensor would be copied back)
-        g13_R2F, q13_R2F, s13_R, dw_R = swiglu_quant_backward(dh_RF, h13_R2F, valid, w_R)
-    else:  # eager: dh13 written over h13, read for the last time here (one R x 2F buffer less at the peak)
-        q13_R2F, s13_R, dw_R = swiglu_quant_backward_(dh_RF, h13_R2F, valid, w_R)
-        g13_R2F = h13_R2F
+    # dh13's e4m3 written over dh (read for the last time here; a 2-byte row of F holds an e4m3 row of 2F): one
+    # R x 2F buffer less at this point, eager and compiled alike (dh is made in this backward, so a compiled
+    # graph reuses it in place; h13, a saved input of the backward graph, would be copied first)
+    bwd = swiglu_quant_backward_ if dh_RF.element_size() == 2 else swiglu_quant_backward
+    g13_R2F, q13_R2F, s13_R, dw_R = bwd(dh_RF, h13_R2F, valid, w_R)
     del dh_RF, h13_R2F
     operands = [g13_R2F, x_RD]
     del g13_R2F, x_RD
     dw1, dw3 = _weight_grads(operands, offsets_e, ctx, dims[1])
-    dx = _fp8_dgrad(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims) if ctx.needs_input_grad[0] else None
+    dx = _fp8_dgrad(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims, dw1) if ctx.needs_input_grad[0] else None
     dw = dw_R.to(w_R.dtype) if w_R is not None and ctx.needs_input_grad[18] else None
     return (dx, dw1, dw2, dw3) + (None,) * 14 + (dw, None)
 
