@@ -39,6 +39,7 @@ DTensor of another layout needs.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -98,17 +99,26 @@ class ExpertLayout:
         return full[tuple(index)]
 
 
+# (ep group, sp group) -> their grid mesh; weak keys: a destroyed group's entry goes with it
+_GRIDS: "weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, DeviceMesh]]" = weakref.WeakKeyDictionary()
+
+
 def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:
-    """The 2-D ``(ep, sp)`` mesh of this rank's block (one all-gather over the world; all ranks call it)."""
-    row = [dist.get_rank(), ep.rank, sp.rank, min(dist.get_process_group_ranks(sp.group))]
-    rows = exchange_rows(None, row)
-    my_ep = set(dist.get_process_group_ranks(ep.group))
-    sp_ids = {r[3] for r in rows if r[0] in my_ep}
-    grid = torch.empty(ep.size, sp.size, dtype=torch.int64)
-    for rank, e, s, sp_id in rows:
-        if sp_id in sp_ids:
-            grid[e, s] = rank
-    return DeviceMesh.from_group([ep.group, sp.group], ep.device_type, mesh=grid, mesh_dim_names=("ep", "sp"))
+    """The 2-D ``(ep, sp)`` mesh of this rank's block: row ``e`` is the SP group of the EP peer of EP rank ``e``.
+
+    A collective over ``ep`` only (one all-gather of each EP peer's SP group), made once per pair of groups:
+    every EP peer calls it with the same groups in the same order (``parallelize_moe`` does, after its
+    agreement over ``agree_over``), so a pipeline stage's layers never wait on another stage's, and a
+    model's second layer on the same axes reuses the first one's mesh without a collective.
+    """
+    cached = _GRIDS.get(ep.group, {}).get(sp.group)
+    if cached is not None:
+        return cached
+    sp_ranks = sorted(dist.get_process_group_ranks(sp.group), key=lambda r: dist.get_group_rank(sp.group, r))
+    grid = torch.tensor(exchange_rows(ep, sp_ranks), dtype=torch.int64)  # (ep.size, sp.size)
+    mesh = DeviceMesh.from_group([ep.group, sp.group], ep.device_type, mesh=grid, mesh_dim_names=("ep", "sp"))
+    _GRIDS.setdefault(ep.group, weakref.WeakKeyDictionary())[sp.group] = mesh
+    return mesh
 
 
 def to_torchtitan(state_dict: dict[str, Any], *, names: str = "new") -> dict[str, Any]:

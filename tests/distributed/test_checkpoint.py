@@ -141,3 +141,27 @@ def test_in_memory_state_dict_of_another_layout_on_the_same_mesh(world, device, 
     plan.layer.load_state_dict(sd)
     assert full == [], f"full_tensor() called on {full}"
     _check(plan, ref, f"{source} state dict into {target}")
+
+
+@pytest.mark.world4
+@pytest.mark.timeout(60)
+def test_grid_mesh_is_an_exchange_within_the_ep_group_made_once():
+    """The 2-D ``(ep, sp)`` checkpoint mesh of a gather-mode layer with EP (``parallelize_moe`` builds it per
+    layer) waits on the EP group only: ranks 1 and 3 (one EP group, a pipeline stage with such a layer) build
+    it while ranks 0 and 2 (a stage without one) never call it; the mesh is the 2x2 grid. A second layer on
+    the same axes reuses it with no collective: rank 1 alone asks again and gets the same mesh (a world
+    all-gather hung here, and once per layer)."""
+    import spmdmoe
+    from spmdmoe.moe.checkpoint import grid_mesh
+    from spmdmoe.types.mesh import mesh_axis
+
+    mesh = spmdmoe.init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (2, 2), mesh_dim_names=("ep", "sp"))
+    ep, sp = mesh_axis(mesh["ep"]), mesh_axis(mesh["sp"])
+    rank = dist.get_rank()
+    if rank in (1, 3):
+        grid = grid_mesh(ep, sp)
+        assert grid.mesh.tolist() == [[0, 1], [2, 3]] and grid.mesh_dim_names == ("ep", "sp")
+        assert tuple(grid.get_coordinate()) == (ep.rank, sp.rank)
+        if rank == 1:
+            assert grid_mesh(ep, sp) is grid
+    dist.barrier()
