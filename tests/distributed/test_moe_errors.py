@@ -123,3 +123,24 @@ def test_parallelize_moe_with_checks_off_on_one_rank_raises_everywhere(world, de
                                  match="checks setting")
     with checks(False):  # off everywhere: accepted, and still one exchange
         parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world)
+
+
+@pytest.mark.parametrize("plan_name", ["sp_ep", "sp_x_ep", "gather_ep"])
+def test_other_placement_on_one_rank_with_sp_and_ep(plan_name, world, device, request):
+    """A layer with SP and EP; the last rank builds a Replicate tensor locally (no cross-rank check there)
+    instead of its Shard(0) rows. It stands in zero rows, so every rank runs the same collectives; the
+    step's forward, backward and ``check_errors`` raise the same SPMDLayoutError, naming it, on every rank."""
+    from moe_plans import build_plan
+    plan = build_plan(plan_name, reference_moe(CFG, 0, device), 11, world, request)
+    full = reference_tensor((11, D), 2, device=device)
+    x = plan.wrap(full[plan.rows])
+    last = world.size() - 1
+    if world.get_local_rank() == last:
+        x = spmdmoe.SPMDTensor(full[:5], x.axis, Replicate(), global_tokens=5)
+
+    def step():
+        y = plan.layer(x)
+        (y.local if isinstance(y, spmdmoe.SPMDTensor) else y).sum().backward()
+        spmdmoe.check_errors()
+
+    assert_raises_everywhere(SPMDLayoutError, step, match=rf"rank {last}: input is not in the layer's layout")
