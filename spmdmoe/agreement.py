@@ -113,6 +113,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("nonfinite", SPMDRoutingError, "non-finite router logits (NaN or inf input)"),
     Kind("failed", AssertionError, "check failed"),
     Kind("capacity", SPMDCapacityError, "more rows than the sync-free EP buffers hold"),
+    Kind("grad_set", SPMDLayoutError, "its reduce_grads trains another set of parameters than its peers'"),
 )
 BIT = {kind.name: 1 << i for i, kind in enumerate(KINDS)}
 

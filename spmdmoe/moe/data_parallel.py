@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._dist import all_reduce
+from .._dist import all_gather_single, all_reduce
+from ..agreement import BIT, ProblemFlag
 from ..types.errors import SPMDLayoutError, SPMDMeshError
 from ..types.mesh import MeshAxis
 from .grads import GradReduction
@@ -49,7 +50,8 @@ Reductions = dict[str, GradReduction]
 
 
 def grad_reductions(model: nn.Module) -> Reductions:
-    """Per parameter name of ``model`` (that needs a gradient): its :class:`GradReduction`.
+    """Per parameter name of ``model``: its :class:`GradReduction` (every parameter, also one that does
+    not require grad here: the table must not depend on what one rank freezes).
 
     Parameters of :class:`ParallelMoE` submodules follow
     :meth:`ParallelMoE.batch_reductions` (routed experts: the experts'
@@ -85,7 +87,7 @@ def grad_reductions(model: nn.Module) -> Reductions:
         for name, _ in layer.named_parameters():
             out[f"{prefix}.{name}" if prefix else name] = experts_red if name.startswith("experts.") else dense_red
     dense = layers[0][1].batch_reductions()[0]
-    return {name: out.get(name, dense) for name, p in model.named_parameters() if p.requires_grad}
+    return {name: out.get(name, dense) for name, _ in model.named_parameters()}
 
 
 def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> None:
@@ -94,19 +96,44 @@ def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> N
     Call on every rank after the last ``backward`` of a step, before the
     optimizer: one all-reduce per (group, dtype), gradients flattened into it.
     A parameter without a gradient takes part with zeros (its ``.grad`` is set).
+    The payload is every parameter in ``reductions``, also one that does not
+    require grad on this rank (zeros, its ``.grad`` left alone), so a rank that
+    froze a parameter its peers train still makes the same collectives; each
+    group also all-gathers one int64 per rank, a hash of which of its
+    parameters this rank trains, and a rank whose set differs from the most
+    common one is recorded (no host read) and raised, on every rank, by the
+    next :func:`spmdmoe.check_errors` (call it before ``optimizer.step()``).
     """
     reductions = grad_reductions(model) if reductions is None else reductions
     _check_covered(model, reductions)
     items = []
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            items.append((reductions[name], p.grad))
-    for red, grads in _by_reduction(items):
+        if name not in reductions:
+            continue
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+        items.append((reductions[name], p.grad if p.requires_grad else torch.zeros_like(p), p.requires_grad))
+    for red, entries in _by_reduction(items):
+        grads = [g for g, _ in entries]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if red.axis is not None:
+            _agree_on_trained(red.axis, [trained for _, trained in entries], flat.device)
         _reduce(flat, red, async_op=False)
-        _copy_back(flat, grads)
+        _copy_back(flat, grads)  # a frozen parameter's part lands in its temporary zeros
+
+
+_GRAD_SET = ProblemFlag()  # what reduce_grads finds, raised by check_errors
+
+
+def _agree_on_trained(axis: MeshAxis, trained: list[bool], device: torch.device) -> None:
+    """Record, on the device, whether this rank trains another subset of a reduction group's parameters than
+    most of the group's ranks: an all-gather of one int64 per rank (a hash of the subset), no host read."""
+    mine = sum((i * 2654435761 + 97) % 2147483647 for i, t in enumerate(trained) if t)  # position-weighted
+    device = axis.metadata_device()
+    table = torch.empty(axis.size, dtype=torch.int64, device=device)
+    all_gather_single(table, torch.tensor([mine], dtype=torch.int64, device=device), group=axis.group)
+    odd = table[axis.rank] != table.mode().values
+    _GRAD_SET.record(odd.to(torch.int64) * BIT["grad_set"], device)
 
 
 def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: Any) -> DistributedDataParallel:
@@ -152,11 +179,12 @@ def _check_covered(model: nn.Module, reductions: Reductions) -> None:
         )
 
 
-def _by_reduction(items: Iterable[tuple[GradReduction, torch.Tensor]]) -> list[tuple[GradReduction, list[torch.Tensor]]]:
-    """Gradients grouped by (reduction, dtype), groups in order of first appearance (the same on every rank)."""
-    groups: dict[tuple[Optional[MeshAxis], int, torch.dtype], tuple[GradReduction, list[torch.Tensor]]] = {}
-    for red, g in items:
-        groups.setdefault((red.axis, red.divide_factor, g.dtype), (red, []))[1].append(g)
+def _by_reduction(items: Iterable[tuple[Any, ...]]) -> list[tuple[GradReduction, list[Any]]]:
+    """``(reduction, gradient, *rest)`` items grouped by (reduction, dtype), in order of first appearance (the
+    same on every rank); each group's entries are ``gradient`` alone, or ``(gradient, *rest)``."""
+    groups: dict[tuple[Optional[MeshAxis], int, torch.dtype], tuple[GradReduction, list[Any]]] = {}
+    for red, g, *rest in items:
+        groups.setdefault((red.axis, red.divide_factor, g.dtype), (red, []))[1].append((g, *rest) if rest else g)
     return list(groups.values())
 
 

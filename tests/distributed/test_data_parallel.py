@@ -411,3 +411,41 @@ def test_reductions_must_cover_every_parameter(device):
     partial = dict(list(grad_reductions(net).items())[1:])
     assert_raises_everywhere(spmdmoe.SPMDLayoutError, lambda: reduce_grads(net, partial), match="no gradient reduction")
     assert_raises_everywhere(spmdmoe.SPMDLayoutError, lambda: ddp(net, partial), match="no gradient reduction")
+
+
+def _frozen_step(device, frozen_on):
+    """One dp x ep step through ``reduce_grads`` with ``inp.weight`` frozen on the ranks in ``frozen_on``;
+    returns the net (``check_errors`` not called yet)."""
+    net, batch, *_ = _plan("dp_ep", device)
+    if dist.get_rank() in frozen_on:
+        net.inp.weight.requires_grad_(False)
+    X, Y, count = batch(0)
+    (((net(X) - Y) ** 2).sum() / count + net.moe.aux_loss).backward()
+    reduce_grads(net)
+    return net
+
+
+@pytest.mark.timeout(60)
+def test_reduce_grads_with_a_parameter_frozen_on_one_rank_raises_everywhere(device):
+    """The last rank froze ``inp.weight``, which its peers train: the reductions still match (its part is
+    zeros; before, the payloads differed in size and every rank hung), and ``check_errors`` raises the
+    same SPMDLayoutError on every rank, naming it. Nothing is left recorded for the next step."""
+    last = dist.get_world_size() - 1
+    net = _frozen_step(device, {last})
+    assert net.inp.weight.grad is None or dist.get_rank() != last
+    assert_raises_everywhere(spmdmoe.SPMDLayoutError, spmdmoe.check_errors,
+                             match=rf"rank {last}: its reduce_grads trains another set of parameters")
+    spmdmoe.check_errors()  # cleared by the raise
+
+
+@pytest.mark.timeout(60)
+def test_reduce_grads_with_a_parameter_frozen_everywhere(device):
+    """Every rank froze ``inp.weight``: no problem, its ``.grad`` stays ``None``, the other gradients are
+    those of a run where it is trained (frozen parameters change no other gradient)."""
+    want = {n: p.grad.clone() for n, p in _frozen_step(device, set()).named_parameters() if n != "inp.weight"}
+    net = _frozen_step(device, set(range(dist.get_world_size())))
+    spmdmoe.check_errors()
+    assert net.inp.weight.grad is None
+    for name, p in net.named_parameters():
+        if name != "inp.weight":
+            _close(p.grad, want[name], f"{name}.grad")
