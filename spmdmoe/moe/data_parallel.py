@@ -117,7 +117,7 @@ def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> N
         grads = [g for g, _ in entries]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if red.axis is not None:
-            _agree_on_trained(red.axis, [trained for _, trained in entries], flat.device)
+            _agree_on_trained(red.axis, [trained for _, trained in entries])
         _reduce(flat, red, async_op=False)
         _copy_back(flat, grads)  # a frozen parameter's part lands in its temporary zeros
 
@@ -125,13 +125,13 @@ def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> N
 _GRAD_SET = ProblemFlag()  # what reduce_grads finds, raised by check_errors
 
 
-def _agree_on_trained(axis: MeshAxis, trained: list[bool], device: torch.device) -> None:
+def _agree_on_trained(axis: MeshAxis, trained: list[bool]) -> None:
     """Record, on the device, whether this rank trains another subset of a reduction group's parameters than
     most of the group's ranks: an all-gather of one int64 per rank (a hash of the subset), no host read."""
     mine = sum((i * 2654435761 + 97) % 2147483647 for i, t in enumerate(trained) if t)  # position-weighted
     device = axis.metadata_device()
     table = torch.empty(axis.size, dtype=torch.int64, device=device)
-    all_gather_single(table, torch.tensor([mine], dtype=torch.int64, device=device), group=axis.group)
+    all_gather_single(table, torch.full((1,), mine, dtype=torch.int64, device=device), group=axis.group)  # no copy
     odd = table[axis.rank] != table.mode().values
     _GRAD_SET.record(odd.to(torch.int64) * BIT["grad_set"], device)
 
