@@ -35,7 +35,8 @@ from .backend import use_triton
 
 __all__ = [
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
-    "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton", "swiglu_grads", "load_pair",
+    "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton", "swiglu_grads", "chunk", "load_pair",
+    "row_weights",
 ]
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
@@ -43,23 +44,32 @@ CONFIG = {"block_r": 1, "block_f": 2048, "num_warps": 4}
 
 
 @triton.jit
-def _tile(r0, n, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    """This program's rows and columns, their mask (``[0, n)`` x ``[0, F)``) and ``h1``'s offsets in ``h13``.
-    No pointer argument: torch's write analysis counts a helper's results as derived from all of its
-    arguments, so offsets returned by a helper that took a pointer would mark that pointer written (and
-    inductor would copy the tensor before the launch; ``tests/test_kernel_writes.py``)."""
-    rows = r0 + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    m = (rows < n)[:, None] & (cols < F)[None, :]
-    return rows, cols, m, rows[:, None] * (2 * F) + cols[None, :]
+def chunk(rows, live, c0, F, BLOCK_F: tl.constexpr):
+    """Columns ``[c0, c0 + BLOCK_F)`` of ``rows`` (``live``: the rows below the valid count): ``(cols, mask,
+    h1's offsets in h13)``. Index helpers take no pointer, pointer helpers (:func:`load_pair`,
+    :func:`row_weights`) return loaded values only: torch's write analysis counts a helper's results as
+    derived from all of its arguments, so offsets returned by a helper that took a pointer would mark that
+    pointer written (and inductor would copy the tensor before the launch; ``tests/test_kernel_writes.py``)."""
+    cols = c0 + tl.arange(0, BLOCK_F)
+    m = live[:, None] & (cols < F)[None, :]
+    return cols, m, rows[:, None] * (2 * F) + cols[None, :]
 
 
 @triton.jit
 def load_pair(h13_ptr, at, m, F):
-    """``h1``, ``h3`` at ``h1``'s offsets ``at`` (masked by ``m``), fp32: loaded values only (see :func:`_tile`)."""
+    """``h1``, ``h3`` at ``h1``'s offsets ``at`` (masked by ``m``), fp32: loaded values only (see :func:`chunk`)."""
     a = tl.load(h13_ptr + at, mask=m, other=0.0).to(tl.float32)
     b = tl.load(h13_ptr + at + F, mask=m, other=0.0).to(tl.float32)
     return a, b
+
+
+@triton.jit
+def row_weights(w_ptr, rows, live, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows' folded routing weights, fp32 (a placeholder without them): loaded values only."""
+    w = tl.zeros([BLOCK_R], tl.float32)  # unused without weights
+    if HAS_W:
+        w = tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -82,11 +92,13 @@ def _swiglu_fwd_kernel(h13_ptr, out_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexp
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows, cols, m, at = _tile(r0, n, F, BLOCK_R, BLOCK_F)
+        rows = r0 + tl.arange(0, BLOCK_R)
+        live = rows < n
+        cols, m, at = chunk(rows, live, tl.program_id(1) * BLOCK_F, F, BLOCK_F)
         a, b = load_pair(h13_ptr, at, m, F)
         h = a * tl.sigmoid(a) * b
         if HAS_W:
-            h = h * tl.load(w_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)[:, None]
+            h = h * row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)[:, None]
         tl.store(out_ptr + rows[:, None] * F + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -96,15 +108,15 @@ def _swiglu_bwd_kernel(g_ptr, h13_ptr, d13_ptr, valid_ptr, w_ptr, dots_ptr, F, H
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
-        rows, cols, m, at = _tile(r0, n, F, BLOCK_R, BLOCK_F)
+        rows = r0 + tl.arange(0, BLOCK_R)
+        live = rows < n
+        cols, m, at = chunk(rows, live, tl.program_id(1) * BLOCK_F, F, BLOCK_F)
         a, b = load_pair(h13_ptr, at, m, F)
         g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        w = tl.zeros([BLOCK_R], tl.float32)  # unused without weights
-        if HAS_W:
-            w = tl.load(w_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)
+        w = row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)
         d1, d3, dot = swiglu_grads(g, a, b, w, HAS_W)
         if HAS_W:  # the routing weight's gradient: this block's share of the row dot
-            tl.store(dots_ptr + rows * tl.num_programs(1) + tl.program_id(1), dot, mask=rows < n)
+            tl.store(dots_ptr + rows * tl.num_programs(1) + tl.program_id(1), dot, mask=live)
         tl.store(d13_ptr + at, d1.to(d13_ptr.dtype.element_ty), mask=m)
         tl.store(d13_ptr + at + F, d3.to(d13_ptr.dtype.element_ty), mask=m)
 

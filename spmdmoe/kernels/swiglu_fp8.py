@@ -47,7 +47,8 @@ from torch.library import triton_op, wrap_triton
 from .backend import use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
-from .swiglu import _valid_mask, load_pair, swiglu_backward_reference, swiglu_forward_reference, swiglu_grads
+from .swiglu import (_valid_mask, chunk, load_pair, row_weights, swiglu_backward_reference, swiglu_forward_reference,
+                     swiglu_grads)
 
 __all__ = [
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",
@@ -64,15 +65,6 @@ BWD_CONFIG = {"block_r": 2, "max_block_f": 512, "num_warps": 4, "reload": True}
 def _amax(v):
     """``max |v|`` per row of ``v`` (the output dtype), fp32."""
     return tl.max(tl.abs(v.to(tl.float32)), axis=1)
-
-
-@triton.jit
-def _chunk(rows, live, c0, F, BLOCK_F: tl.constexpr):
-    """One chunk of columns from ``c0``: ``(cols, mask, h1's offsets in h13)``. Index helpers take no pointer,
-    pointer helpers return loaded values only (:func:`spmdmoe.kernels.swiglu._tile` says why)."""
-    cols = c0 + tl.arange(0, BLOCK_F)
-    m = live[:, None] & (cols < F)[None, :]
-    return cols, m, rows[:, None] * (2 * F) + cols[None, :]
 
 
 @triton.jit
@@ -103,25 +95,16 @@ def _row_block(r0, n, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _row_weights(w_ptr, rows, live, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The rows' folded routing weights (fp32; a placeholder without them)."""
-    w = tl.zeros([BLOCK_R], tl.float32)  # unused without weights
-    if HAS_W:
-        w = tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)
-    return w
-
-
-@triton.jit
 def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_F: tl.constexpr, ONE_TILE: tl.constexpr):
     n = tl.load(valid_ptr).to(tl.int64)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
         rows, live, amax = _row_block(r0, n, BLOCK_R)
-        w = _row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)
+        w = row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)
         OUT_TY = h_ptr.dtype.element_ty
         if ONE_TILE:
-            cols, m, at = _chunk(rows, live, 0, F, BLOCK_F)
+            cols, m, at = chunk(rows, live, 0, F, BLOCK_F)
             h = _fwd_values(h13_ptr, at, m, F, w, HAS_W, OUT_TY)
             tl.store(h_ptr + rows[:, None] * F + cols[None, :], h, mask=m)
             amax = tl.maximum(amax, _amax(h))
@@ -130,13 +113,13 @@ def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, w_ptr, F, HAS_W: tl.con
                      to_e4m3(h.to(tl.float32), inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
         else:
             for c0 in range(0, F, BLOCK_F):
-                cols, m, at = _chunk(rows, live, c0, F, BLOCK_F)
+                cols, m, at = chunk(rows, live, c0, F, BLOCK_F)
                 h = _fwd_values(h13_ptr, at, m, F, w, HAS_W, OUT_TY)
                 tl.store(h_ptr + rows[:, None] * F + cols[None, :], h, mask=m)
                 amax = tl.maximum(amax, _amax(h))
             inv = e4m3_inverse(amax)
             for c0 in range(0, F, BLOCK_F):
-                cols, m, at = _chunk(rows, live, c0, F, BLOCK_F)
+                cols, m, at = chunk(rows, live, c0, F, BLOCK_F)
                 h = _fwd_values(h13_ptr, at, m, F, w, HAS_W, OUT_TY)
                 tl.store(q_ptr + rows[:, None] * F + cols[None, :],
                          to_e4m3(h.to(tl.float32), inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
@@ -150,10 +133,10 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     if r0 < n:
         rows, live, amax = _row_block(r0, n, BLOCK_R)
-        w = _row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)
+        w = row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)
         OUT_TY = d13_ptr.dtype.element_ty
         if ONE_TILE:
-            cols, m, at = _chunk(rows, live, 0, F, BLOCK_F)
+            cols, m, at = chunk(rows, live, 0, F, BLOCK_F)
             d1, d3, dot = _bwd_values(g_ptr, h13_ptr, rows, cols, at, m, F, w, HAS_W, OUT_TY)
             tl.store(d13_ptr + at, d1, mask=m)
             tl.store(d13_ptr + at + F, d3, mask=m)
@@ -164,7 +147,7 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
         else:
             dot = tl.zeros([BLOCK_R], tl.float32)
             for c0 in range(0, F, BLOCK_F):
-                cols, m, at = _chunk(rows, live, c0, F, BLOCK_F)
+                cols, m, at = chunk(rows, live, c0, F, BLOCK_F)
                 d1, d3, part = _bwd_values(g_ptr, h13_ptr, rows, cols, at, m, F, w, HAS_W, OUT_TY)
                 tl.store(d13_ptr + at, d1, mask=m)
                 tl.store(d13_ptr + at + F, d3, mask=m)
@@ -174,7 +157,7 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
             if RELOAD:  # read back what this program just wrote (L2), after a barrier that makes it visible
                 tl.debug_barrier()
             for c0 in range(0, F, BLOCK_F):  # else recomputed from the inputs (L2)
-                cols, m, at = _chunk(rows, live, c0, F, BLOCK_F)
+                cols, m, at = chunk(rows, live, c0, F, BLOCK_F)
                 if RELOAD:
                     d1 = tl.load(d13_ptr + at, mask=m, other=0.0)
                     d3 = tl.load(d13_ptr + at + F, mask=m, other=0.0)
