@@ -15,19 +15,21 @@ the bf16 layer's):
 * forward: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by the local
   dispatch in its fan-out pass, once per token: ``RoutedTokens.fp8_rows``; other
   transports: quantized here, :func:`spmdmoe.kernels.quantize_rows`); ``h = w *
-  silu(h1) * h3`` (``w`` the routing weight when the dispatch folded it in) and ``h``'s
+  silu(h1) * h3`` (the up projection its own op, before the autograd node, so ``x``'s
+  e4m3 is dead before the down projection allocates; ``w`` the routing weight when the dispatch folded it in) and ``h``'s
   rowwise e4m3 from the same registers (:func:`spmdmoe.kernels.swiglu_quant_forward`);
   ``y = h @ w2^T`` on that e4m3, and with the weights folded (``RoutedTokens.copies_TK``,
   the local transport) each token's copies summed (the combine). Kept for the
   backward: the bf16 ``x``, ``h13`` and ``h``.
 * backward, weight gradients before input gradients: ``dy`` fanned out to each
-  token's copies with its rowwise e4m3, quantized once per token in the same pass
-  (:func:`spmdmoe.kernels.fan_out_fp8`; with FP8 weight gradients the e4m3 only after
-  ``dw2``, so it never coexists with the column-quantized operands; per row without
-  ``copies_TK``); ``dw2``, drop the copies and ``h``; ``dh = dy @ w2`` on the e4m3; the SwiGLU backward writes ``dh13``
+  token's copies; ``dw2``, drop the copies and ``h``; ``dy``'s rowwise e4m3, quantized
+  once per token for its ``K`` copies (:func:`spmdmoe.kernels.fan_out_fp8` without the
+  bf16 copies; per row without ``copies_TK``): made after ``dw2``, so it never sits beside
+  ``dw2``'s operands and output; ``dh = dy @ w2`` on the e4m3; the SwiGLU backward writes ``dh13``
   and its rowwise e4m3 (over ``dh``'s bytes) in one pass, its row dot giving the routing
   weight's gradient (:func:`spmdmoe.kernels.swiglu_quant_backward_`), drop ``h13``; ``dw1``,
-  ``dw3``, drop ``dh13`` and ``x``; ``dx = dh13 @ [w1 | w3]`` on the e4m3.
+  ``dw3``, drop ``dh13`` and ``x``; ``dx = dh13 @ [w1 | w3]`` on the e4m3 (a compiled graph may run it
+  before ``dw1 | dw3``).
 
 The activations are kept in a box on the node, not saved, so the backward can drop
 them as it goes: a second backward through the same forward (``retain_graph=True``)
@@ -229,57 +231,56 @@ def _wgrad_bf16(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor,
     return [_wgrad_plain(a_RA[:, i:j], b_RB, offsets_e, out_dtype) for i, j in _parts(a_RA.shape[1], split)]
 
 
-# The experts are ONE autograd node whose backward frees each saved activation as soon as it has read it: a
-# node per projection would hold its incoming gradient for all of its backward (the engine's reference), and
-# handing the SwiGLU backward's e4m3 ``dh13`` to the up-projection's node would need a second gradient
-# channel. The node is a custom op tied to its backward by ``register_autograd``; the backward's GEMMs are
-# custom ops too (:func:`_fp8_dgrad`, :func:`_wgrad_bf16_op`, :func:`_wgrad_fp8_op`): opaque to Dynamo and
-# AOTAutograd, so ``torch.compile(fullgraph=True)`` traces them through their fake implementations and runs
-# the real ones as they are (whether a GEMM runs natively is asked on real tensors). (An ``autograd.Function``
-# traced into the graph gave zero gradients on CUDA with torch 2.11; this form keeps the numerics of eager
-# and compiled runs identical by construction.) ``ready`` (the weight cache's refresh token) orders the GEMMs after the
-# refresh; it is not read.
+@torch.library.custom_op("spmdmoe::fp8_mm_rows", mutates_args=())
+def _fp8_mm(q_RK: torch.Tensor, s_R: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, offsets_e: torch.Tensor,
+            out_dtype: torch.dtype, dims: list[int], kind: str, after: Optional[torch.Tensor]) -> torch.Tensor:
+    """``q @ w[g]^T`` per group ``g`` on rowwise e4m3 ``(q, s)`` and a weight layout of :class:`Fp8Weights`
+    (``kind``: ``"forward"``, the up projection, or ``"dgrad"``, an input gradient; :data:`FAST_ACCUM`);
+    ``dims``: the layer's ``(D, F)`` (native or emulated: asked here, on real tensors, also when compiled);
+    ``after``: a tensor that must be made first, not read (the weight cache's refresh token before the up
+    projection; the weight gradient before ``dh``, so a compiled graph frees the bf16 operands first, as
+    eager runs do), or ``None``."""
+    return _mm_rows(q_RK, s_R, w, w_s, offsets_e, out_dtype, fp8_native(q_RK, *dims), kind)
+
+
+@_fp8_mm.register_fake
+def _(q_RK, s_R, w, w_s, offsets_e, out_dtype, dims, kind, after):  # type: ignore[no-untyped-def]
+    return q_RK.new_empty((q_RK.shape[0], w.shape[1]), dtype=out_dtype)
+
+
+# The experts past the up projection are ONE autograd node whose backward frees each saved activation as soon as
+# it has read it: a node per projection would hold its incoming gradient for all of its backward (the engine's
+# reference), and handing the SwiGLU backward's e4m3 ``dh13`` to the up-projection's node would need a second
+# gradient channel. The up projection itself (:func:`_fp8_mm`) runs before the node, outside autograd (``x``'s
+# gradient comes from the node's backward): so ``x``'s e4m3, its only input, is dead before the down projection
+# allocates, in compiled graphs too (an input of the node would be alive through all of it). The node is a
+# custom op tied to its backward by ``register_autograd``; the backward's GEMMs are custom ops too
+# (:func:`_fp8_mm`, :func:`_wgrad_bf16_op`, :func:`_wgrad_fp8_op`): opaque to Dynamo and AOTAutograd, so
+# ``torch.compile(fullgraph=True)`` traces them through their fake implementations and runs the real ones as
+# they are. (An ``autograd.Function`` traced into the graph gave zero gradients on CUDA with torch 2.11; this
+# form keeps the numerics of eager and compiled runs identical by construction.) The down projection's weights
+# are read after the cache's refresh because ``h13`` is (the up projection takes the refresh token).
 @torch.library.custom_op("spmdmoe::fp8_experts", mutates_args=())
 def _fp8_experts(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor,
-                 offsets_e: torch.Tensor, valid: torch.Tensor, up: torch.Tensor, up_s: torch.Tensor, up_t: torch.Tensor,
+                 offsets_e: torch.Tensor, valid: torch.Tensor, h13_R2F: torch.Tensor, up_t: torch.Tensor,
                  up_t_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, down_t: torch.Tensor,
-                 down_t_s: torch.Tensor, ready: torch.Tensor, wgrad_fp8: bool, xq_RD: Optional[torch.Tensor],
-                 xs_R: Optional[torch.Tensor], w_R: Optional[torch.Tensor], copies_TK: Optional[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, h13_R2F, h_RF)``: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (``(xq, xs)`` when the dispatch
-    made them, else quantized here), ``h = w * silu(h1) * h3`` with its rowwise e4m3 from the same registers,
-    ``y_RD = h @ w2^T`` on that e4m3; ``y`` is ``y_RD``, or ``y_TD`` (each token's copies summed) with
-    ``copies_TK``. Only ``y`` has a gradient; ``h13`` and ``h`` are returned for the backward."""
-    native = fp8_native(x_RD, x_RD.shape[1], w1_eFD.shape[1])
-    q = (xq_RD, xs_R) if xq_RD is not None and xs_R is not None else quantize_rows(x_RD, valid)
-    h13_R2F = _mm_rows(*q, up, up_s, offsets_e, x_RD.dtype, native, "forward")
-    del q
+                 down_t_s: torch.Tensor, wgrad_fp8: bool, w_R: Optional[torch.Tensor],
+                 copies_TK: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, h_RF)`` from the up projection's ``h13_R2F``: ``h = w * silu(h1) * h3`` with its rowwise e4m3
+    from the same registers, ``y_RD = h @ w2^T`` on that e4m3; ``y`` is ``y_RD``, or ``y_TD`` (each token's
+    copies summed) with ``copies_TK``. Only ``y`` has a gradient; ``h`` is returned for the backward; ``x``
+    (not read here) takes the input gradient."""
     h_RF, hq_RF, hs_R = swiglu_quant_forward(h13_R2F, valid, w_R)
-    y_RD = _mm_rows(hq_RF, hs_R, down, down_s, offsets_e, x_RD.dtype, native, "forward")
+    y_RD = _mm_rows(hq_RF, hs_R, down, down_s, offsets_e, x_RD.dtype,
+                    fp8_native(h13_R2F, x_RD.shape[1], w1_eFD.shape[1]), "forward")
     del hq_RF, hs_R  # before the combine allocates its output
-    return (y_RD if copies_TK is None else gather_sum(y_RD, copies_TK)), h13_R2F, h_RF
+    return (y_RD if copies_TK is None else gather_sum(y_RD, copies_TK)), h_RF
 
 
 @_fp8_experts.register_fake
-def _(x_RD, w1_eFD, w2_eDF, *rest):  # type: ignore[no-untyped-def]
+def _(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, h13_R2F, *rest):  # type: ignore[no-untyped-def]
     (R, D), F, copies_TK = x_RD.shape, w1_eFD.shape[1], rest[-1]
-    return (x_RD.new_empty((R if copies_TK is None else copies_TK.shape[0], D)), x_RD.new_empty((R, 2 * F)),
-            x_RD.new_empty((R, F)))
-
-
-@torch.library.custom_op("spmdmoe::fp8_dgrad", mutates_args=())
-def _fp8_dgrad(q_RK: torch.Tensor, s_R: torch.Tensor, w_t: torch.Tensor, w_t_s: torch.Tensor, offsets_e: torch.Tensor,
-               out_dtype: torch.dtype, dims: list[int], after: torch.Tensor) -> torch.Tensor:
-    """An input gradient ``q @ w`` per group on rowwise e4m3 ``(q, s)`` and the weight's transposed e4m3;
-    ``dims``: the layer's ``(D, F)`` (native or emulated, as the forward); ``after``: the weight gradient
-    that must be made first (not read: a compiled graph keeps the order, so the bf16 operands the weight
-    gradient frees are gone before this output is allocated, as in eager runs)."""
-    return _mm_rows(q_RK, s_R, w_t, w_t_s, offsets_e, out_dtype, fp8_native(q_RK, *dims), "dgrad")
-
-
-@_fp8_dgrad.register_fake
-def _(q_RK, s_R, w_t, w_t_s, offsets_e, out_dtype, dims, after):  # type: ignore[no-untyped-def]
-    return q_RK.new_empty((q_RK.shape[0], w_t.shape[1]), dtype=out_dtype)
+    return x_RD.new_empty((R if copies_TK is None else copies_TK.shape[0], D)), x_RD.new_empty((R, F))
 
 
 @torch.library.custom_op("spmdmoe::wgrad_bf16", mutates_args=())
@@ -342,26 +343,24 @@ def _weight_grads(operands: list[torch.Tensor], offsets_e: torch.Tensor, ctx: An
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    (x_RD, w1_eFD, _, _, offsets_e, valid, _, _, up_t, up_t_s, _, _, down_t, down_t_s, _, wgrad_fp8, _, _, w_R,
-     copies_TK) = inputs
+    x_RD, w1_eFD, _, _, offsets_e, valid, h13_R2F, up_t, up_t_s, _, _, down_t, down_t_s, wgrad_fp8, w_R, copies_TK = inputs
     ctx.w_dtype, ctx.wgrad_fp8, ctx.dims = w1_eFD.dtype, wgrad_fp8, [x_RD.shape[1], w1_eFD.shape[1]]
     ctx.save_for_backward(offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_R, copies_TK)
     # The activations in a box, not saved: the backward drops each once it has read it, so none is alive
     # longer than in the bf16 layer (detached aliases: no reference back to this node).
-    ctx.box = {"x": x_RD.detach(), "h13": output[1].detach(), "h": output[2].detach()}
+    ctx.box = {"x": x_RD.detach(), "h13": h13_R2F.detach(), "h": output[1].detach()}
     ctx.set_materialize_grads(False)  # h13 and h get no gradient: no zero-filled one either
 
 
-def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
+def _grad(ctx: Any, g: Optional[torch.Tensor], _gh: Any) -> tuple:
     """The backward, in the order that frees each activation soonest (the weight gradients before the input
-    gradients, so the bf16 operands are gone before the input gradient is allocated): down (``dy``'s copies and
-    its rowwise e4m3, once per token with ``copies_TK``, the e4m3 after ``dw2`` with FP8 weight gradients;
-    ``dw2``; drop the copies and ``h``; ``dh``), SwiGLU (``dh13`` and
-    its rowwise e4m3, over ``dh``, in one pass; drop ``h13``), up (``dw1``, ``dw3``; drop ``dh13``, ``x``; ``dx``).
-    Each input gradient takes the weight gradient before it as an (unread) argument, so a compiled graph keeps
-    this order too."""
+    gradients, so the bf16 operands are gone before the input gradient is allocated): down (``dy``'s copies;
+    ``dw2``; drop the copies and ``h``; ``dy``'s rowwise e4m3, once per token with ``copies_TK``; ``dh``), SwiGLU
+    (``dh13`` and its rowwise e4m3, over ``dh``, in one pass; drop ``h13``), up (``dw1``, ``dw3``; drop ``dh13``,
+    ``x``; ``dx``). ``dy``'s e4m3 and ``dh`` take ``dw2`` as an (unread) argument, so a compiled graph keeps that
+    order too; ``dx`` is left to the graph."""
     if g is None:
-        return (None,) * 20
+        return (None,) * 16
     offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_R, copies_TK = ctx.saved_tensors
     if not ctx.box:
         raise RuntimeError("spmdmoe FP8 experts: a second backward through the same forward (retain_graph=True): "
@@ -370,19 +369,14 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
     x_RD, h13_R2F, h_RF = ctx.box.pop("x"), ctx.box.pop("h13"), ctx.box.pop("h")
     ctx.box.clear()
     dims, dtype, R, g = ctx.dims, h_RF.dtype, h_RF.shape[0], g.contiguous()
-    q: list[torch.Tensor] = []
-    if copies_TK is None:
-        g_RD = g
-    elif ctx.wgrad_fp8:  # dy's e4m3 after dw2: never alive beside the column-quantized wgrad operands
-        g_RD = fan_out(g, copies_TK, R)[0]
-    else:  # the copies and their e4m3 from one read of dy
-        g_RD, *q = fan_out_fp8(g, copies_TK, R)
+    # dy's e4m3 after dw2 (one more read of dy_TD, T rows, against K copies written): never alive beside dw2's
+    # operands and output (measured: that was the step peak at Qwen3-30B and 64k tokens)
+    g_RD = g if copies_TK is None else fan_out(g, copies_TK, R)[0]
     operands = [g_RD, h_RF]
     del g_RD, h_RF
     (dw2,) = _weight_grads(operands, offsets_e, ctx)
-    gq_RD, gs_R = q or _quantize_dy(g, copies_TK, R, valid, dw2)
-    del q
-    dh_RF = _fp8_dgrad(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims, dw2)
+    gq_RD, gs_R = _quantize_dy(g, copies_TK, R, valid, dw2)
+    dh_RF = _fp8_mm(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims, "dgrad", dw2)
     del gq_RD, gs_R
     # dh13's e4m3 written over dh (read for the last time here; a 2-byte row of F holds an e4m3 row of 2F): one
     # R x 2F buffer less at this point, eager and compiled alike (dh is made in this backward, so a compiled
@@ -393,9 +387,13 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _g13: Any, _gh: Any) -> tuple:
     operands = [g13_R2F, x_RD]
     del g13_R2F, x_RD
     dw1, dw3 = _weight_grads(operands, offsets_e, ctx, dims[1])
-    dx = _fp8_dgrad(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims, dw1) if ctx.needs_input_grad[0] else None
-    dw = dw_R.to(w_R.dtype) if w_R is not None and ctx.needs_input_grad[18] else None
-    return (dx, dw1, dw2, dw3) + (None,) * 14 + (dw, None)
+    # dx last (the node holds it until it returns); unordered against dw1 | dw3 in a compiled graph, whose
+    # scheduler then picks (measured: forcing dx first there raised the compiled peak at four of five shapes, as
+    # the dispatch's backward does not consume it at once; forcing it after dw1 | dw3 raised it at Qwen3-235B)
+    dx = _fp8_mm(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims, "dgrad", None) if ctx.needs_input_grad[0] \
+        else None
+    dw = dw_R.to(w_R.dtype) if w_R is not None and ctx.needs_input_grad[14] else None
+    return (dx, dw1, dw2, dw3) + (None,) * 10 + (dw, None)
 
 
 _fp8_experts.register_autograd(_grad, setup_context=_setup)
@@ -413,10 +411,11 @@ def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
     ``copies_TK``: the rows of each token's copies (``RoutedTokens.copies_TK``): ``y_TD``, the sum of each
     token's copies, instead (the combine inside the experts' node, whose backward then quantizes each
     token's output gradient once for its ``K`` copies)."""
-    q = quantized
-    ready = q.ready if q.ready is not None else x_RD.new_empty(0)
+    q, dims = quantized, [x_RD.shape[1], w1_eFD.shape[1]]
     in_fp8 = fp8_wgrad(x_RD.shape[1], w1_eFD.shape[1], w1_eFD.shape[0], x_RD.dtype, wgrad)
-    xq, xs = x_fp8 or (None, None)
-    y, _, _ = _fp8_experts(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, q.up, q.up_s, q.up_t, q.up_t_s, q.down,
-                           q.down_s, q.down_t, q.down_t_s, ready, in_fp8, xq, xs, w_R, copies_TK)
+    xq, xs = x_fp8 or quantize_rows(x_RD.detach(), valid)
+    h13_R2F = _fp8_mm(xq, xs, q.up, q.up_s, offsets_e, x_RD.dtype, dims, "forward", q.ready)
+    del xq, xs
+    y, _ = _fp8_experts(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, h13_R2F, q.up_t, q.up_t_s, q.down, q.down_s,
+                        q.down_t, q.down_t_s, in_fp8, w_R, copies_TK)
     return y
