@@ -9,8 +9,12 @@ The experts' forward and input-gradient GEMMs run in e4m3 with fp32 scales
 GEMMs in FP8 or unquantized (:func:`fp8_wgrad`); everything else (router, shared
 experts, combine, master weights and their gradients) stays in the activations'
 precision. One autograd node whose backward frees each activation as soon as it
-has read it, so none lives longer than in the bf16 layer (the step peak is at most
-the bf16 layer's):
+has read it, so none lives longer than in the bf16 layer (measured at the five
+shape presets, H200: the eager step peak 3-13 % below the bf16 layer's; compiled,
+at or below it at three, 2.4 % above at Qwen3-30B-A3B and 64k tokens, where
+``dh13``'s or ``dy``'s e4m3 sits beside a weight gradient's output; at small
+token counts the eager peak can exceed the bf16 layer's by a few percent;
+``benchmarks/RESULTS.md``, issue 23):
 
 * forward: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by the local
   dispatch in its fan-out pass, once per token: ``RoutedTokens.fp8_rows``; other
@@ -22,10 +26,10 @@ the bf16 layer's):
   the local transport) each token's copies summed (the combine). Kept for the
   backward: the bf16 ``x``, ``h13`` and ``h``.
 * backward, weight gradients before input gradients: ``dy`` fanned out to each
-  token's copies; ``dw2``, drop the copies and ``h``; ``dy``'s rowwise e4m3, quantized
-  once per token for its ``K`` copies (:func:`spmdmoe.kernels.fan_out_fp8` without the
-  bf16 copies; per row without ``copies_TK``): made after ``dw2``, so it never sits beside
-  ``dw2``'s operands and output; ``dh = dy @ w2`` on the e4m3; the SwiGLU backward writes ``dh13``
+  token's copies with its rowwise e4m3, quantized once per token in the same pass
+  (:func:`spmdmoe.kernels.fan_out_fp8`; with FP8 weight gradients the e4m3 only after
+  ``dw2``, so it never coexists with the column-quantized operands; per row without
+  ``copies_TK``); ``dw2``, drop the copies and ``h``; ``dh = dy @ w2`` on the e4m3; the SwiGLU backward writes ``dh13``
   and its rowwise e4m3 (over ``dh``'s bytes) in one pass, its row dot giving the routing
   weight's gradient (:func:`spmdmoe.kernels.swiglu_quant_backward_`), drop ``h13``; ``dw1``,
   ``dw3``, drop ``dh13`` and ``x``; ``dx = dh13 @ [w1 | w3]`` on the e4m3 (a compiled graph may run it
@@ -354,11 +358,12 @@ def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _grad(ctx: Any, g: Optional[torch.Tensor], _gh: Any) -> tuple:
     """The backward, in the order that frees each activation soonest (the weight gradients before the input
-    gradients, so the bf16 operands are gone before the input gradient is allocated): down (``dy``'s copies;
-    ``dw2``; drop the copies and ``h``; ``dy``'s rowwise e4m3, once per token with ``copies_TK``; ``dh``), SwiGLU
-    (``dh13`` and its rowwise e4m3, over ``dh``, in one pass; drop ``h13``), up (``dw1``, ``dw3``; drop ``dh13``,
-    ``x``; ``dx``). ``dy``'s e4m3 and ``dh`` take ``dw2`` as an (unread) argument, so a compiled graph keeps that
-    order too; ``dx`` is left to the graph."""
+    gradients, so the bf16 operands are gone before the input gradient is allocated): down (``dy``'s copies and
+    its rowwise e4m3, once per token with ``copies_TK``, the e4m3 after ``dw2`` with FP8 weight gradients;
+    ``dw2``; drop the copies and ``h``; ``dh``), SwiGLU (``dh13`` and its rowwise e4m3, over ``dh``, in one pass;
+    drop ``h13``), up (``dw1``, ``dw3``; drop ``dh13``, ``x``; ``dx``). ``dh`` (and ``dy``'s e4m3 when made
+    after ``dw2``) take ``dw2`` as an (unread) argument, so a compiled graph keeps that order too; ``dx`` is left
+    to the graph."""
     if g is None:
         return (None,) * 16
     offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_R, copies_TK = ctx.saved_tensors
@@ -369,13 +374,19 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _gh: Any) -> tuple:
     x_RD, h13_R2F, h_RF = ctx.box.pop("x"), ctx.box.pop("h13"), ctx.box.pop("h")
     ctx.box.clear()
     dims, dtype, R, g = ctx.dims, h_RF.dtype, h_RF.shape[0], g.contiguous()
-    # dy's e4m3 after dw2 (one more read of dy_TD, T rows, against K copies written): never alive beside dw2's
-    # operands and output (measured: that was the step peak at Qwen3-30B and 64k tokens)
-    g_RD = g if copies_TK is None else fan_out(g, copies_TK, R)[0]
+    q: list[torch.Tensor] = []
+    if copies_TK is None:
+        g_RD = g
+    elif ctx.wgrad_fp8:  # dy's e4m3 after dw2: never alive beside the column-quantized wgrad operands
+        g_RD = fan_out(g, copies_TK, R)[0]
+    else:  # the copies and their e4m3 from one read of dy (measured: making the e4m3 after dw2 instead costs
+        # 0.14 ms per step at Qwen3-30B-A3B, and lowers the compiled peak only at 64k tokens, by 0.19 GiB)
+        g_RD, *q = fan_out_fp8(g, copies_TK, R)
     operands = [g_RD, h_RF]
     del g_RD, h_RF
     (dw2,) = _weight_grads(operands, offsets_e, ctx)
-    gq_RD, gs_R = _quantize_dy(g, copies_TK, R, valid, dw2)
+    gq_RD, gs_R = q or _quantize_dy(g, copies_TK, R, valid, dw2)
+    del q
     dh_RF = _fp8_mm(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims, "dgrad", dw2)
     del gq_RD, gs_R
     # dh13's e4m3 written over dh (read for the last time here; a 2-byte row of F holds an e4m3 row of 2F): one
