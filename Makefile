@@ -6,11 +6,15 @@ PYTHON ?= python3
 NPROC  ?= 4
 # The CPU build of torch 2.13.0 lies on local disk on the project's CPU machines.
 TORCH  ?= torch==2.13.0
+# The newest supported torch, for `make test-torch-new` (CI's second leg): PyPI's build (CUDA, about 3 GB
+# with its dependencies; it runs on CPU).
+TORCH_NEW ?= torch==2.15.0
+VENV_NEW  ?= .venv-torch-new
 PY       := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 PYTEST   := -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-single test-dist clean
+.PHONY: demo test test-single test-dist test-torch-new clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +34,9 @@ test-single: $(VENV)/.installed
 test-dist: $(VENV)/.installed
 	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) tests/distributed
 
+# The single-process suite (the examples' clean exit included) on the newest supported torch, in its own venv.
+test-torch-new:
+	$(MAKE) test-single VENV=$(VENV_NEW) TORCH="$(TORCH_NEW)"
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_NEW) build *.egg-info
