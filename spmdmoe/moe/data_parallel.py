@@ -113,11 +113,10 @@ def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> N
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
         items.append((reductions[name], p.grad if p.requires_grad else torch.zeros_like(p), p.requires_grad))
-    for red, entries in _by_reduction(items):
-        grads = [g for g, _ in entries]
+    for red, grads, trained in _by_reduction(items):
         flat = torch.cat([g.reshape(-1) for g in grads])
         if red.axis is not None:
-            _agree_on_trained(red.axis, [trained for _, trained in entries])
+            _agree_on_trained(red.axis, trained)
         _reduce(flat, red, async_op=False)
         _copy_back(flat, grads)  # a frozen parameter's part lands in its temporary zeros
 
@@ -179,12 +178,15 @@ def _check_covered(model: nn.Module, reductions: Reductions) -> None:
         )
 
 
-def _by_reduction(items: Iterable[tuple[Any, ...]]) -> list[tuple[GradReduction, list[Any]]]:
-    """``(reduction, gradient, *rest)`` items grouped by (reduction, dtype), in order of first appearance (the
-    same on every rank); each group's entries are ``gradient`` alone, or ``(gradient, *rest)``."""
-    groups: dict[tuple[Optional[MeshAxis], int, torch.dtype], tuple[GradReduction, list[Any]]] = {}
-    for red, g, *rest in items:
-        groups.setdefault((red.axis, red.divide_factor, g.dtype), (red, []))[1].append((g, *rest) if rest else g)
+def _by_reduction(items: Iterable[tuple[GradReduction, torch.Tensor, bool]]
+                  ) -> list[tuple[GradReduction, list[torch.Tensor], list[bool]]]:
+    """``(reduction, gradient, trained here)`` items grouped by (reduction, dtype), in order of first appearance
+    (the same on every rank): ``(reduction, gradients, trained flags)`` per group."""
+    groups: dict[tuple[Optional[MeshAxis], int, torch.dtype], tuple[GradReduction, list[torch.Tensor], list[bool]]] = {}
+    for red, g, trained in items:
+        group = groups.setdefault((red.axis, red.divide_factor, g.dtype), (red, [], []))
+        group[1].append(g)
+        group[2].append(trained)
     return list(groups.values())
 
 
@@ -226,9 +228,9 @@ def _ddp_hook(by_param: dict[int, GradReduction], bucket):  # type: ignore[no-un
     checks the annotations by identity, and postponed annotations are strings.)
     """
     buf, grads = bucket.buffer(), bucket.gradients()
-    groups = _by_reduction((by_param[id(p)], g) for p, g in zip(bucket.parameters(), grads))
+    groups = _by_reduction((by_param[id(p)], g, True) for p, g in zip(bucket.parameters(), grads))
     pending = []
-    for red, views in groups:
+    for red, views, _ in groups:
         flat = buf if len(groups) == 1 else torch.cat([v.reshape(-1) for v in views])
         pending.append((flat, views, _reduce(flat, red, async_op=True)))
 

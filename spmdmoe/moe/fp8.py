@@ -18,9 +18,9 @@ token counts the eager peak can exceed the bf16 layer's by a few percent;
 
 * forward: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by the local
   dispatch in its fan-out pass, once per token: ``RoutedTokens.fp8_rows``; other
-  transports: quantized here, :func:`spmdmoe.kernels.quantize_rows`); ``h = w *
-  silu(h1) * h3`` (the up projection its own op, before the autograd node, so ``x``'s
-  e4m3 is dead before the down projection allocates; ``w`` the routing weight when the dispatch folded it in) and ``h``'s
+  transports: quantized here, :func:`spmdmoe.kernels.quantize_rows`), an op of its own
+  before the autograd node, so ``x``'s e4m3 is dead before the down projection
+  allocates; ``h = w * silu(h1) * h3`` (``w`` the routing weight when the dispatch folded it in) and ``h``'s
   rowwise e4m3 from the same registers (:func:`spmdmoe.kernels.swiglu_quant_forward`);
   ``y = h @ w2^T`` on that e4m3, and with the weights folded (``RoutedTokens.copies_TK``,
   the local transport) each token's copies summed (the combine). Kept for the
