@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated substrings: time only the kernels named so")
     ap.add_argument("--out", default=None)
     ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base` (benchmarks/base_copy.sh): its weight "
-                    "quantization joins the rotation as 'base'")
+                    "quantization and column quantizer join the rotation as 'base'")
     args = ap.parse_args()
     T, K, D, F = args.tokens, args.top_k, args.dim, args.hidden
     N = T * K
@@ -141,7 +141,9 @@ def main() -> None:
         import sys
         sys.path.insert(0, args.base)
         from spmdmoe_base.moe.fp8 import quantize_weights as base_weights
+        from spmdmoe_base.kernels.fp8_cols import quantize_cols_pair_triton as base_cols
         base["FP8 weights, both layouts of [w1|w3] and w2 (E=64)"] = lambda: base_weights(w1v, w2, w3v)
+        base["FP8 dual colwise, 16-aligned (N x D, N x F)"] = lambda: base_cols(gy, gh, offs)
     torchao = {}
     try:
         from torchao.prototype.moe_training.kernels.float8_rowwise import triton_fp8_rowwise_2d_scale_and_cast
