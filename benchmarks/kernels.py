@@ -95,6 +95,10 @@ def main() -> None:
     cases["FP8 dual colwise, 16-aligned (N x D, N x F)"] = (
         lambda: fc.quantize_cols_pair_triton(gy, gh, offs), lambda: fc.quantize_cols_pair_reference(gy, gh, offs),
         N * (D + F) * 2 + P * (D + F) + E * (D + F) * 4)
+    hot = torch.full((E,), N, device=dev, dtype=torch.int32)  # every row routed to expert 0: the split path
+    cases["FP8 dual colwise, one hot expert"] = (
+        lambda: fc.quantize_cols_pair_triton(gy, gh, hot), lambda: fc.quantize_cols_pair_reference(gy, gh, hot),
+        N * (D + F) * 2 + P * (D + F) + E * (D + F) * 4)
     cases["SwiGLU forward + FP8 rows of h (fused)"] = (
         lambda: sq.swiglu_quant_forward_triton(h13, valid), lambda: sq.swiglu_quant_forward_reference(h13, valid),
         N * F * 7 + N * 4)
@@ -144,6 +148,7 @@ def main() -> None:
         from spmdmoe_base.kernels.fp8_cols import quantize_cols_pair_triton as base_cols
         base["FP8 weights, both layouts of [w1|w3] and w2 (E=64)"] = lambda: base_weights(w1v, w2, w3v)
         base["FP8 dual colwise, 16-aligned (N x D, N x F)"] = lambda: base_cols(gy, gh, offs)
+        base["FP8 dual colwise, one hot expert"] = lambda: base_cols(gy, gh, hot)
     torchao = {}
     try:
         from torchao.prototype.moe_training.kernels.float8_rowwise import triton_fp8_rowwise_2d_scale_and_cast
@@ -159,7 +164,7 @@ def main() -> None:
         sweep(cases, args)
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, T={T} K={K} D={D} F={F}; "
              f"configs: fan_out {fo.CONFIG}, gather_sum {gs.CONFIG}, swiglu {sw.CONFIG}, fp8_rows {fr.CONFIG}, "
-             f"fp8_cols {fc.CONFIG}, fp8_weights {fw.ROWS_CONFIG} / {fw.TILED_CONFIG} / {fw.COLS_CONFIG}, swiglu_fp8 {sq.CONFIG} / backward "
+             f"fp8_cols {fc.CONFIG} / {fc.CAST_CONFIG}, fp8_weights {fw.ROWS_CONFIG} / {fw.TILED_CONFIG} / {fw.COLS_CONFIG}, swiglu_fp8 {sq.CONFIG} / backward "
              f"{sq.BWD_CONFIG}, fingerprint {fg.CONFIG}", "",
              "| kernel | Triton ms | TB/s | % of 4.2 | torch eager ms | torch compiled ms | Triton vs compiled | "
              "torchao ms (TB/s) | ours vs torchao |",
@@ -195,15 +200,19 @@ def main() -> None:
 def sweep(cases, args) -> None:
     """Time every launch configuration; keep the fastest in each module's CONFIG (printed)."""
     grids = {  # module: (case or cases, grid); (module, "BWD_CONFIG") sweeps that dict of the module instead (named
-        # module_bwd in --sweep-only)
+        # module_bwd / module_cast in --sweep-only)
         fo: ("dispatch fan-out", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         gs: ("combine (weighted sum of K)", {"block_d": [256, 512, 1024, 2048], "num_warps": [2, 4, 8, 16]}),
         sw: (("SwiGLU forward", "SwiGLU backward, routing weights folded (+ row dots)"),  # the local transport's pair
              {"block_r": [1, 2, 4, 8], "block_f": [256, 512, 1024, 2048], "num_warps": [4, 8]}),
         fr: (("FP8 rowwise scale+cast (N x D)", "FP8 rowwise scale+cast (N x 2F: dh13)"),
              {"block_r": [1, 2, 4, 8], "max_block_c": [1024, 2048, 4096], "num_warps": [4, 8, 16]}),
-        fc: ("FP8 dual colwise, 16-aligned (N x D, N x F)", {"block_r": [32, 64, 128, 256], "block_c": [32, 64, 128],
-                                                             "num_warps": [2, 4, 8, 16]}),
+        # the amax pass reads split (hot) groups only; the cast pass serves both
+        fc: ("FP8 dual colwise, one hot expert", {"block_r": [64, 128, 256], "block_c": [32, 64, 128],
+                                                  "row_programs": [32, 64, 128], "num_warps": [2, 4]}),
+        (fc, "CAST_CONFIG"): (("FP8 dual colwise, 16-aligned (N x D, N x F)", "FP8 dual colwise, one hot expert"),
+                              {"splits": [2, 4], "block_r": [64, 128], "block_c": [32, 64], "group_major": [False, True],
+                               "num_warps": [4]}),
         sq: ("SwiGLU forward + FP8 rows of h (fused)", {"block_r": [1, 2, 4, 8], "max_block_f": [512, 1024, 2048],
                                                         "num_warps": [4, 8, 16]}),
         (sq, "BWD_CONFIG"): ("SwiGLU backward + FP8 rows of dh13 (fused, weights folded)",

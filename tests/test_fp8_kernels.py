@@ -84,7 +84,23 @@ def test_quantize_rows(R, C, dtype, cut):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sizes,extra,A,B", GROUPS)
-def test_quantize_cols_pair(sizes, extra, A, B, dtype):
+@pytest.mark.parametrize("tiles", ["default", "narrow", "narrow, all split"])
+def test_quantize_cols_pair(sizes, extra, A, B, dtype, tiles, monkeypatch):
+    """The default split rule gives a mix ([3, 0, 17, 5]: the 17-row group is split, the others are cast whole by
+    one program). ``narrow``: tiles of few rows and columns, so a split group spans many tiles dealt to three
+    row programs, the cast pass splits a split group's rows in three parts, and its grid takes the other
+    order; ``all split``: every non-empty group takes the two-pass path."""
+    from spmdmoe.kernels import fp8_cols
+    if tiles != "default":
+        monkeypatch.setitem(fp8_cols.CONFIG, "block_r", 4)
+        monkeypatch.setitem(fp8_cols.CONFIG, "block_c", 16)
+        monkeypatch.setitem(fp8_cols.CONFIG, "row_programs", 3)
+        monkeypatch.setitem(fp8_cols.CAST_CONFIG, "group_major", not fp8_cols.CAST_CONFIG["group_major"])
+        monkeypatch.setitem(fp8_cols.CAST_CONFIG, "splits", 3)
+        monkeypatch.setitem(fp8_cols.CAST_CONFIG, "block_r", 4)
+        monkeypatch.setitem(fp8_cols.CAST_CONFIG, "block_c", 8)
+    if tiles == "narrow, all split":
+        monkeypatch.setattr(fp8_cols, "SPLIT_ABOVE", 0)
     gen = torch.Generator().manual_seed(sum(sizes) * 31 + A * 7 + B)
     R, e = sum(sizes) + extra, len(sizes)
     a = _rows_input(R, A, dtype, gen)

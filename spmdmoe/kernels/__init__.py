@@ -10,7 +10,7 @@ elsewhere; :mod:`spmdmoe.kernels.backend`).
 * :func:`swiglu_forward` / :func:`swiglu_backward`: offset-aware SwiGLU over the valid rows only;
 * :func:`swiglu_quant_forward` / :func:`swiglu_quant_backward`: SwiGLU (backward) fused with the rowwise FP8 of its result;
 * :func:`quantize_rows`: rowwise FP8 scale+cast in one pass, valid rows only;
-* :func:`quantize_cols_pair`: the two wgrad operands' per-group columnwise FP8, 16-row aligned, one launch;
+* :func:`quantize_cols_pair`: the two wgrad operands' per-group columnwise FP8, 16-row aligned, a hot expert split across programs;
 * :func:`quantize_weight_pair`: both FP8 layouts of a 3-D weight (rowwise, and its transpose without a
   transposing copy) from two reads;
 * :func:`quantize_weight_pair_into`: the same into given tensors, gated by a device flag (the FP8 weight cache);

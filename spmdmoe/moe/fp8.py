@@ -47,7 +47,7 @@ Forward and dgrad take any group size, no padding.
 
 Weight gradients (:func:`fp8_wgrad`, ``MoEConfig.fp8_wgrad``): in FP8 both operands of
 ``dw2[g] = dy[g]^T h[g]`` and ``dw1|dw3[g] = dh13[g]^T x[g]`` are quantized per
-(group, column) by one launch each into a 16-row-aligned transposed layout with
+(group, column) into a 16-row-aligned transposed layout (a hot expert split across programs) with
 zero pad rows (:func:`spmdmoe.kernels.quantize_cols_pair`, the only padding of
 the path), and the bf16 operands are dropped before the GEMM; unquantized,
 torch's grouped GEMM takes the bf16 operands as they are.
