@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from ..collective_check import check_collective
+from ..types.checks import _layout_problem, checks_mode
 from ..types.errors import SPMDLayoutError, SPMDMeshError
 from ..types.mesh import MeshLike, mesh_axis
 from ..types.placement import Placement
@@ -47,22 +49,41 @@ def padded_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 def expect(x: SPMDTensor, op: str, allowed: tuple[type, ...], mesh: Optional[MeshLike]) -> None:
-    """Check the input type of a collective (local checks on the type, no communication)."""
+    """Check the input type of a collective (local checks on the type, no communication). In the
+    collective-checking mode (:mod:`spmdmoe.collective_check`) the ranks first compare the input, so a problem
+    found here on one rank is raised on every rank."""
+    problem = _input_problem(x, op, allowed, mesh)
+    if checks_mode() == "collectives":
+        axis = x.axis if isinstance(x, SPMDTensor) else mesh_axis(mesh) if mesh is not None else None
+        if axis is not None:
+            check_collective(op, axis, x, problem)
+            return
+    if problem is not None:
+        raise problem
+
+
+def _input_problem(x: SPMDTensor, op: str, allowed: tuple[type, ...], mesh: Optional[MeshLike]
+                   ) -> Optional[SPMDLayoutError]:
     if not isinstance(x, SPMDTensor):
-        raise SPMDLayoutError(
+        return SPMDLayoutError(
             f"{op} takes an SPMDTensor, found {type(x).__name__}; wrap it with spmdmoe.from_local(t, mesh, ...)"
         )
     if not isinstance(x.placement, allowed):
         names = " or ".join(f"{a.__name__}" for a in allowed)
-        raise SPMDLayoutError(
+        return SPMDLayoutError(
             f"rank {x.axis.rank}: {op} takes a {names} tensor, found {x.placement}; "
             f"use spmdmoe.redistribute(x, ...) for other transitions"
         )
     if mesh is not None and mesh_axis(mesh) != x.axis:
-        raise SPMDMeshError(
+        return SPMDMeshError(
             f"rank {x.axis.rank}: {op} was asked to run on {mesh_axis(mesh)} but the tensor lives on "
             f"{x.axis}; redistribute on the tensor's own mesh axis, or build it on this one"
         )
+    if checks_mode() == "collectives":  # the rows this rank holds against its declared layout
+        found = _layout_problem(x, x.placement, None, None)
+        if found is not None:
+            return SPMDLayoutError(f"{op}: {found}")
+    return None
 
 
 def result(

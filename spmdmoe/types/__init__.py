@@ -1,10 +1,11 @@
 """The vocabulary of spmdmoe: placements, mesh axes, ``SPMDTensor``, errors, checks."""
 
-from .checks import Layout, assert_layout, checks, checks_enabled, layout_checked, set_checks
+from .checks import Layout, assert_layout, checks, checks_enabled, checks_mode, layout_checked, set_checks
 from .construct import from_local, padded_empty, shard
 from .errors import (
     MoEConfigError,
     SPMDCapacityError,
+    SPMDCollectiveError,
     SPMDDeviceError,
     SPMDDtypeError,
     SPMDLayoutError,
@@ -25,6 +26,7 @@ __all__ = [
     "MoEConfigError",
     "RoutedTokens",
     "SPMDCapacityError",
+    "SPMDCollectiveError",
     "SPMDRoutingError",
     "SPMDShapeError",
     "MeshAxis",
@@ -43,6 +45,7 @@ __all__ = [
     "assert_layout",
     "checks",
     "checks_enabled",
+    "checks_mode",
     "chunk_counts",
     "chunk_offset",
     "from_local",

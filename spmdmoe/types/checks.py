@@ -2,7 +2,12 @@
 
 Checking is on by default. ``spmdmoe.set_checks(False)`` (or the environment
 variable ``SPMDMOE_CHECKS=0`` at import, or ``with spmdmoe.checks(False):``)
-turns off every check at once:
+turns off every check at once. ``spmdmoe.set_checks("collectives")`` (or
+``SPMDMOE_CHECKS=collectives``) turns every check on and adds the
+collective-checking mode, a debugging aid (:mod:`spmdmoe.collective_check`):
+before each spmdmoe collective the ranks compare the collective and its input's
+metadata, and a ``Replicate`` input's content, and every rank raises the same
+error, naming the rank and the field or the rank that never arrived:
 
 ==================================  =============================================  =====================
 what                                cost when on                                   cost when off
@@ -12,6 +17,10 @@ what                                cost when on                                
 ``@layout_checked``                 binds the arguments and compares placements,   one flag read per call
                                     counts and meshes: a few microseconds per call
 ``assert_layout``                   a few attribute comparisons, under a us        one flag read
+collectives (``"collectives"``      one exchange of a small record through the     -
+mode only)                          process group's store per call, and a host
+                                    copy of a ``Replicate`` input (measured:
+                                    ``benchmarks/RESULTS.md``)
 ==================================  =============================================  =====================
 
 Collectives never re-check: they trust the type. (Measured figures are in
@@ -41,31 +50,52 @@ __all__ = [
     "assert_layout",
     "layout_checked",
     "checks_enabled",
+    "checks_mode",
     "set_checks",
     "checks",
 ]
 
-_state = {"on": os.environ.get("SPMDMOE_CHECKS", "1").strip().lower() not in ("0", "false", "off", "no")}
+_MODES = {"0": (False, False), "false": (False, False), "off": (False, False), "no": (False, False),
+          "1": (True, False), "true": (True, False), "on": (True, False), "yes": (True, False),
+          "collectives": (True, True)}
+_on, _collectives = _MODES.get(os.environ.get("SPMDMOE_CHECKS", "1").strip().lower(), (True, False))
+_state = {"on": _on, "collectives": _collectives}
 
 
 def checks_enabled() -> bool:
-    """Whether layout checking is on (the default)."""
+    """Whether layout checking is on (the default; also in the ``"collectives"`` mode)."""
     return _state["on"]
 
 
-def set_checks(enabled: bool) -> bool:
-    """Turn all layout checking on or off; returns the previous setting.
+def checks_mode() -> str:
+    """``"off"``, ``"on"`` (the default) or ``"collectives"``."""
+    return "collectives" if _state["collectives"] else "on" if _state["on"] else "off"
+
+
+def set_checks(enabled: Union[bool, str]) -> Union[bool, str]:
+    """Turn all layout checking on or off, or on with the collective-checking mode (``"collectives"``);
+    returns the previous setting (a bool, or ``"collectives"``).
 
     Every rank must use the same setting: ``from_local`` communicates only when
-    checking is on.
+    checking is on, and the collective-checking mode exchanges before every
+    collective.
+
+    >>> import spmdmoe
+    >>> previous = spmdmoe.set_checks("collectives")
+    >>> spmdmoe.checks_mode()
+    'collectives'
+    >>> _ = spmdmoe.set_checks(previous)
     """
-    previous = _state["on"]
+    if isinstance(enabled, str) and enabled != "collectives":
+        raise ValueError(f"set_checks takes True, False or 'collectives', found {enabled!r}")
+    previous: Union[bool, str] = "collectives" if _state["collectives"] else _state["on"]
     _state["on"] = bool(enabled)
+    _state["collectives"] = enabled == "collectives"
     return previous
 
 
 @contextlib.contextmanager
-def checks(enabled: bool) -> Iterator[None]:
+def checks(enabled: Union[bool, str]) -> Iterator[None]:
     """Context manager form of :func:`set_checks`."""
     previous = set_checks(enabled)
     try:

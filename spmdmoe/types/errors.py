@@ -14,6 +14,8 @@ mistake for tests and for callers that want to handle one case:
 ``MoEConfigError``         an MoE configuration or parallel plan that cannot work
 ``SPMDRoutingError``       router output that cannot be routed (NaN logits)
 ``SPMDCapacityError``      sync-free EP rows past the static capacity (an ``SPMDLayoutError``)
+``SPMDCollectiveError``    the collective-checking mode found ranks that disagree on a collective: a
+                           different op, or a rank that never arrived (an ``SPMDLayoutError``)
 =========================  ====================================================
 
 Messages say what was expected, what was found, on which rank, and how to fix
@@ -33,6 +35,7 @@ __all__ = [
     "MoEConfigError",
     "SPMDRoutingError",
     "SPMDCapacityError",
+    "SPMDCollectiveError",
 ]
 
 
@@ -71,3 +74,8 @@ class SPMDRoutingError(ValueError):
 class SPMDCapacityError(SPMDLayoutError):
     """Sync-free EP (``ep_mode="sync_free"``) routed more rows to a (source, destination) slot than its static
     capacity holds; raised on every rank of the EP group by the capacity check, with a factor that fits."""
+
+
+class SPMDCollectiveError(SPMDLayoutError):
+    """The collective-checking mode (``spmdmoe.set_checks("collectives")``) found that the ranks of a collective
+    disagree on which collective they run, or that a rank did not arrive within the check's timeout."""

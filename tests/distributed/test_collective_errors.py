@@ -1,4 +1,5 @@
-"""Bad inputs to collectives raise specific errors on every rank (within the test timeout)."""
+"""Bad inputs to collectives raise specific errors on every rank (within the test timeout), in the default mode
+and in the collective-checking mode (``spmdmoe.set_checks("collectives")``)."""
 
 import pytest
 import torch
@@ -6,6 +7,13 @@ import torch
 import spmdmoe
 from spmdmoe import Partial, Replicate, Shard, SPMDLayoutError, SPMDMeshError, SPMDTensor, Varying
 from spmdmoe.testing import assert_raises_everywhere
+
+
+@pytest.fixture(params=[True, "collectives"], ids=["default", "collectives"], autouse=True)
+def checks_mode(request):
+    previous = spmdmoe.set_checks(request.param)
+    yield request.param
+    spmdmoe.set_checks(previous)
 
 
 def test_placement_not_allowed(world, device):

@@ -1,0 +1,148 @@
+"""The collective-checking mode: every spmdmoe collective first compares its inputs across the ranks that run it.
+
+The default checks trust a tensor built locally (``shard``, ``SPMDTensor(...)``,
+``with_local``, ``from_buffer``): a tensor whose metadata differs between ranks
+then meets its peers inside the collective, which hangs or aborts. In this mode
+(``spmdmoe.set_checks("collectives")`` or ``SPMDMOE_CHECKS=collectives``) each
+public collective (``all_gather``, ``reduce_scatter``, ``all_reduce``,
+``redistribute``, ``all_to_all``, and so an SP MoE layer's gathers and scatters)
+first exchanges a record per rank through the process group's store:
+
+* the collective's name, under a sequence number per process group (a rank that
+  skips a collective, or calls another, is named);
+* the input's placement, declared global token count, token dim, dtype and
+  feature shape (the token dim left out), which must be equal on every rank;
+* for a ``Replicate`` input, a checksum of its content (ranks holding different
+  "replicated" data is what this mode exists to find);
+* this rank's own problem with its input, if the local checks found one (it is
+  then raised on every rank, not on this one alone).
+
+Every rank that arrives raises the same error: the local problem's type, or per
+field :class:`~spmdmoe.SPMDLayoutError` (placement, token counts),
+:class:`~spmdmoe.SPMDDtypeError`, :class:`~spmdmoe.SPMDShapeError`, or
+:class:`~spmdmoe.SPMDCollectiveError` (another collective, different replicated
+content, a rank that did not arrive within ``SPMDMOE_CHECK_TIMEOUT`` seconds,
+default 60). The message names the ranks (axis ranks and global ranks) and the
+values each one holds. After such an error the process group is not usable.
+
+Eager only: the exchange reads the host, so under ``torch.compile`` or CUDA
+graph capture the mode raises and says so. Cost: one store round trip per call
+plus a device-to-host copy of a ``Replicate`` input (``benchmarks/check_modes.py``,
+``benchmarks/RESULTS.md``). Off by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .types import errors
+from .types.errors import SPMDCollectiveError, SPMDDtypeError, SPMDLayoutError, SPMDShapeError
+from .types.mesh import MeshAxis
+from .types.placement import Replicate
+from .types.tensor import SPMDTensor
+
+__all__ = ["check_collective", "timeout_s"]
+
+# the fields every rank must hold equal, in the order they are reported, and the error each one raises
+FIELDS = (("op", SPMDCollectiveError), ("placement", SPMDLayoutError), ("global_tokens", SPMDLayoutError),
+          ("token_dim", SPMDLayoutError), ("dtype", SPMDDtypeError), ("features", SPMDShapeError),
+          ("checksum", SPMDCollectiveError))
+_sequence: dict[str, int] = {}  # per process group (its name): the calls checked so far
+
+
+def timeout_s() -> float:
+    """How long a rank waits for its peers' records (``SPMDMOE_CHECK_TIMEOUT``, seconds; default 60)."""
+    return float(os.environ.get("SPMDMOE_CHECK_TIMEOUT", "60"))
+
+
+def _record(op: str, x: Any, problem: Optional[BaseException]) -> dict[str, Any]:
+    rec: dict[str, Any] = {"op": op}
+    if isinstance(x, SPMDTensor):
+        local = x.local
+        rec.update(placement=repr(x.placement), global_tokens=x._global_tokens, token_dim=x.token_dim,
+                   dtype=str(local.dtype),
+                   features=[n for d, n in enumerate(local.shape) if d != x.token_dim % max(local.dim(), 1)])
+        if isinstance(x.placement, Replicate):
+            data = local.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+            rec["checksum"] = f"{zlib.crc32(data):08x}"
+    else:
+        rec["placement"] = type(x).__name__
+    if problem is not None:
+        rec["problem"] = [type(problem).__name__, str(problem)]
+    return rec
+
+
+def _exchange(axis: MeshAxis, payload: bytes) -> list[bytes]:
+    """Every member's payload, in axis-rank order, through the default store; a member that does not arrive
+    within :func:`timeout_s` raises :class:`SPMDCollectiveError` on every rank that did."""
+    store = dist.distributed_c10d._get_default_store()
+    group = str(getattr(axis.group, "group_name", axis.ranks))  # the same on every member
+    seq = _sequence.get(group, 0)
+    _sequence[group] = seq + 1
+    prefix = "spmdmoe/collective_check/" + hashlib.sha1(group.encode()).hexdigest()[:12]
+    keys = [f"{prefix}/{seq}/{r}" for r in range(axis.size)]
+    store.set(keys[axis.rank], payload)
+    if seq >= 2:  # every member has read call seq - 2's records: each wrote seq - 1's after reading them
+        try:
+            store.delete_key(f"{prefix}/{seq - 2}/{axis.rank}")
+        except (RuntimeError, NotImplementedError):  # a store without deletes keeps them
+            pass
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s()))
+    except RuntimeError:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise SPMDCollectiveError(
+            f"collective check #{seq} on mesh axis ranks {list(axis.ranks)}: axis rank(s) {missing} (global "
+            f"{[axis.ranks[r] for r in missing]}) did not arrive within {timeout_s():g} s; they run another "
+            f"number of collectives than this rank (a collective skipped or added on some ranks), or are stuck "
+            f"elsewhere. Raise SPMDMOE_CHECK_TIMEOUT if they are only slow") from None
+    return [store.get(k) for k in keys]
+
+
+def _verdict(axis: MeshAxis, recs: list[dict[str, Any]]) -> Optional[BaseException]:
+    """The same error on every rank (or None): local problems first, then the first field that differs."""
+    def who(ranks: list[int]) -> str:
+        return f"axis rank(s) {ranks} (global {[axis.ranks[r] for r in ranks]})"
+    bad = [r for r, rec in enumerate(recs) if "problem" in rec]
+    if bad:
+        kind, message = recs[bad[0]]["problem"]
+        error = getattr(errors, kind, SPMDLayoutError)
+        details = "; ".join(f"axis rank {r}: {recs[r]['problem'][1]}" for r in bad)
+        return error(f"{recs[0]['op']} rejected the input on {who(bad)}: {details}")
+    for field, error in FIELDS:
+        values = [rec.get(field) for rec in recs]
+        if any(v != values[0] for v in values):
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(json.dumps(v), []).append(r)
+            seen = "; ".join(f"{v} on {who(rs)}" for v, rs in groups.items())
+            hint = ("the replicated content differs between ranks: build it from the same data (same seed), or "
+                    "use Shard / Varying if it is per-rank data") if field == "checksum" else (
+                "every rank must call the same collectives in the same order") if field == "op" else (
+                "the input was built with different metadata on some ranks (a locally built tensor: shard, "
+                "SPMDTensor(...), with_local, from_buffer); build it alike on every rank")
+            return error(f"ranks disagree on {recs[0]['op']}'s input: {field} is {seen}. Fix: {hint}")
+    return None
+
+
+def check_collective(op: str, axis: MeshAxis, x: Any, problem: Optional[BaseException]) -> None:
+    """Compare this collective's input across ``axis`` (the collective-checking mode); raise the same error on
+    every rank, or return when all agree and no rank has a problem."""
+    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        raise SPMDCollectiveError(
+            f"{op}: the collective-checking mode (spmdmoe.set_checks('collectives')) is eager only: it exchanges on "
+            f"the host before every collective. Turn it off under torch.compile and CUDA graph capture "
+            f"(spmdmoe.set_checks(True)) and debug the eager step")
+    payload = json.dumps(_record(op, x, problem)).encode()
+    recs = [json.loads(p) for p in _exchange(axis, payload)]
+    verdict = _verdict(axis, recs)
+    if verdict is not None:
+        raise verdict
