@@ -33,6 +33,7 @@ plus a device-to-host copy of a ``Replicate`` input (``benchmarks/check_modes.py
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -91,10 +92,8 @@ def _exchange(axis: MeshAxis, payload: bytes) -> list[bytes]:
     keys = [f"{prefix}/{seq}/{r}" for r in range(axis.size)]
     store.set(keys[axis.rank], payload)
     if seq >= 2:  # every member has read call seq - 2's records: each wrote seq - 1's after reading them
-        try:
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without deletes keeps them
             store.delete_key(f"{prefix}/{seq - 2}/{axis.rank}")
-        except (RuntimeError, NotImplementedError):  # a store without deletes keeps them
-            pass
     try:
         store.wait(keys, timedelta(seconds=timeout_s()))
     except RuntimeError:
@@ -113,8 +112,7 @@ def _verdict(axis: MeshAxis, recs: list[dict[str, Any]]) -> Optional[BaseExcepti
         return f"axis rank(s) {ranks} (global {[axis.ranks[r] for r in ranks]})"
     bad = [r for r, rec in enumerate(recs) if "problem" in rec]
     if bad:
-        kind, message = recs[bad[0]]["problem"]
-        error = getattr(errors, kind, SPMDLayoutError)
+        error = getattr(errors, recs[bad[0]]["problem"][0], SPMDLayoutError)
         details = "; ".join(f"axis rank {r}: {recs[r]['problem'][1]}" for r in bad)
         return error(f"{recs[0]['op']} rejected the input on {who(bad)}: {details}")
     for field, error in FIELDS:

@@ -54,6 +54,9 @@ def expect(x: SPMDTensor, op: str, allowed: tuple[type, ...], mesh: Optional[Mes
     found here on one rank is raised on every rank."""
     problem = _input_problem(x, op, allowed, mesh)
     if checks_mode() == "collectives":
+        if problem is None:  # also the rows this rank holds against its declared layout
+            found = _layout_problem(x, x.placement, None, None)
+            problem = None if found is None else SPMDLayoutError(f"{op}: {found}")
         axis = x.axis if isinstance(x, SPMDTensor) else mesh_axis(mesh) if mesh is not None else None
         if axis is not None:
             check_collective(op, axis, x, problem)
@@ -79,10 +82,6 @@ def _input_problem(x: SPMDTensor, op: str, allowed: tuple[type, ...], mesh: Opti
             f"rank {x.axis.rank}: {op} was asked to run on {mesh_axis(mesh)} but the tensor lives on "
             f"{x.axis}; redistribute on the tensor's own mesh axis, or build it on this one"
         )
-    if checks_mode() == "collectives":  # the rows this rank holds against its declared layout
-        found = _layout_problem(x, x.placement, None, None)
-        if found is not None:
-            return SPMDLayoutError(f"{op}: {found}")
     return None
 
 

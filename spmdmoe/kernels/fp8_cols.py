@@ -221,14 +221,14 @@ def quantize_cols_pair_triton(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e:
     padded_e = _padded_ends(offsets_e, P)
     qa, qb, sa, sb = _empty_outputs(a_RA, b_RB, e, P)
     A, B = a_RA.shape[1], b_RB.shape[1]
-    # the per-(group, column) amax (atomic max). Two allocations: with both as views of one buffer a compiled
-    # DeepSeek-V3 step faulted in an inductor kernel (H200, torch 2.11); with two it runs
-    ma = torch.zeros((e, A), dtype=torch.float32, device=a_RA.device)
-    mb = torch.zeros((e, B), dtype=torch.float32, device=a_RA.device)
     if e == 0:  # no group: every row is padding
         qa.view(torch.uint8).zero_()
         qb.view(torch.uint8).zero_()
     elif A + B > 0:
+        # the per-(group, column) amax (atomic max). Two allocations: with both as views of one buffer a compiled
+        # DeepSeek-V3 step faulted in an inductor kernel (H200, torch 2.11); with two it runs
+        ma = torch.zeros((e, A), dtype=torch.float32, device=a_RA.device)
+        mb = torch.zeros((e, B), dtype=torch.float32, device=a_RA.device)
         c = CONFIG
         wrap_triton(_cols_amax_kernel)[(_blocks(A, B, c["block_c"]), c["row_programs"])](
             a_RA, b_RB, ma, mb, offsets_e, A, B, e, SPLIT_ABOVE=SPLIT_ABOVE, BLOCK_R=c["block_r"],
