@@ -34,7 +34,9 @@ mode        how the row travels                             used by
 Cost of (c): nothing per forward but a few tiny device ops; the read costs one
 host sync, once per :func:`check_errors` call and once per
 ``update_expert_bias`` call. With checks off (:func:`spmdmoe.set_checks`), the
-layers record nothing and :func:`agree` callers skip their exchange.
+layers record nothing, but every exchange above still runs with the same
+payload (its problem slots zero): a rank-local setting never decides whether a
+collective runs or how large it is.
 
 Rank numbers in messages: the axis' own ranks for exchanges over one axis
 (``from_local``, ``exchange_counts``, ``all_to_all``); global ranks for the MoE
@@ -113,7 +115,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("nonfinite", SPMDRoutingError, "non-finite router logits (NaN or inf input)"),
     Kind("failed", AssertionError, "check failed"),
     Kind("capacity", SPMDCapacityError, "more rows than the sync-free EP buffers hold"),
-    Kind("grad_set", SPMDLayoutError, "its reduce_grads trains another set of parameters than its peers'"),
+    Kind("grad_set", SPMDLayoutError, "it trains another set of parameters than its peers' (reduce_grads) or than agreed (sync_grads)"),
 )
 BIT = {kind.name: 1 << i for i, kind in enumerate(KINDS)}
 
@@ -290,6 +292,7 @@ class ProblemFlag:
         self.details: list[str] = []
         self.on_clear = on_clear
         self.home = home  # the owner's int64 scalar buffer (moves with it): recorded into with no new tensor
+        self.generation = 0  # how often it was cleared: a delayed read of older bits is stale after a clear
         _flags.add(self)
 
     def _home(self) -> Optional[torch.Tensor]:
@@ -313,6 +316,11 @@ class ProblemFlag:
         own.bitwise_or_(bits)
         self.details.extend(details)
 
+    def bits_into(self, out: torch.Tensor) -> None:
+        """OR this rank's bits into ``out`` (a device int64 tensor of one element): no sync."""
+        for own in self._tensors():
+            out.bitwise_or_(own.to(out.device))
+
     def slots(self, device: torch.device) -> torch.Tensor:
         """A ``(world_size,)`` int64 vector: this rank's bits in its own slot, zeros elsewhere.
 
@@ -321,8 +329,7 @@ class ProblemFlag:
         """
         world, me = _world()
         slots = torch.zeros(world, dtype=torch.int64, device=device)
-        for own in self._tensors():
-            slots[me].bitwise_or_(own.to(device))
+        self.bits_into(slots[me])
         return slots
 
     def raise_slots(self, op: str, slots: Sequence[int]) -> None:
@@ -333,6 +340,7 @@ class ProblemFlag:
         for own in self._tensors():
             own.zero_()
         self.details.clear()
+        self.generation += 1
         if self.on_clear is not None:
             self.on_clear()
 

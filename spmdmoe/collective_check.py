@@ -5,11 +5,16 @@ The default checks trust a tensor built locally (``shard``, ``SPMDTensor(...)``,
 then meets its peers inside the collective, which hangs or aborts. In this mode
 (``spmdmoe.set_checks("collectives")`` or ``SPMDMOE_CHECKS=collectives``) each
 public collective (``all_gather``, ``reduce_scatter``, ``all_reduce``,
-``redistribute``, ``all_to_all``, and so an SP MoE layer's gathers and scatters)
-first exchanges a record per rank through the process group's store:
+``redistribute``, ``all_to_all``, and so an SP MoE layer's gathers and scatters;
+and :func:`spmdmoe.moe.sync_grads`, the SP gradient sums of replicated parameters,
+with which of its tensors need a gradient; and each MoE layer's forward, with
+its train / eval mode) first exchanges a record per rank through the process
+group's store:
 
 * the collective's name, under a sequence number per process group (a rank that
-  skips a collective, or calls another, is named);
+  skips a collective, or calls another, is named), and the grad mode (a rank
+  under ``torch.no_grad()`` records no backward, so its peers' backward
+  collectives would wait for it);
 * the input's placement, declared global token count, token dim, dtype and
   feature shape (the token dim left out), which must be equal on every rank;
 * for a ``Replicate`` input, a checksum of its content (ranks holding different
@@ -53,7 +58,9 @@ from .types.tensor import SPMDTensor
 __all__ = ["check_collective", "timeout_s"]
 
 # the fields every rank must hold equal, in the order they are reported, and the error each one raises
-FIELDS = (("op", SPMDCollectiveError), ("placement", SPMDLayoutError), ("global_tokens", SPMDLayoutError),
+FIELDS = (("op", SPMDCollectiveError), ("grad_enabled", SPMDCollectiveError), ("training", SPMDCollectiveError),
+          ("needs_grad", SPMDLayoutError),
+          ("placement", SPMDLayoutError), ("global_tokens", SPMDLayoutError),
           ("token_dim", SPMDLayoutError), ("dtype", SPMDDtypeError), ("features", SPMDShapeError),
           ("checksum", SPMDCollectiveError))
 _sequence: dict[str, int] = {}  # per process group (its name): the calls checked so far
@@ -65,7 +72,7 @@ def timeout_s() -> float:
 
 
 def _record(op: str, x: Any, problem: Optional[BaseException]) -> dict[str, Any]:
-    rec: dict[str, Any] = {"op": op}
+    rec: dict[str, Any] = {"op": op, "grad_enabled": torch.is_grad_enabled()}
     if isinstance(x, SPMDTensor):
         local = x.local
         rec.update(placement=repr(x.placement), global_tokens=x._global_tokens, token_dim=x.token_dim,
@@ -125,21 +132,27 @@ def _verdict(axis: MeshAxis, recs: list[dict[str, Any]]) -> Optional[BaseExcepti
             hint = ("the replicated content differs between ranks: build it from the same data (same seed), or "
                     "use Shard / Varying if it is per-rank data") if field == "checksum" else (
                 "every rank must call the same collectives in the same order") if field == "op" else (
+                "run the step under the same grad mode on every rank (torch.no_grad() on some ranks only "
+                "leaves the others waiting in the backward's collectives)") if field == "grad_enabled" else (
+                "freeze the same parameters on every rank") if field == "needs_grad" else (
+                "put the model in the same train() / eval() mode on every rank") if field == "training" else (
                 "the input was built with different metadata on some ranks (a locally built tensor: shard, "
                 "SPMDTensor(...), with_local, from_buffer); build it alike on every rank")
             return error(f"ranks disagree on {recs[0]['op']}'s input: {field} is {seen}. Fix: {hint}")
     return None
 
 
-def check_collective(op: str, axis: MeshAxis, x: Any, problem: Optional[BaseException]) -> None:
+def check_collective(op: str, axis: MeshAxis, x: Any, problem: Optional[BaseException],
+                     fields: Optional[dict[str, Any]] = None) -> None:
     """Compare this collective's input across ``axis`` (the collective-checking mode); raise the same error on
-    every rank, or return when all agree and no rank has a problem."""
+    every rank, or return when all agree and no rank has a problem. ``fields``: more values to compare (one of
+    :data:`FIELDS`' names)."""
     if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         raise SPMDCollectiveError(
             f"{op}: the collective-checking mode (spmdmoe.set_checks('collectives')) is eager only: it exchanges on "
             f"the host before every collective. Turn it off under torch.compile and CUDA graph capture "
             f"(spmdmoe.set_checks(True)) and debug the eager step")
-    payload = json.dumps(_record(op, x, problem)).encode()
+    payload = json.dumps({**_record(op, x, problem), **(fields or {})}).encode()
     recs = [json.loads(p) for p in _exchange(axis, payload)]
     verdict = _verdict(axis, recs)
     if verdict is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["to_host", "host_sync_count"]
+__all__ = ["to_host", "host_sync_count", "DelayedRead"]
 
 _host_syncs = [0]
 
@@ -39,3 +39,32 @@ def to_host(t: torch.Tensor) -> list:
         return t.tolist()
     finally:
         torch.cuda.set_sync_debug_mode(mode)
+
+
+class DelayedRead:
+    """A small int tensor's device-to-host copy, started now and read later (counted as a transfer at the read).
+
+    On CUDA: a non-blocking copy into pinned memory and an event; :meth:`get` waits for that event only, so
+    it blocks only while the GPU has not yet reached the point where the copy was started (for a copy
+    started one step earlier, only a host running more than a step ahead waits). On the CPU the values are
+    read at once. Not under ``torch.compile`` or CUDA graph capture (callers skip it there).
+    """
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._event: "torch.cuda.Event | None" = None
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = t.detach().clone()
+
+    def get(self) -> list:
+        """The values, as (nested) Python lists."""
+        _host_syncs[0] += 1
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

@@ -139,3 +139,31 @@ def test_weights_fingerprint_sees_permutations():
     with torch.no_grad():
         moe.experts.w2.copy_(moe.experts.w2[[1, 0, 2, 3]].clone())
     assert weights_fingerprint(moe) != base
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_delayed_read_returns_the_values_of_when_it_started(device):
+    """The ride of deferred problems (``ParallelMoE._surface``): a copy started now, read later. On CUDA the start
+    makes no host sync (sync debug mode "error"), later writes to the source do not change what is read, and
+    the read is counted as a transfer."""
+    from spmdmoe.host import DelayedRead
+
+    t = torch.arange(6, dtype=torch.int64, device=device).view(3, 2)
+    read = sync_error_mode(lambda: DelayedRead(t[:, 1:])) if device == "cuda" else DelayedRead(t[:, 1:])
+    t.fill_(-1)
+    before = host_sync_count()
+    assert read.get() == [[1], [3], [5]]
+    assert host_sync_count() == before + 1
+
+
+def test_problem_flag_generation_counts_clears():
+    flag = ProblemFlag()
+    out = torch.zeros(1, dtype=torch.int64)
+    flag.bits_into(out)
+    assert int(out) == 0 and flag.generation == 0
+    flag.record(BIT["width"], torch.device("cpu"), ["rank 0: detail"])
+    flag.bits_into(out)
+    assert int(out) == BIT["width"]
+    flag.clear()
+    assert flag.generation == 1 and flag.details == []

@@ -20,7 +20,6 @@ from .._dist import all_to_all_single
 from ..agreement import BIT, Field, Found, agree, raise_problems
 from ..autograd import anchored, collective_op
 from ..host import to_host
-from ..types.checks import checks_enabled
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Varying
 from ..types.tensor import SPMDTensor, parse_count
@@ -148,23 +147,21 @@ def exchange_counts(
     travel with the counts (a negative count, counts that do not sum to
     ``rows``, a wrong leading size): ``SPMDLayoutError`` on every rank, carried
     by the count exchange itself. The width ``k`` decides the size of that
-    exchange, so it is agreed before it: with checks on, one tiny all-gather
-    and host read more (mode (b)), which turns counts of different shapes on
-    different ranks into an error on every rank rather than a size mismatch
-    inside the collective. With checks off the width is trusted. A
-    fixed-width caller (the MoE layer, whose width ``e`` was agreed at
+    exchange, so it is agreed before it, in every checking mode: one tiny
+    all-gather and host read more (mode (b)), which turns counts of different
+    shapes on different ranks into an error on every rank rather than a size
+    mismatch inside the collective. A fixed-width caller (the MoE layer, whose width ``e`` was agreed at
     ``parallelize_moe``) uses the exchange directly.
     """
     axis = mesh_axis(mesh)
     n = axis.size
     shaped = send_counts.dim() >= 1 and send_counts.shape[0] == n
     width = send_counts[0].numel() if shaped else -1
-    if checks_enabled():
-        found = Found()
-        if not shaped:
-            found.add("counts", f"rank {axis.rank}: send counts of shape {tuple(send_counts.shape)}, "
-                                f"expected leading size {n} (one row per destination rank)")
-        agree("exchange_counts", axis, found, [(_WIDTH, width)])
+    found = Found()
+    if not shaped:
+        found.add("counts", f"rank {axis.rank}: send counts of shape {tuple(send_counts.shape)}, "
+                            f"expected leading size {n} (one row per destination rank)")
+    agree("exchange_counts", axis, found, [(_WIDTH, width)])
     return _exchange(send_counts, axis, rows, max(width, 1), "exchange_counts")
 
 
@@ -189,12 +186,11 @@ def all_to_all(
     Checks: count lists of the wrong length, negative counts, or a
     ``send_counts`` sum that is not this rank's row count raise
     ``SPMDLayoutError`` on every rank together. When counts are exchanged this
-    rides along with the exchange (always on, free); with both host lists given
-    and checking on, it costs an ``all_to_all_single`` of ``n`` counts, one
-    tiny all-gather and one sync, and also catches a ``recv_counts`` that
-    contradicts what the peers send to this rank. With checks off such a
-    ``recv_counts`` is the caller's contract (``exchange_counts`` produces
-    matching ones).
+    rides along with the exchange (free); with both host lists given it costs
+    an ``all_to_all_single`` of ``n`` counts, one tiny all-gather and one sync
+    (in every checking mode: the setting never decides whether a collective
+    runs), and also catches a ``recv_counts`` that contradicts what the peers
+    send to this rank.
 
     Backward: the reverse all_to_all (send and receive splits swapped),
     recorded on every rank whenever grad mode is on.
@@ -216,8 +212,7 @@ def all_to_all(
         send, recv = _exchange(counts, axis, x.local_tokens, 1, "all_to_all", bad and f"rank {axis.rank}: {bad}")
     else:
         send, recv = _ints(send_counts), _ints(recv_counts)
-        if checks_enabled():
-            _check_host_counts(send, recv, x.local_tokens, axis)
+        _check_host_counts(send, recv, x.local_tokens, axis)
     return result(x, exchanged_op(x.local, send, recv, axis, dim), Varying())
 
 

@@ -5,6 +5,7 @@
 ``MoE``                    the single-device layer, ``forward(x_TD) -> y_TD``
 ``parallelize_moe``        the same layer over SP (local / gather) and EP axes
 ``sync_grads``             views whose backward sums fresh gradients over an axis
+``agree_grad_set``         agree now on which of its tensors need a gradient
 ``replicate_grads``        the same for a whole module's replicated parameters
 ``overlap_grads``          let those sums overlap backward until a module's input
 ``LocalTransport``         dispatch/combine with every expert local
@@ -22,7 +23,7 @@ from .config import MoEConfig
 from .dispatch import AllToAllTransport, LocalTransport
 from .data_parallel import ddp, grad_reductions, reduce_grads
 from .fsdp import fully_shard_moe, register_spmd_hooks
-from .grads import GradReduction, replicate_grads, sync_grads
+from .grads import GradReduction, agree_grad_set, replicate_grads, sync_grads
 from .layer import MoE
 from .overlap import overlap_grads
 from .parallel import ParallelMoE, parallelize_moe
@@ -34,6 +35,7 @@ __all__ = [
     "ParallelMoE",
     "parallelize_moe",
     "sync_grads",
+    "agree_grad_set",
     "replicate_grads",
     "overlap_grads",
     "GradReduction",

@@ -20,6 +20,8 @@ Reduction across replicas holding different batches comes after ``backward``:
 from __future__ import annotations
 
 import types
+import weakref
+import zlib
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -27,11 +29,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._dist import all_reduce
+from ..agreement import BIT, Field, Found, ProblemFlag, agree
+from ..collective_check import check_collective
+from ..types.checks import checks_mode
 from ..types.errors import SPMDLayoutError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from .overlap import Anchor, active_anchor, by_dtype, call_anchored
 
-__all__ = ["sync_grads", "replicate_grads", "GradReduction"]
+__all__ = ["sync_grads", "agree_grad_set", "replicate_grads", "GradReduction"]
 
 
 class _SyncGrads(torch.autograd.Function):
@@ -69,8 +74,22 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
     rank of the axis must call this once per forward, with the same tensors
     in the same order (also a rank with no tokens). ``dtypes``: cast the views
     (e.g. a bf16 router weight read in fp32); the gradients are then summed in
-    that dtype and rounded once. A 1-rank axis, or no tensor that needs a
-    gradient, returns the tensors (cast) without a reduction. Inside an
+    that dtype and rounded once. A 1-rank axis, or grad mode off, returns
+    the tensors (cast) without a reduction.
+
+    Which tensors need a gradient is agreed once per call site (these tensors
+    on this axis), at its first call (in any grad mode): one small all-gather and a
+    host read; ranks that differ raise the same ``SPMDLayoutError`` on every
+    rank. When none needs one, every rank skips the reduction. Later calls
+    follow the agreed set whatever this rank's flags say now (a rank that
+    froze all of them still records the node, so its peers' all-reduce finds
+    it); a set that differs from the agreed one is recorded and raised on
+    every rank by :func:`spmdmoe.check_errors`. Freeze parameters before the
+    first training forward. Grad mode itself is not exchanged (it would cost
+    a host read per call): a rank under ``torch.no_grad()`` while its peers
+    train leaves them waiting in backward; the collective-checking mode
+    (``spmdmoe.set_checks("collectives")``) compares it and the set on every
+    call. Inside an
     anchored call covering ``tensors`` (``spmdmoe.moe.overlap``) the sum is
     launched asynchronously and waited for at the call's input.
 
@@ -84,13 +103,69 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
     axis = mesh_axis(mesh)
     tensors = list(tensors)
     dtypes = [t.dtype for t in tensors] if dtypes is None else list(dtypes)
-    if axis.size == 1 or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+    mask = tuple(t.requires_grad for t in tensors)
+    if axis.size > 1 and checks_mode() == "collectives":  # grad mode and the set compared, also with grad off
+        check_collective("sync_grads", axis, None, None, {"needs_grad": [i for i, m in enumerate(mask) if m]})
+    if axis.size == 1:
+        return [t if d == t.dtype else t.to(d) for t, d in zip(tensors, dtypes)]
+    agreed = _agreed_set(axis, tensors, mask)  # in any grad mode: grad mode must not decide that it runs
+    if not torch.is_grad_enabled() or not any(agreed):
         return [t if d == t.dtype else t.to(d) for t, d in zip(tensors, dtypes)]
     anchor = None if torch.compiler.is_compiling() else active_anchor()
     if anchor is not None and not anchor.covers(tensors):
         anchor = None
     token = None if anchor is None else anchor.token
+    if not any(mask) and (token is None or not token.requires_grad):  # stand in: the node the peers
+        token = torch.zeros((), device=tensors[0].device, requires_grad=True)  # record, reached from a leaf
     return list(_SyncGrads.apply(axis, anchor, dtypes, token, *tensors))
+
+
+# the requires-grad set each sync_grads call site agreed on at its first call: (group, tensors) -> (refs, set)
+_AGREED: dict[tuple[int, tuple[int, ...]], tuple[list["weakref.ref[torch.Tensor]"], tuple[bool, ...]]] = {}
+_SYNC_SET = ProblemFlag()  # a forward whose set differs from the agreed one; raised by check_errors
+_SET = Field("set of tensors that need a gradient", show=lambda v: f"#{v:x}",
+             fix="freeze (requires_grad_(False)) the same parameters on every rank")
+
+
+def agree_grad_set(tensors: Sequence[torch.Tensor], mesh: MeshLike) -> None:
+    """Agree now, eagerly, on which of ``tensors`` need a gradient, for the :func:`sync_grads` calls over these
+    tensors and ``mesh`` (``replicate_grads`` and ``parallelize_moe`` do it when they wrap, so a first forward
+    under ``torch.compile`` on some ranks only finds the set agreed). Every rank must call it alike; ranks
+    whose sets differ raise the same ``SPMDLayoutError``."""
+    axis = mesh_axis(mesh)
+    tensors = list(tensors)
+    if axis.size > 1 and tensors:
+        _agreed_set(axis, tensors, tuple(t.requires_grad for t in tensors))
+
+
+def _agreed_set(axis: MeshAxis, tensors: list[torch.Tensor], mask: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Which of ``tensors`` need a gradient, as every rank of ``axis`` agreed at this call site's first
+    call, in any grad mode (one agreement exchange, mode (b), with a host read; every rank raises if the
+    sets differ). Later calls compare locally, free: with grad on, a set that differs is recorded (no
+    sync) and raised by :func:`spmdmoe.check_errors`, while this rank follows the agreed set, so the
+    collectives still match.
+    Under ``torch.compile`` a call site not agreed yet uses its own set (nothing is exchanged while tracing)."""
+    key = (id(axis.group), tuple(id(t) for t in tensors))
+    entry = _AGREED.get(key)
+    if entry is not None and all(ref() is t for ref, t in zip(entry[0], tensors)):
+        agreed = entry[1]
+    elif torch.compiler.is_compiling():
+        return mask
+    else:
+        agree("sync_grads", axis, Found(), [(_SET, zlib.crc32(bytes(mask)))])
+        if len(_AGREED) > 4096:  # call sites whose tensors are gone
+            for k in [k for k, (refs, _) in _AGREED.items() if any(r() is None for r in refs)]:
+                del _AGREED[k]
+        _AGREED[key] = ([weakref.ref(t) for t in tensors], mask)
+        agreed = mask
+    if mask != agreed and torch.is_grad_enabled():
+        changed = [i for i, (a, b) in enumerate(zip(mask, agreed)) if a != b]
+        detail = (f"rank {axis.rank} of {axis}: sync_grads over tensors {changed} (of {len(mask)}) that "
+                  f"{'need' if mask[changed[0]] else 'no longer need'} a gradient here, unlike the set the ranks "
+                  "agreed on at the first call; freeze or unfreeze parameters before the first training forward, "
+                  "on every rank")
+        _SYNC_SET.record(BIT["grad_set"], tensors[0].device, [] if detail in _SYNC_SET.details else [detail])
+    return agreed
 
 
 def replicate_grads(
@@ -120,6 +195,7 @@ def replicate_grads(
             "applying it twice would reduce its gradients twice"
         )
     names = [n for n, p in module.named_parameters() if p.requires_grad and (include is None or include(n))]
+    agree_grad_set([module.get_parameter(n) for n in names], axis)  # a parameter frozen on one rank: raised here
     object.__setattr__(module, "_spmdmoe_replicated", (axis, names, overlap))
     object.__setattr__(module, "_spmdmoe_replicate_inner", module.forward)
     object.__setattr__(module, "forward", types.MethodType(_replicated_forward, module))

@@ -156,13 +156,15 @@ class _Layer(nn.Module):
         r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
         weights_TK = r.weights_TK
         self.aux_loss = None
-        if self.training and torch.is_grad_enabled():  # a forward whose backward can run (balance.py)
+        if self.training:  # not grad mode: a rank-local value must not decide whether the aux all-reduce runs
             counts_E = count_per_expert(r.ids_TK, cfg.num_experts, own)
-            weights_TK = balance.count_on_backward(weights_TK, counts_E, self)
+            grad = torch.is_grad_enabled()  # a forward whose backward can run (balance.py)
+            if grad:
+                weights_TK = balance.count_on_backward(weights_TK, counts_E, self)
             if cfg.aux_loss_coeff is not None:
-                total_E = balance.reduce_counts(counts_E, self.aux_axes)
+                total_E = balance.reduce_counts(counts_E, self.aux_axes)  # with grad off too: peers may train
                 own_scores = r.scores_TE if own is None else r.scores_TE * own.unsqueeze(1)
-                self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff)
+                self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff) if grad else None
         problem = problem or Problem()
         problem.flag = self.problems
         if checks_enabled():

@@ -2,7 +2,9 @@
 
 Checking is on by default. ``spmdmoe.set_checks(False)`` (or the environment
 variable ``SPMDMOE_CHECKS=0`` at import, or ``with spmdmoe.checks(False):``)
-turns off every check at once. ``spmdmoe.set_checks("collectives")`` (or
+turns off the checks that cost time per call (the MoE layer's input comparison
+and non-finite pass, ``@layout_checked``, ``assert_layout``, the problem bits the
+layers record); the cross-rank exchanges still run, with the same payloads. ``spmdmoe.set_checks("collectives")`` (or
 ``SPMDMOE_CHECKS=collectives``) turns every check on and adds the
 collective-checking mode, a debugging aid (:mod:`spmdmoe.collective_check`):
 before each spmdmoe collective the ranks compare the collective and its input's
@@ -12,8 +14,6 @@ error, naming the rank and the field or the rank that never arrived:
 ==================================  =============================================  =====================
 what                                cost when on                                   cost when off
 ==================================  =============================================  =====================
-``from_local``                      one all-gather of 8 int64 per rank and one     no communication; the
-                                    device-to-host copy of them (a sync on CUDA)   declared T is trusted
 ``@layout_checked``                 binds the arguments and compares placements,   one flag read per call
                                     counts and meshes: a few microseconds per call
 ``assert_layout``                   a few attribute comparisons, under a us        one flag read
@@ -23,7 +23,9 @@ mode only)                          process group's store per call, and a host
                                     ``benchmarks/RESULTS.md``)
 ==================================  =============================================  =====================
 
-Collectives never re-check: they trust the type. (Measured figures are in
+``from_local`` always exchanges (one all-gather of 8 int64 per rank and one
+device-to-host copy of them, a sync on CUDA), in every mode. Collectives never
+re-check: they trust the type. (Measured figures are in
 ``benchmarks/RESULTS.md``.)
 """
 
@@ -76,9 +78,12 @@ def set_checks(enabled: Union[bool, str]) -> Union[bool, str]:
     """Turn all layout checking on or off, or on with the collective-checking mode (``"collectives"``);
     returns the previous setting (a bool, or ``"collectives"``).
 
-    Every rank must use the same setting: ``from_local`` communicates only when
-    checking is on, and the collective-checking mode exchanges before every
-    collective.
+    The setting is rank-local, but it never decides whether a collective runs
+    or how large its payload is (``from_local``, ``parallelize_moe``, the bias
+    update and the count checks exchange the same in every mode; where the
+    setting matters to a verdict it is exchanged and compared). The
+    collective-checking mode must be on on every rank or none: a rank in it
+    waits for its peers' records before each collective.
 
     >>> import spmdmoe
     >>> previous = spmdmoe.set_checks("collectives")

@@ -16,7 +16,6 @@ import torch
 
 from ..agreement import Field, Found, agree, dtype_code, dtype_name
 from . import layout
-from .checks import checks_enabled
 from .errors import SPMDLayoutError
 from .mesh import MeshAxis, MeshLike, mesh_axis
 from .placement import Partial, Placement, Replicate, Shard, Varying
@@ -155,8 +154,11 @@ def from_local(
 
     Without ``global_tokens``, ``T`` is the sum of the exchanged rows for
     ``Shard`` (the rows for ``Replicate``/``Partial``) — never local × world.
-    With checking off (:func:`spmdmoe.set_checks`), nothing is exchanged: the
-    declared T is trusted (and required), and only this rank's rows are checked.
+    The exchange and the verdict are the same in every checking mode
+    (:func:`spmdmoe.set_checks`): whether a collective runs never depends on a
+    rank-local setting. To wrap rows with no communication at all, use
+    ``SPMDTensor(local, mesh, placement, global_tokens=T)`` (it checks this
+    rank's rows only).
 
     ``token_dim`` is the token dimension for non-``Shard`` placements.
 
@@ -166,17 +168,6 @@ def from_local(
     7
     """
     axis = mesh_axis(mesh)
-    if not checks_enabled():
-        if global_tokens is None and not isinstance(placement, Varying):
-            raise SPMDLayoutError(
-                f"rank {axis.rank}: with checking off, from_local does no communication and needs "
-                "global_tokens=T (it never infers T from local shapes); pass it, or turn checks on"
-            )
-        out = SPMDTensor(local, axis, placement, global_tokens=global_tokens, token_dim=token_dim)
-        if strict and (problem := _strict_problem(out.global_tokens, axis)) is not None:
-            raise SPMDLayoutError(problem)
-        return out
-
     found, (kind, dim, declared, dtype, features, rows) = _local_findings(local, axis, placement, global_tokens, token_dim)
     table = agree(
         "from_local", axis, found,

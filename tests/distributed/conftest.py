@@ -4,6 +4,9 @@ Run with ``torchrun --nproc-per-node 4 -m pytest tests/distributed``: gloo on
 CPU, NCCL when CUDA is present (each rank on ``cuda:LOCAL_RANK``). Tests that
 need exactly four ranks are marked ``world4``. Every test gets a 120 s
 timeout unless it sets its own, so a hang fails fast instead of blocking CI.
+Tests marked ``one_rank_bad`` (an input wrong on one rank) get fresh process
+groups of their own with a 30 s timeout in the ``world`` and ``mesh2x2``
+fixtures, so reverting a fix fails that test instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+
+from torch.distributed.device_mesh import DeviceMesh
 
 from spmdmoe import init_mesh
 
@@ -76,8 +81,9 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     world = dist.get_world_size()
     for item in items:
-        if item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(DEFAULT_TIMEOUT_S))
+        if item.get_closest_marker("timeout") is None:  # one-rank-bad: the group's timeout, + set-up slack
+            bad = item.get_closest_marker("one_rank_bad") is not None
+            item.add_marker(pytest.mark.timeout(2 * ONE_RANK_BAD_TIMEOUT_S if bad else DEFAULT_TIMEOUT_S))
         if item.get_closest_marker("world4") is not None and world != 4:
             item.add_marker(pytest.mark.skip(reason=f"needs exactly 4 processes, found {world}"))
 
@@ -98,19 +104,57 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-@pytest.fixture(scope="session")
-def world():
-    """The 1-D mesh over every rank."""
-    return init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (dist.get_world_size(),),
-                     mesh_dim_names=("world",))
+ONE_RANK_BAD_TIMEOUT_S = 30
+
+
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def fresh_mesh(shape: tuple, names: tuple) -> DeviceMesh:
+    """A mesh of new process groups (one ``new_group`` per row of each dim, the world's too) whose collectives
+    time out after ``ONE_RANK_BAD_TIMEOUT_S``: a scenario that leaves ranks out of step fails itself, not the
+    next test, which gets groups of its own."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    grid = torch.arange(world).view(*shape)
+    groups = []
+    for dim in range(grid.dim()):
+        mine = None
+        for row in grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist():  # every rank makes every group
+            group = dist.new_group(row, timeout=datetime.timedelta(seconds=ONE_RANK_BAD_TIMEOUT_S))
+            if me in row:
+                mine = group
+        groups.append(mine)
+    return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], _device_type(), mesh=grid,
+                                 mesh_dim_names=names)
+
+
+def _one_rank_bad(request) -> bool:
+    return request.node.get_closest_marker("one_rank_bad") is not None
 
 
 @pytest.fixture(scope="session")
-def mesh2x2():
-    """A 2x2 mesh with dims ("dp", "sp"); only for world4 tests."""
+def _world_once():
+    return init_mesh(_device_type(), (dist.get_world_size(),), mesh_dim_names=("world",))
+
+
+@pytest.fixture
+def world(request, _world_once):
+    """The 1-D mesh over every rank; a fresh one (new groups, 30 s timeout) for ``one_rank_bad`` tests."""
+    return fresh_mesh((dist.get_world_size(),), ("world",)) if _one_rank_bad(request) else _world_once
+
+
+@pytest.fixture(scope="session")
+def _mesh2x2_once():
     if dist.get_world_size() != 4:
         pytest.skip("needs 4 ranks")
-    return init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    return init_mesh(_device_type(), (2, 2), mesh_dim_names=("dp", "sp"))
+
+
+@pytest.fixture
+def mesh2x2(request, _mesh2x2_once):
+    """A 2x2 mesh with dims ("dp", "sp"); only for world4 tests; fresh for ``one_rank_bad`` tests."""
+    return fresh_mesh((2, 2), ("dp", "sp")) if _one_rank_bad(request) else _mesh2x2_once
 
 
 @pytest.fixture

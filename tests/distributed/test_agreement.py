@@ -33,6 +33,8 @@ from spmdmoe.moe import MoEConfig, parallelize_moe, replicate_grads
 from spmdmoe.testing import all_ranks_agree, assert_close_everywhere, assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
 
+pytestmark = pytest.mark.one_rank_bad  # fresh process groups, 30 s timeout (conftest.py)
+
 D, F, E = 16, 16, 8
 CFG = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1, load_balance_coeff=1e-3)
 SP_PLANS = ["sp", "sp_ep", "gather", "sp_x_ep", "gather_ep", "sp_ep_dp"]

@@ -101,6 +101,7 @@ def test_save_back_in_torchtitan_names(world, device, request):
     _check(plan, ref, "torchtitan names round trip")
 
 
+@pytest.mark.one_rank_bad
 @pytest.mark.parametrize("bad", ["shape", "missing", "kind", "transposed"])
 def test_bad_entry_on_one_rank_raises_everywhere(world, device, request, bad):
     """Issue 13: a state dict that is wrong on ONE rank used to hang the others (in the gathers that

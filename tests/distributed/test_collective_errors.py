@@ -8,6 +8,8 @@ import spmdmoe
 from spmdmoe import Partial, Replicate, Shard, SPMDLayoutError, SPMDMeshError, SPMDTensor, Varying
 from spmdmoe.testing import assert_raises_everywhere
 
+pytestmark = pytest.mark.one_rank_bad  # fresh process groups, 30 s timeout (conftest.py)
+
 
 @pytest.fixture(params=[True, "collectives"], ids=["default", "collectives"], autouse=True)
 def checks_mode(request):

@@ -124,15 +124,20 @@ def test_padded_empty_buffer(world, device):
     assert z.buffer.shape == (p * world.size(), 3) and z.local.shape == (total, 3)
 
 
-def test_checks_off_trusts_declared_tokens_without_communication(world, device, monkeypatch):
-    calls = []
+def test_from_local_exchanges_the_same_with_checks_off(world, device, monkeypatch):
+    """Issue 24: the checking switch never decides whether from_local communicates (one all-gather in every mode),
+    so a rank with checks off and its peers with checks on still meet in the same exchange."""
     import spmdmoe.agreement as agreement
 
-    monkeypatch.setattr(agreement, "all_gather_single", lambda *a, **k: calls.append(1))
+    calls = []
+    real = agreement.all_gather_single
+    monkeypatch.setattr(agreement, "all_gather_single", lambda *a, **k: calls.append(1) or real(*a, **k))
     chunk = spmdmoe.shard(torch.zeros(9, 2, device=device), world).local
-    with spmdmoe.checks(False):
-        x = spmdmoe.from_local(chunk, world, global_tokens=9)
-    assert x.global_tokens == 9 and calls == []
+    for on in (True, False):
+        with spmdmoe.checks(on):
+            assert spmdmoe.from_local(chunk, world, global_tokens=9).global_tokens == 9
+            assert spmdmoe.from_local(chunk, world).global_tokens == 9
+    assert calls == [1, 1, 1, 1]
 
 
 def test_mesh_axis_cache_follows_groups_and_stays_bounded(mesh2x2, device):

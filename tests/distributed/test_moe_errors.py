@@ -10,6 +10,8 @@ from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.testing import assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
 
+pytestmark = pytest.mark.one_rank_bad  # fresh process groups, 30 s timeout (conftest.py)
+
 D, F, E = 16, 16, 8
 CFG = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
 
@@ -91,6 +93,45 @@ def test_nan_router_logits_without_ep_raise_at_check_errors(world, device):
     layer(spmdmoe.from_local(local, world))
     assert_raises_everywhere(SPMDRoutingError, spmdmoe.check_errors, match=r"\(rank 0: non-finite router logits")
     spmdmoe.check_errors()  # raised once, then cleared
+
+
+@pytest.mark.parametrize("sp_mode", ["local", "gather"])
+@pytest.mark.parametrize("bad", ["width", "inf"])
+def test_deferred_problem_surfaces_at_a_later_forward_without_check_errors(world, device, sp_mode, bad):
+    """Issue 24: an SP layer without EP defers a one-rank problem to the step boundary; a job that never calls
+    check_errors / update_expert_bias must not lose it. Each forward's T exchange carries the problems (this
+    forward's input problems, and the bits recorded before it), read at the next forward: a bad input surfaces
+    one forward late, non-finite logits (found during the forward) two, on every rank; then the layer runs
+    on. A step boundary in between raises them once, and the later forward does not raise them again."""
+    layer = parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world, sp_mode=sp_mode)
+    last = world.size() - 1
+    total = 4 * world.size()
+    good = lambda: spmdmoe.from_local(_rows(world, total, device), world)  # noqa: E731
+
+    def bad_input():  # built locally on the bad rank (no cross-rank check there)
+        x = good()
+        if world.get_local_rank() != last:
+            return x
+        local = _rows(world, total, device, features=D + 1 if bad == "width" else D)
+        local[0, 3] = float("inf")
+        return x.with_local(local)
+
+    error, match = (SPMDShapeError, rf"\(rank {last}: input width") if bad == "width" else \
+        (SPMDRoutingError, rf"\(rank {last}: non-finite router logits")
+    layer(bad_input())  # the bad rank stands in; nobody raises yet
+    late = 1 if bad == "width" else 2
+    for _ in range(late - 1):
+        layer(good())
+    assert_raises_everywhere(error, lambda: layer(good()), match=match)
+    layer(good())  # raised once, then cleared: the layer runs on
+    layer(good())
+    spmdmoe.check_errors()
+    layer(bad_input())  # a step boundary in between raises it, and no later forward raises it again
+    for _ in range(late - 1):
+        layer(good())
+    assert_raises_everywhere(error, spmdmoe.check_errors, match=match)
+    layer(good())
+    layer(good())
 
 
 def test_update_expert_bias_with_checks_off_on_one_rank(world, device):
