@@ -62,6 +62,7 @@ from .types.errors import (
     SPMDMeshError,
     SPMDRoutingError,
     SPMDCapacityError,
+    SPMDCollectiveError,
     SPMDShapeError,
     SPMDTokenCountError,
 )
@@ -115,9 +116,20 @@ KINDS: tuple[Kind, ...] = (
     Kind("nonfinite", SPMDRoutingError, "non-finite router logits (NaN or inf input)"),
     Kind("failed", AssertionError, "check failed"),
     Kind("capacity", SPMDCapacityError, "more rows than the sync-free EP buffers hold"),
+    Kind("grad_mode", SPMDCollectiveError, "it ran the forward with grad off while its peers had it on (their "
+                                           "backward would wait for it: torch.no_grad() on some ranks only)"),
     Kind("grad_set", SPMDLayoutError, "it trains another set of parameters than its peers' (reduce_grads) or than agreed (sync_grads)"),
 )
 BIT = {kind.name: 1 << i for i, kind in enumerate(KINDS)}
+GRAD_OFF = 1 << 62  # not a problem: a marker riding with the bits (this rank's forward runs with grad off)
+
+
+def grad_mode_codes(codes: Sequence[int]) -> list[int]:
+    """Exchanged codes with the :data:`GRAD_OFF` marker resolved: a ``grad_mode`` problem on the ranks with grad
+    off when some rank has it on (their backward would wait for those ranks), else nothing."""
+    off = [bool(c & GRAD_OFF) for c in codes]
+    mixed = any(off) and not all(off)
+    return [(c & ~GRAD_OFF) | (BIT["grad_mode"] if mixed and o else 0) for c, o in zip(codes, off)]
 
 
 class Found:

@@ -2,12 +2,16 @@
 
 Every documented sync goes through :func:`to_host` (the EP split sizes in sync
 mode, the agreement exchanges of ``spmdmoe.agreement``, the sticky-flag read of
-:func:`spmdmoe.check_errors` and of the bias update). :func:`host_sync_count`
+:func:`spmdmoe.check_errors` and of the bias update) or :class:`DelayedRead`
+(an SP layer without EP reading, at each forward, the previous forward's
+problem exchange). :func:`host_sync_count`
 counts them, which is a bookkeeping aid, not proof: tests that claim "no other
 sync" on CUDA also run under ``torch.cuda.set_sync_debug_mode``.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -30,13 +34,18 @@ def to_host(t: torch.Tensor) -> list:
     """
     if torch.compiler.is_compiling():
         return t.tolist()
+    return _counted(t.is_cuda, t.tolist)
+
+
+def _counted(cuda: bool, read: Callable[[], list]) -> list:
+    """``read()``, counted as one transfer; on CUDA with the sync debug mode lifted for it alone."""
     _host_syncs[0] += 1
-    if not t.is_cuda:
-        return t.tolist()
+    if not cuda:
+        return read()
     mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(0)
     try:
-        return t.tolist()
+        return read()
     finally:
         torch.cuda.set_sync_debug_mode(mode)
 
@@ -63,8 +72,6 @@ class DelayedRead:
             self._host = t.detach().clone()
 
     def get(self) -> list:
-        """The values, as (nested) Python lists."""
-        _host_syncs[0] += 1
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
+        """The values, as (nested) Python lists (a documented transfer: allowed in the sync debug mode, counted)."""
+        event = self._event
+        return _counted(event is not None, lambda: (event is None or event.synchronize(), self._host.tolist())[1])

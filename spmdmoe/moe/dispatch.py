@@ -43,7 +43,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..agreement import ProblemFlag, raise_problems
+from ..agreement import GRAD_OFF, ProblemFlag, grad_mode_codes, raise_problems
 from ..collectives.alltoall import exchange_split_sizes, exchanged_op
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
@@ -154,10 +154,11 @@ class AllToAllTransport:
         n, e = self.axis.size, self.local_experts
         x_ND, counts_E, pos_TK = _fan_out(x_TD, ids_TK, self.num_experts)
         counts = counts_E.view(n, e).to(self.axis.metadata_device())
-        send, recv, sizes, codes, recv_ne = exchange_split_sizes(counts, problem.bits, self.axis)
+        marker = 0 if torch.is_grad_enabled() else GRAD_OFF  # grad mode rides too: a mix would hang backward
+        send, recv, sizes, codes, recv_ne = exchange_split_sizes(counts, problem.bits | marker, self.axis)
         if torch.compiler.is_compiling():  # no data-dependent raise in a graph: the step boundary raises
             problem.record(problem.bits, x_TD.device)
-        elif any(codes):
+        elif any(codes := grad_mode_codes(codes)):
             mine = codes[self.axis.rank]
             if self.raises:
                 raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)

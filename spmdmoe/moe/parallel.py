@@ -49,10 +49,10 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from .._dist import all_gather_single, all_reduce
-from ..agreement import BIT, Found, alone, check_errors, global_rank, problems_error, raise_problems
+from ..agreement import BIT, Found, alone, check_errors, global_rank, raise_problems
 from ..collective_check import check_collective
 from ..collectives import all_gather, reduce_scatter
-from ..host import DelayedRead, to_host
+from ..host import to_host
 from ..types import layout
 from ..types.checks import checks_enabled, checks_mode
 from ..types.errors import MoEConfigError
@@ -64,10 +64,12 @@ from .checkpoint import ExpertLayout, grid_mesh, install_hooks
 from .dispatch import AllToAllTransport, LocalTransport, Problem
 from .sync_free import Capacity, SyncFreeTransport
 from .experts import GroupedExperts
+from . import ride
 from .grads import GradReduction, agree_grad_set, sync_grads
 from .overlap import call_anchored, inside_fsdp_unit
 from .layer import MoE, _Layer
 from .plan import agree_plan
+from .ride import Ride
 
 __all__ = ["parallelize_moe", "ParallelMoE"]
 
@@ -184,10 +186,6 @@ class ParallelMoE(_Layer):
         super().__init__()
         cfg = moe.config
         self.sp, self.ep, self.dp, self.sp_mode = sp, ep, dp, sp_mode
-        # SP without EP over the whole job: the T exchange carries this rank's recorded problems, read at the
-        # next forward, which raises them on every rank if no step boundary did (``_surface``)
-        self._rides = sp is not None and ep is None and dp is None and sp.size > 1 and sp.size == _world_size()
-        self._ridden: Optional[tuple[DelayedRead, int]] = None
         self.agree_over = agree_over  # the group the layer's one-off agreements run over (None: the world)
         n_ep, r_ep = (1, 0) if ep is None else (ep.size, ep.rank)
         e = cfg.num_experts // n_ep
@@ -225,6 +223,9 @@ class ParallelMoE(_Layer):
                 agree_grad_set([self.experts.w1, self.experts.w2, self.experts.w3], sp)
         else:
             self.sp_synced = ()
+        # SP without EP over the whole job: the T exchange carries the deferred problems and the grad mode (ride.py)
+        rides = sp is not None and ep is None and dp is None and sp.size > 1 and sp.size == _world_size()
+        self._ride = Ride(sp, self.problems) if rides else None
         self._reductions: Optional[tuple[GradReduction, GradReduction]] = None
         self.grad_overlap = True  # False: each SP gradient sum waits at its use (sp_sync_params)
 
@@ -324,8 +325,8 @@ class ParallelMoE(_Layer):
         axis = self.sp if self.sp is not None else self.ep
         if axis is not None and checks_mode() == "collectives":  # train / eval and grad mode decide collectives
             check_collective("MoE layer", axis, None, None, {"training": self.training})
-        if self._rides:
-            self._surface()
+        if self._ride is not None:
+            self._ride.surface()
         found = Found()
         x_TD = self._accept(x, found) if checks_enabled() else (x.local if isinstance(x, SPMDTensor) else x)
         if found and alone():  # the only process of the job: nobody to leave waiting
@@ -337,7 +338,7 @@ class ParallelMoE(_Layer):
             h, T = self._gather_input(x, found)
             out_TD = call_anchored(lambda h: self._gathered(h, T, problem), (h,), {}, self.sp_sync_params)
         else:
-            if self._rides:  # local mode: the exchange only carries the problems (its T is not needed)
+            if self._ride is not None:  # local mode: the exchange only carries the ride (its T is not needed)
                 self._gather_tokens(x, found)
             capacity = self._capacity(x, None if found else x_TD, found)
             problem = Problem(found.bits, found.details)
@@ -345,6 +346,8 @@ class ParallelMoE(_Layer):
                 x_TD = self._zero_rows(0)
             out_TD = call_anchored(lambda x_TD: self._local(x_TD, problem, capacity), (x_TD,), {},
                                    self.sp_sync_params)
+        if self._ride is not None:
+            out_TD = self._ride.on_backward(out_TD)
         if found:
             return _stand_in(x, out_TD, self._zero_rows)
         return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD
@@ -411,46 +414,29 @@ class ParallelMoE(_Layer):
         return Capacity(int(to_host(most)[0]), self.capacity_overflow)
 
     def _gather_tokens(self, x: Input, found: Found) -> int:
-        """The ``T`` every SP rank gathers: one all-gather of ``(T, bad, recorded)`` per rank, in every
-        checking mode (with checks off nothing is found, so nobody reads it at once). Only a rank with a bad
-        input reads it (a sync), and takes the ``T`` of the first rank whose input was good; when no rank's
-        was, the whole SP group stands in zero tokens (its problems are raised with everyone else's, at the
-        step boundary). ``recorded``: this rank's problem bits from earlier forwards (the sticky flag, on
-        the device); a riding layer (``_rides``) starts a delayed read of the table, which its next forward
-        reads (``_surface``)."""
+        """The ``T`` every SP rank gathers: one all-gather of ``(T, bad, ...)`` per rank (``1 + ride.COLUMNS``
+        int64; a riding layer fills the ride's columns, ``ride.py``), in every checking mode (with checks off
+        nothing is found, so nobody reads it at once). Only a rank with a bad input reads it (a sync), and
+        takes the ``T`` of the first rank whose input was good; when no rank's was, the whole SP group stands
+        in zero tokens (its problems are raised with everyone else's, at the step boundary)."""
         sp = self.sp
         assert sp is not None
         own = x.global_tokens if isinstance(x, SPMDTensor) and x.axis == sp and isinstance(x.placement, Shard) else -1
-        mine = torch.full((3,), own, dtype=torch.int64, device=sp.metadata_device())  # fills: no host copy
-        mine[1:2].fill_(found.bits)
-        mine[2:].fill_(0)
-        if self._rides and not _tracing():  # a compiled forward does not ride (no host read follows)
-            self.problems.bits_into(mine[2:])
-        table = torch.empty(sp.size * 3, dtype=torch.int64, device=mine.device).view(sp.size, 3)
+        width = 1 + ride.COLUMNS
+        mine = torch.full((width,), own, dtype=torch.int64, device=sp.metadata_device())  # fills: no host copy
+        if self._ride is not None:
+            self._ride.fill(mine[1:], found.bits)
+        else:
+            mine[1:2].fill_(found.bits)
+            mine[2:].fill_(0)
+        table = torch.empty(sp.size * width, dtype=torch.int64, device=mine.device).view(sp.size, width)
         all_gather_single(table.view(-1), mine, group=sp.group)
-        if self._rides and not _tracing():
-            self._ridden = (DelayedRead(table[:, 1:]), self.problems.generation)
+        if self._ride is not None:
+            self._ride.start(table[:, 1:])
         if not found:
             return own
-        good = [t for t, bad, _ in to_host(table) if not bad]
+        good = [row[0] for row in to_host(table) if not row[1]]
         return good[0] if good else 0
-
-    def _surface(self) -> None:
-        """Raise, on every rank, the problems the previous forward's exchange carried (that forward's input
-        problems, and those recorded before it) unless a step boundary (``update_expert_bias``,
-        ``check_errors``) raised them since: one step late, never lost. Every rank reads the same table."""
-        ridden, self._ridden = self._ridden, None
-        if ridden is None or _tracing() or ridden[1] != self.problems.generation:
-            return
-        sp = self.sp
-        assert sp is not None
-        bits = [bad | recorded for bad, recorded in ridden[0].get()]
-        error = problems_error("MoE layer (problems of an earlier forward, raised at the next one: call "
-                               "spmdmoe.check_errors() or update_expert_bias() each step to raise them in it)",
-                               bits, self.problems.details, list(sp.ranks))
-        if error is not None:
-            self.problems.clear()
-            raise error
 
     def _accept(self, x: Any, found: Found) -> Optional[torch.Tensor]:
         """This rank's rows if ``x`` is what the agreed layer takes, else ``None`` with ``found`` set
@@ -495,11 +481,6 @@ class ParallelMoE(_Layer):
 
 def _world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def _tracing() -> bool:
-    """Under ``torch.compile`` or CUDA graph capture: no host reads (the ride's exchange still runs)."""
-    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _distinct(*axes: Optional[MeshAxis]) -> tuple[MeshAxis, ...]:

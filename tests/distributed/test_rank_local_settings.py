@@ -219,3 +219,34 @@ def test_eval_mode_on_one_rank_caught_in_the_collective_checking_mode(world, dev
     x = reference_tensor((9, D), 4, device=device)[plan.rows]
     with spmdmoe.checks("collectives"):
         assert_raises_everywhere(SPMDCollectiveError, lambda: plan.layer(plan.wrap(x)), match="training is")
+
+
+@pytest.mark.parametrize("plan_name", ["sp", "gather"])
+def test_grad_off_on_one_rank_sp_layer_raises_everywhere(world, device, request, plan_name):
+    """An SP layer without EP, the last rank under no_grad (before: its peers waited in backward for sums it
+    never sent). Its T exchange carries the grad mode: the peers raise in the backward of that forward, before
+    any of the layer's backward collectives; the next forward raises on every rank. Then the layer runs on."""
+    plan = build_plan(plan_name, reference_moe(CFG, 0, device), 9, world, request)
+    x = reference_tensor((9, D), 4, device=device)[plan.rows]
+    with torch.set_grad_enabled(not _last(world)):
+        y = plan.layer(plan.wrap(x.clone().requires_grad_()))
+    message = rf"rank {world.size() - 1}: it ran the forward with grad off"
+    if not _last(world):  # the peers, in the backward the last rank will never run
+        with pytest.raises(SPMDCollectiveError, match=message):
+            y.local.sum().backward()
+    # the next forward: every rank (the last one too, which ran no backward)
+    assert_raises_everywhere(SPMDCollectiveError, lambda: plan.layer(plan.wrap(x)), match=message)
+    y = plan.layer(plan.wrap(x.clone().requires_grad_()))
+    y.local.sum().backward()
+    spmdmoe.check_errors()
+
+
+def test_grad_off_on_one_rank_ep_layer_raises_at_the_exchange(world, device, request):
+    """With EP spanning the layer, the grad mode rides the count exchange: the forward raises on every rank."""
+    plan = build_plan("sp_ep", reference_moe(CFG, 0, device), 9, world, request)
+    x = reference_tensor((9, D), 4, device=device)[plan.rows]
+    with torch.set_grad_enabled(not _last(world)):
+        assert_raises_everywhere(SPMDCollectiveError, lambda: plan.layer(plan.wrap(x)),
+                                 match=rf"rank {world.size() - 1}: it ran the forward with grad off")
+    with torch.no_grad():  # off everywhere: nothing to raise
+        plan.layer(plan.wrap(x))

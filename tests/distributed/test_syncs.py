@@ -3,9 +3,10 @@
 CUDA's sync debug mode raises on any synchronizing call (``.item()``,
 ``.tolist()``, ``bincount``, a pageable host-to-device copy, ``nonzero``...),
 so this sees what a counter kept by the library could not. The one
-documented transfer, the EP split sizes of sync mode, goes through
-``spmdmoe.host.to_host``, which lifts the mode for itself and is counted:
-exactly one per forward with EP, none without, none in any backward.
+documented transfers, the EP split sizes of sync mode and an SP layer's
+delayed read of the previous forward's problem exchange, go through
+``spmdmoe.host``, which lifts the mode for themselves and counts them:
+exactly one per forward, none in any backward.
 NCCL only (skipped on gloo/CPU).
 """
 
@@ -19,8 +20,9 @@ from spmdmoe.moe import MoEConfig
 from spmdmoe.testing import reference_tensor, sync_error_mode
 
 # plan -> documented syncs per forward (the EP split sizes); sync-free EP makes none (T_max from the layout,
-# or max_tokens where EP is not the SP axis)
-PLANS = {"sp": 0, "gather": 0, "ep": 1, "sp_ep": 1, "sp_x_ep": 1, "gather_ep": 1,
+# or max_tokens where EP is not the SP axis); SP without EP over every rank: the delayed read of the previous
+# forward's problem exchange (spmdmoe.host.DelayedRead), from the second forward on
+PLANS = {"sp": 1, "gather": 1, "ep": 1, "sp_ep": 1, "sp_x_ep": 1, "gather_ep": 1,
          "ep-sync_free": 0, "sp_ep-sync_free": 0, "sp_x_ep-sync_free": 0, "gather_ep-sync_free": 0}
 
 

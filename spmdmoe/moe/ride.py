@@ -1,0 +1,135 @@
+"""Deferred problems of an SP layer without EP, carried by its token exchange (docs/design.md §6).
+
+Such a layer has no exchange that is read on the host in its forward, so a
+problem one rank finds (its input, non-finite router logits) is recorded in the
+layer's sticky flag and raised at the step boundary (``update_expert_bias``,
+``check_errors``). A job that never calls either must not lose it, and a rank
+that runs the forward under ``torch.no_grad()`` while its peers train must not
+leave them waiting in backward. So each forward's ``T`` exchange (one
+all-gather over SP) carries, per rank, three more int64:
+
+==========  ===============================================================
+column      what
+==========  ===============================================================
+bad         this forward's input problem bits (found before the exchange)
+recorded    the flag's bits from earlier forwards (non-finite logits are
+            found after the exchange, so they ride the next one)
+grad off    1 when this rank runs the forward with grad off
+==========  ===============================================================
+
+The table is copied to the host without waiting (:class:`spmdmoe.host.DelayedRead`)
+and read, with the same verdict on every rank, by whichever comes first:
+
+* the backward of this forward's output, on every rank that runs it (it runs
+  before any of the layer's backward collectives), for a grad mode that differs
+  between ranks only: the ranks with grad on raise there instead of waiting for
+  the one that will never run this backward (other problems keep the step
+  boundary's semantics: the step finishes, then raises);
+* the layer's next forward, on every rank: every problem the table holds (so
+  the rank with grad off, which ran no backward, raises too, and its peers a
+  second time: every rank leaves that forward alike).
+
+A step boundary that raised the flag's problems in between makes the read
+stale (``ProblemFlag.generation``): nothing is raised twice. Only for a layer
+whose SP axis is the whole job (no EP, no dp): a verdict over SP alone would
+leave other replicas waiting. Eager only (no host read under ``torch.compile``
+or CUDA graph capture; the exchange itself still runs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..agreement import BIT, ProblemFlag, problems_error
+from ..host import DelayedRead
+from ..types.mesh import MeshAxis
+
+__all__ = ["Ride", "COLUMNS", "tracing"]
+
+COLUMNS = 3  # bad, recorded, grad off
+
+
+def tracing() -> bool:
+    """Under ``torch.compile`` or CUDA graph capture: no host reads."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+class Ride:
+    """One riding layer's pending read: its SP axis, its sticky flag, and the last exchange's table."""
+
+    def __init__(self, axis: MeshAxis, flag: ProblemFlag) -> None:
+        self.axis, self.flag = axis, flag
+        self.pending: Optional[tuple[DelayedRead, int]] = None
+
+    def fill(self, row: torch.Tensor, found_bits: int) -> None:
+        """Write this rank's ``COLUMNS`` int64 into ``row`` (a device slice of the exchange's row): no sync."""
+        row[0:1].fill_(found_bits)
+        row[1:].fill_(0)
+        if not tracing():  # a compiled forward does not ride (no host read follows)
+            self.flag.bits_into(row[1:2])
+        row[2:3].fill_(int(not torch.is_grad_enabled()))
+
+    def start(self, table: torch.Tensor) -> None:
+        """After the exchange: ``table`` is ``(sp, COLUMNS)``, every rank's row; start its copy to the host."""
+        if not tracing():
+            self.pending = (DelayedRead(table), self.flag.generation)
+
+    def surface(self) -> None:
+        """At a forward: raise, on every rank, what the previous forward's exchange carried."""
+        if not tracing():
+            self._raise(self._take(None), "MoE layer (raised at its next forward: call spmdmoe.check_errors() or "
+                                          "update_expert_bias() each step to raise problems in the step)")
+
+    def on_backward(self, out_TD: torch.Tensor) -> torch.Tensor:
+        """``out_TD`` as it is, with a backward that first raises what this forward's exchange carried."""
+        if tracing() or self.pending is None or not out_TD.requires_grad:
+            return out_TD
+        return _RaiseOnBackward.apply(out_TD, self, self.pending)
+
+    def _take(self, entry: Any) -> Optional[tuple[DelayedRead, int]]:
+        """The pending read (``entry``: only if it is still the pending one); ``None`` if stale or consumed."""
+        pending = self.pending
+        if entry is not None and entry is not pending:
+            return None  # consumed already, by a forward or an earlier backward of the same graph
+        if pending is None or pending[1] != self.flag.generation:
+            self.pending = None
+            return None
+        return pending
+
+    def _raise(self, pending: Optional[tuple[DelayedRead, int]], op: str, in_backward: bool = False) -> None:
+        """Raise ``pending``'s verdict. At a forward: consumed, the flag cleared. In a backward: only when the grad
+        mode differed, and it stays pending, so the next forward raises it again on every rank, the one with
+        grad off (which ran no backward) included."""
+        if pending is None:
+            return
+        rows = pending[0].get()
+        off = [bool(r[2]) for r in rows]
+        mixed = any(off) and not all(off)
+        if in_backward and not mixed:
+            return
+        bits = [bad | recorded | (BIT["grad_mode"] if mixed and o else 0) for (bad, recorded, _), o in zip(rows, off)]
+        error = problems_error(op, bits, [] if in_backward else self.flag.details, list(self.axis.ranks))
+        if not in_backward:
+            self.pending = None
+            if error is not None:
+                self.flag.clear()
+        if error is not None:
+            raise error
+
+
+class _RaiseOnBackward(torch.autograd.Function):
+    """Identity; its backward reads the forward's exchange and raises a grad mode that differed between ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, out_TD: torch.Tensor, ride: Ride, entry: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.ride, ctx.entry = ride, entry
+        return out_TD.view_as(out_TD)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.ride._raise(ctx.ride._take(ctx.entry), "MoE layer (in the backward of the forward that found it; the "
+                                                   "next forward raises it on every rank)", in_backward=True)
+        return grad, None, None
