@@ -59,10 +59,11 @@ class DelayedRead:
     read at once. Not under ``torch.compile`` or CUDA graph capture (callers skip it there).
     """
 
-    __slots__ = ("_host", "_event")
+    __slots__ = ("_host", "_event", "_values")
 
     def __init__(self, t: torch.Tensor) -> None:
         self._event: "torch.cuda.Event | None" = None
+        self._values: "list | None" = None
         if t.is_cuda:
             self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self._host.copy_(t, non_blocking=True)
@@ -72,6 +73,10 @@ class DelayedRead:
             self._host = t.detach().clone()
 
     def get(self) -> list:
-        """The values, as (nested) Python lists (a documented transfer: allowed in the sync debug mode, counted)."""
-        event = self._event
-        return _counted(event is not None, lambda: (event is None or event.synchronize(), self._host.tolist())[1])
+        """The values, as (nested) Python lists (a documented transfer: allowed in the sync debug mode, counted
+        once: a second ``get`` returns the same lists)."""
+        if self._values is None:
+            event = self._event
+            self._values = _counted(event is not None,
+                                    lambda: (event is None or event.synchronize(), self._host.tolist())[1])
+        return self._values

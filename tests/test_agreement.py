@@ -154,6 +154,7 @@ def test_delayed_read_returns_the_values_of_when_it_started(device):
     t.fill_(-1)
     before = host_sync_count()
     assert read.get() == [[1], [3], [5]]
+    assert read.get() == [[1], [3], [5]]  # read once, counted once
     assert host_sync_count() == before + 1
 
 
