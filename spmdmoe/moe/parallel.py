@@ -223,8 +223,9 @@ class ParallelMoE(_Layer):
                 agree_grad_set([self.experts.w1, self.experts.w2, self.experts.w3], sp)
         else:
             self.sp_synced = ()
-        # SP without EP over the whole job: the T exchange carries the deferred problems and the grad mode (ride.py)
-        rides = sp is not None and ep is None and dp is None and sp.size > 1 and sp.size == _world_size()
+        # SP over the whole job, without EP or with EP on the SP axis: the T exchange (made for gather mode, the
+        # sync-free capacity, or for the ride alone without EP) carries the deferred problems and the grad mode
+        rides = sp is not None and ep in (None, sp) and dp is None and sp.size > 1 and sp.size == _world_size()
         self._ride = Ride(sp, self.problems) if rides else None
         self._reductions: Optional[tuple[GradReduction, GradReduction]] = None
         self.grad_overlap = True  # False: each SP gradient sum waits at its use (sp_sync_params)
@@ -338,7 +339,7 @@ class ParallelMoE(_Layer):
             h, T = self._gather_input(x, found)
             out_TD = call_anchored(lambda h: self._gathered(h, T, problem), (h,), {}, self.sp_sync_params)
         else:
-            if self._ride is not None:  # local mode: the exchange only carries the ride (its T is not needed)
+            if self._ride is not None and self.ep is None:  # the exchange only carries the ride (T not needed)
                 self._gather_tokens(x, found)
             capacity = self._capacity(x, None if found else x_TD, found)
             problem = Problem(found.bits, found.details)

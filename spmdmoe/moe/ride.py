@@ -1,4 +1,5 @@
-"""Deferred problems of an SP layer without EP, carried by its token exchange (docs/design.md §6).
+"""Deferred problems of an SP layer without EP (or with sync-free EP on the SP axis), carried by its token
+exchange (docs/design.md §6).
 
 Such a layer has no exchange that is read on the host in its forward, so a
 problem one rank finds (its input, non-finite router logits) is recorded in the
@@ -30,8 +31,8 @@ and read, with the same verdict on every rank, by whichever comes first:
   second time: every rank leaves that forward alike).
 
 A step boundary that raised the flag's problems in between makes the read
-stale (``ProblemFlag.generation``): nothing is raised twice. Only for a layer
-whose SP axis is the whole job (no EP, no dp): a verdict over SP alone would
+stale (``ProblemFlag.generation``). Only for a layer whose SP axis is the
+whole job (no dp; no EP or EP on the SP axis): a verdict over SP alone would
 leave other replicas waiting. Eager only (no host read under ``torch.compile``
 or CUDA graph capture; the exchange itself still runs).
 """

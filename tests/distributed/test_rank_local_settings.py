@@ -250,3 +250,19 @@ def test_grad_off_on_one_rank_ep_layer_raises_at_the_exchange(world, device, req
                                  match=rf"rank {world.size() - 1}: it ran the forward with grad off")
     with torch.no_grad():  # off everywhere: nothing to raise
         plan.layer(plan.wrap(x))
+
+
+def test_grad_off_on_one_rank_sync_free_ep_on_the_sp_axis(world, device, request):
+    """Sync-free EP on the SP axis has no host read in its forward; its T exchange (which sizes the buffers)
+    carries the grad mode as in an SP layer without EP."""
+    plan = build_plan("sp_ep", reference_moe(CFG, 0, device), 9, world, request, ep_mode="sync_free")
+    x = reference_tensor((9, D), 4, device=device)[plan.rows]
+    with torch.set_grad_enabled(not _last(world)):
+        y = plan.layer(plan.wrap(x.clone().requires_grad_()))
+    message = rf"rank {world.size() - 1}: it ran the forward with grad off"
+    if not _last(world):
+        with pytest.raises(SPMDCollectiveError, match=message):
+            y.local.sum().backward()
+    assert_raises_everywhere(SPMDCollectiveError, lambda: plan.layer(plan.wrap(x)), match=message)
+    plan.layer(plan.wrap(x.clone().requires_grad_())).local.sum().backward()
+    spmdmoe.check_errors()

@@ -21,10 +21,10 @@ from spmdmoe.moe import MoEConfig
 from spmdmoe.testing import reference_tensor, sync_error_mode
 
 # plan -> documented syncs (forward, backward): the EP split sizes in each forward; sync-free EP makes none (T_max
-# from the layout, or max_tokens where EP is not the SP axis); SP without EP over every rank: the delayed read of
-# the forward's problem exchange (spmdmoe.host.DelayedRead, moe/ride.py), in its backward (the grad-mode check)
+# from the layout, or max_tokens where EP is not the SP axis); SP over every rank without EP or with sync-free EP on
+# it: the delayed read of the forward's problem exchange (spmdmoe.host.DelayedRead, moe/ride.py), in its backward
 PLANS = {"sp": (0, 1), "gather": (0, 1), "ep": (1, 0), "sp_ep": (1, 0), "sp_x_ep": (1, 0), "gather_ep": (1, 0),
-         "ep-sync_free": (0, 0), "sp_ep-sync_free": (0, 0), "sp_x_ep-sync_free": (0, 0), "gather_ep-sync_free": (0, 0)}
+         "ep-sync_free": (0, 0), "sp_ep-sync_free": (0, 1), "sp_x_ep-sync_free": (0, 0), "gather_ep-sync_free": (0, 0)}
 
 
 @pytest.mark.parametrize("case", list(PLANS))
