@@ -416,3 +416,18 @@ def test_experts_pack_w1_w3_side_by_side():
     assert joined(ex.w1, ex.w3) is None and ex.w1.is_contiguous() and torch.equal(ex.w1, w1)
     ex.to(torch.float64)
     assert joined(ex.w1, ex.w3) is None  # unpacked stays unpacked (FSDP2)
+
+
+def test_output_may_be_modified_in_place():
+    """The layer's output is an ordinary tensor, not a view made inside a custom autograd Function (autograd
+    forbids modifying those in place): ``out.mul_(2)`` and its backward match ``2 * out``."""
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2))
+    x = torch.randn(10, 16, requires_grad=True)
+    out = moe(x)
+    out.mul_(2)
+    out.sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    (2 * moe(x)).sum().backward()
+    assert torch.equal(x.grad, want)

@@ -84,10 +84,15 @@ class Ride:
                                           "update_expert_bias() each step to raise problems in the step)")
 
     def on_backward(self, out_TD: torch.Tensor) -> torch.Tensor:
-        """``out_TD`` as it is, with a backward that first raises what this forward's exchange carried."""
+        """``out_TD`` itself, with a gradient hook that runs before the layer's backward (a hook, not an identity
+        node, so the output stays an ordinary tensor that the caller may modify in place): it raises a grad
+        mode that differed between ranks in this forward's exchange."""
         if tracing() or self.pending is None or not out_TD.requires_grad:
             return out_TD
-        return _RaiseOnBackward.apply(out_TD, self, self.pending)
+        entry = self.pending
+        op = "MoE layer (in the backward of the forward that found it; the next forward raises it on every rank)"
+        out_TD.register_hook(lambda grad: self._raise(self._take(entry), op, in_backward=True))
+        return out_TD
 
     def _take(self, entry: Any) -> Optional[tuple[DelayedRead, int]]:
         """The pending read (``entry``: only if it is still the pending one); ``None`` if stale or consumed."""
@@ -118,19 +123,3 @@ class Ride:
                 self.flag.clear()
         if error is not None:
             raise error
-
-
-class _RaiseOnBackward(torch.autograd.Function):
-    """Identity; its backward reads the forward's exchange and raises a grad mode that differed between ranks."""
-
-    @staticmethod
-    def forward(ctx: Any, out_TD: torch.Tensor, ride: Ride, entry: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.ride, ctx.entry = ride, entry
-        return out_TD.view_as(out_TD)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.ride._raise(ctx.ride._take(ctx.entry), "MoE layer (in the backward of the forward that found it; the "
-                                                   "next forward raises it on every rank)", in_backward=True)
-        return grad, None, None
