@@ -144,7 +144,7 @@ def test_weights_fingerprint_sees_permutations():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_delayed_read_returns_the_values_of_when_it_started(device):
-    """The ride of deferred problems (``ParallelMoE._surface``): a copy started now, read later. On CUDA the start
+    """The ride of deferred problems (``spmdmoe.moe.ride``): a copy started now, read later. On CUDA the start
     makes no host sync (sync debug mode "error"), later writes to the source do not change what is read, and
     the read is counted as a transfer."""
     from spmdmoe.host import DelayedRead
