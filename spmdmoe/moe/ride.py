@@ -98,7 +98,7 @@ class Ride:
         """The pending read (``entry``: only if it is still the pending one); ``None`` if stale or consumed."""
         pending = self.pending
         if entry is not None and entry is not pending:
-            return None  # consumed already, by a forward or an earlier backward of the same graph
+            return None  # a later forward read it already (and raised what it held)
         if pending is None or pending[1] != self.flag.generation:
             self.pending = None
             return None
