@@ -3,20 +3,19 @@
     torchrun --nproc-per-node 4 benchmarks/check_modes.py [--rows 4096] [--width 1024] [--out FILE]
 
 Candidates interleaved in every rep (the mode switched per call), median of the reps, max over ranks; host
-wall time per call, since gloo on the CPU is synchronous. ``all_gather`` of a Shard (the record only) and
+wall time per call, since gloo on the CPU is synchronous (``timing.timed_host``). ``all_gather`` of a Shard (the record only) and
 ``redistribute(Replicate -> Shard)`` (the record plus a checksum of the replicated rows).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import spmdmoe
+from timing import report, timed_host
 
 
 def main() -> None:
@@ -35,35 +34,25 @@ def main() -> None:
     ops = {"all_gather (Shard)": lambda: spmdmoe.all_gather(x),
            "redistribute (Replicate -> Shard)": lambda: spmdmoe.redistribute(rep, spmdmoe.Shard(0))}
     modes = (True, "collectives")
-    times: dict[tuple[str, object], list[float]] = {(op, m): [] for op in ops for m in modes}
-    for r in range(args.reps):
-        order = list(times) if r % 2 == 0 else list(reversed(times))
-        for op, mode in order:
+
+    def in_mode(op: str, mode: object):
+        def call() -> None:
             with spmdmoe.checks(mode):
-                ops[op]()  # warm
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(args.calls):
-                    ops[op]()
-                times[(op, mode)].append((time.perf_counter() - t0) / args.calls * 1e6)
-    med = torch.tensor([statistics.median(v) for v in times.values()], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    us = dict(zip(times, med.tolist()))
+                ops[op]()
+        return call
+
+    fns = {f"{op}|{mode}": in_mode(op, mode) for op in ops for mode in modes}
+    us = {k: v * 1e3 for k, v in timed_host(fns, args.calls, args.reps).items()}
     lines = [f"torch {torch.__version__}, gloo, {dist.get_world_size()} CPU processes, {args.rows} x {args.width} fp32 "
              f"({args.rows * args.width * 4 / 2**20:.0f} MiB global)", "",
              "| collective | default checks us | collectives mode us | added us | ratio |", "|---|---|---|---|---|"]
     for op in ops:
-        a, b = us[(op, True)], us[(op, "collectives")]
+        a, b = us[f"{op}|True"], us[f"{op}|collectives"]
         lines.append(f"| {op} | {a:.0f} | {b:.0f} | {b - a:+.0f} | {b / a:.2f}x |")
     if dist.get_rank() == 0:
-        text = "\n".join(lines)
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(text + "\n\n")
+        report("\n".join(lines), args.out)
     dist.barrier()
     spmdmoe.shutdown()
-
 
 if __name__ == "__main__":
     main()

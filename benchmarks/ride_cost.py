@@ -4,21 +4,21 @@
 
 The same parallel layer stepped (forward + backward) with its ride and with the ride detached (``layer._ride =
 None``: no token exchange, no delayed read: the layer as it was before issue 24), candidates interleaved in every
-rep, median of the reps, max over ranks; host wall time per step, since gloo on the CPU is synchronous. Also
+rep, median of the reps, max over ranks; host wall time per step, since gloo on the CPU is synchronous
+(``timing.timed_host``). Also
 one ``from_local`` call with checks on and off (the same exchange in both modes since issue 24).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
+from timing import report, timed_host
 
 
 def main() -> None:
@@ -47,24 +47,18 @@ def main() -> None:
         with spmdmoe.checks(on):
             spmdmoe.from_local(local, world, global_tokens=args.tokens)
 
-    cases = {"layer step, with the ride": (lambda: step(), ride),
-             "layer step, ride detached": (lambda: step(), None),
-             "from_local, checks on": (lambda: wrap(True), ride),
-             "from_local, checks off": (lambda: wrap(False), ride)}
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for r in range(args.reps):
-        for name in (list(cases) if r % 2 == 0 else list(reversed(cases))):
-            fn, layer._ride = cases[name]
-            fn()  # warm (and a detached ride leaves nothing pending behind)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+    def with_ride(fn, attached):
+        def call() -> None:
+            layer._ride = attached  # a detached ride leaves nothing pending for the attached one to read
+            fn()
+        return call
+
+    fns = {"layer step, with the ride": with_ride(step, ride),
+           "layer step, ride detached": with_ride(step, None),
+           "from_local, checks on": with_ride(lambda: wrap(True), ride),
+           "from_local, checks off": with_ride(lambda: wrap(False), ride)}
+    ms = timed_host(fns, args.steps, args.reps)
     layer._ride = ride
-    med = torch.tensor([statistics.median(v) for v in times.values()], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    ms = dict(zip(times, med.tolist()))
     lines = [f"torch {torch.__version__}, gloo, {dist.get_world_size()} CPU processes, SP layer without EP: T = "
              f"{args.tokens}, D = F = {args.dim}, E = {args.experts}, top-2, fp32", "",
              "| case | ms (median, max over ranks) |", "|---|---|"]
@@ -72,14 +66,9 @@ def main() -> None:
     a, b = ms["layer step, with the ride"], ms["layer step, ride detached"]
     lines += ["", f"ride: {a - b:+.3f} ms per step ({a / b:.3f}x)"]
     if dist.get_rank() == 0:
-        text = "\n".join(lines)
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(text + "\n\n")
+        report("\n".join(lines), args.out)
     dist.barrier()
     spmdmoe.shutdown()
-
 
 if __name__ == "__main__":
     main()

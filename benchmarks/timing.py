@@ -1,5 +1,5 @@
-"""Timing shared by the benchmarks: CUDA events with interleaved candidates (median, max over ranks),
-and host time per call."""
+"""Timing shared by the benchmarks: interleaved candidates (median, max over ranks) timed with CUDA events or,
+on the CPU, host wall time; and host time per call."""
 
 from __future__ import annotations
 
@@ -11,36 +11,63 @@ import torch
 import torch.distributed as dist
 
 
+def _interleaved(fns: dict[str, Callable[[], object]], reps: int, run: Callable[[Callable[[], object]], float],
+                 device: "str | torch.device") -> dict[str, float]:
+    """Median over ``reps`` of ``run(fn)`` for each fn, max over ranks: the candidates interleaved within every
+    rep, in an order rotated from rep to rep, a barrier before each."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            if dist.is_initialized():
+                dist.barrier()
+            times[name].append(run(fns[name]))
+    t = torch.tensor([statistics.median(v) for v in times.values()], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(fns, t.tolist()))
+
+
+def _warm(fns: dict[str, Callable[[], object]]) -> None:
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+
+
 def timed(fns: dict[str, Callable[[], object]], iters: int, reps: int) -> dict[str, float]:
-    """Median over ``reps`` of the mean time per call (ms) of each fn, max over ranks.
+    """Median over ``reps`` of the mean time per call (ms) of each fn, CUDA events, max over ranks.
 
     The candidates are interleaved within every rep, in an order rotated from
     rep to rep (no candidate always follows the same one), so drift (clocks,
     cache state, other tenants) hits all of them alike. Three warm-up calls
     each first.
     """
-    for fn in fns.values():
-        for _ in range(3):
+    _warm(fns)
+
+    def run(fn: Callable[[], object]) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
             fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for rep in range(reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            fn = fns[name]
-            if dist.is_initialized():
-                dist.barrier()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / iters)
-    t = torch.tensor([statistics.median(v) for v in times.values()], device="cuda")
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return dict(zip(fns, t.tolist()))
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+
+    return _interleaved(fns, reps, run, "cuda")
+
+
+def timed_host(fns: dict[str, Callable[[], object]], iters: int, reps: int) -> dict[str, float]:
+    """:func:`timed` in host wall time (ms per call), for CPU runs (gloo is synchronous there)."""
+    _warm(fns)
+
+    def run(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters * 1e3
+
+    return _interleaved(fns, reps, run, "cpu")
 
 
 def host_us(fn, calls: int = 200) -> float:
