@@ -17,6 +17,7 @@ process group, whatever object they were built from.
 from __future__ import annotations
 
 import weakref
+from datetime import timedelta
 from typing import Any, Union
 
 import torch
@@ -180,7 +181,8 @@ def mesh_axis(mesh: MeshLike) -> MeshAxis:
     return axis
 
 
-def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tuple[str, ...]") -> DeviceMesh:
+def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tuple[str, ...]",
+              timeout: "timedelta | None" = None) -> DeviceMesh:
     """``init_device_mesh`` with the process groups created explicitly, one per row of each dim.
 
     Same mesh (ranks laid out row-major), same named dims, every group made
@@ -189,6 +191,10 @@ def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tu
     called without an active exception": 8 of 15 four-process runs of a
     1-D ``init_mesh`` script on torch 2.13 that ended with
     ``destroy_process_group()``); end jobs with :func:`spmdmoe.shutdown`.
+
+    ``timeout``: every group of the mesh is a new group with this timeout
+    (without it, a dim over every rank uses the default group and the others
+    the default timeout), e.g. to let one part of a job fail fast.
 
     Every rank first exchanges its ``shape`` and ``mesh_dim_names`` (one all-gather of 10 integers per
     rank): a rank that passes other ones makes every rank raise the same :class:`SPMDMeshError`, naming
@@ -215,7 +221,8 @@ def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tu
         rows = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
         mine = None
         for row in rows.tolist():  # every rank creates every group, in the same order
-            group = dist.group.WORLD if len(row) == world else dist.new_group(row)
+            new = len(row) < world or timeout is not None
+            group = dist.new_group(row, timeout=timeout) if new else dist.group.WORLD
             if me in row:
                 mine = group
         groups.append(mine)

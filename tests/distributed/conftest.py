@@ -112,21 +112,10 @@ def _device_type() -> str:
 
 
 def fresh_mesh(shape: tuple, names: tuple) -> DeviceMesh:
-    """A mesh of new process groups (one ``new_group`` per row of each dim, the world's too) whose collectives
-    time out after ``ONE_RANK_BAD_TIMEOUT_S``: a scenario that leaves ranks out of step fails itself, not the
-    next test, which gets groups of its own."""
-    world, me = dist.get_world_size(), dist.get_rank()
-    grid = torch.arange(world).view(*shape)
-    groups = []
-    for dim in range(grid.dim()):
-        mine = None
-        for row in grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist():  # every rank makes every group
-            group = dist.new_group(row, timeout=datetime.timedelta(seconds=ONE_RANK_BAD_TIMEOUT_S))
-            if me in row:
-                mine = group
-        groups.append(mine)
-    return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], _device_type(), mesh=grid,
-                                 mesh_dim_names=names)
+    """A mesh of new process groups (the world's too) whose collectives time out after ``ONE_RANK_BAD_TIMEOUT_S``:
+    a scenario that leaves ranks out of step fails itself, not the next test, which gets groups of its own."""
+    return init_mesh(_device_type(), shape, mesh_dim_names=names,
+                     timeout=datetime.timedelta(seconds=ONE_RANK_BAD_TIMEOUT_S))
 
 
 def _one_rank_bad(request) -> bool:

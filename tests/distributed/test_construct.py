@@ -167,3 +167,14 @@ def test_init_mesh_with_another_mesh_on_one_rank_raises_everywhere(device, bad):
     names = ("dp", "tp") if odd and bad == "names" else ("dp", "sp")
     with pytest.raises(spmdmoe.SPMDMeshError, match="mesh dim 0" if bad == "shape" else "mesh_dim_names"):
         spmdmoe.init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", shape, mesh_dim_names=names)
+
+
+def test_init_mesh_with_a_timeout_makes_new_groups(device):
+    """``timeout``: every group of the mesh is new (the world's row too), so it carries that timeout."""
+    from datetime import timedelta
+
+    mesh = spmdmoe.init_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("w",),
+                             timeout=timedelta(seconds=30))
+    assert mesh.get_group() is not dist.group.WORLD
+    x = spmdmoe.shard(torch.arange(10.0, device=device).view(5, 2), mesh)
+    assert torch.equal(spmdmoe.all_gather(x).local, torch.arange(10.0, device=device).view(5, 2))
