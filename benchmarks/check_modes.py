@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node 4 benchmarks/check_modes.py [--rows 4096] [--width 1024] [--out FILE]
 
-Candidates interleaved in every rep (the mode switched per call), median of the reps, max over ranks; host
-wall time per call, since gloo on the CPU is synchronous (``timing.timed_host``). ``all_gather`` of a Shard (the record only) and
-``redistribute(Replicate -> Shard)`` (the record plus a checksum of the replicated rows).
+Candidates interleaved in every rep (the mode switched per call), median of the reps, max over ranks;
+host wall time per call, since gloo on the CPU is synchronous (``timing.timed_host``). ``all_gather`` of a
+Shard (the record only) and ``redistribute(Replicate -> Shard)`` (the record plus a checksum of the replicated
+rows).
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ KINDS: tuple[Kind, ...] = (
     Kind("capacity", SPMDCapacityError, "more rows than the sync-free EP buffers hold"),
     Kind("grad_mode", SPMDCollectiveError, "it ran the forward with grad off while its peers had it on (their "
                                            "backward would wait for it: torch.no_grad() on some ranks only)"),
-    Kind("grad_set", SPMDLayoutError, "it trains another set of parameters than its peers' (reduce_grads) or than agreed (sync_grads)"),
+    Kind("grad_set", SPMDLayoutError,
+         "it trains another set of parameters than its peers' (reduce_grads) or than agreed (sync_grads)"),
 )
 BIT = {kind.name: 1 << i for i, kind in enumerate(KINDS)}
 GRAD_OFF = 1 << 62  # not a problem: a marker riding with the bits (this rank's forward runs with grad off)

@@ -49,6 +49,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .host import tracing
 from .types import errors
 from .types.errors import SPMDCollectiveError, SPMDDtypeError, SPMDLayoutError, SPMDShapeError
 from .types.mesh import MeshAxis
@@ -63,6 +64,18 @@ FIELDS = (("op", SPMDCollectiveError), ("grad_enabled", SPMDCollectiveError), ("
           ("placement", SPMDLayoutError), ("global_tokens", SPMDLayoutError),
           ("token_dim", SPMDLayoutError), ("dtype", SPMDDtypeError), ("features", SPMDShapeError),
           ("checksum", SPMDCollectiveError))
+# the fix each field's disagreement calls for (the input's metadata fields: _METADATA_HINT)
+_HINTS = {
+    "checksum": "the replicated content differs between ranks: build it from the same data (same seed), or use "
+                "Shard / Varying if it is per-rank data",
+    "op": "every rank must call the same collectives in the same order",
+    "grad_enabled": "run the step under the same grad mode on every rank (torch.no_grad() on some ranks only leaves "
+                    "the others waiting in the backward's collectives)",
+    "needs_grad": "freeze the same parameters on every rank",
+    "training": "put the model in the same train() / eval() mode on every rank",
+}
+_METADATA_HINT = ("the input was built with different metadata on some ranks (a locally built tensor: shard, "
+                  "SPMDTensor(...), with_local, from_buffer); build it alike on every rank")
 _sequence: dict[str, int] = {}  # per process group (its name): the calls checked so far
 
 
@@ -129,16 +142,8 @@ def _verdict(axis: MeshAxis, recs: list[dict[str, Any]]) -> Optional[BaseExcepti
             for r, v in enumerate(values):
                 groups.setdefault(json.dumps(v), []).append(r)
             seen = "; ".join(f"{v} on {who(rs)}" for v, rs in groups.items())
-            hint = ("the replicated content differs between ranks: build it from the same data (same seed), or "
-                    "use Shard / Varying if it is per-rank data") if field == "checksum" else (
-                "every rank must call the same collectives in the same order") if field == "op" else (
-                "run the step under the same grad mode on every rank (torch.no_grad() on some ranks only "
-                "leaves the others waiting in the backward's collectives)") if field == "grad_enabled" else (
-                "freeze the same parameters on every rank") if field == "needs_grad" else (
-                "put the model in the same train() / eval() mode on every rank") if field == "training" else (
-                "the input was built with different metadata on some ranks (a locally built tensor: shard, "
-                "SPMDTensor(...), with_local, from_buffer); build it alike on every rank")
-            return error(f"ranks disagree on {recs[0]['op']}'s input: {field} is {seen}. Fix: {hint}")
+            return error(f"ranks disagree on {recs[0]['op']}'s input: {field} is {seen}. Fix: "
+                         f"{_HINTS.get(field, _METADATA_HINT)}")
     return None
 
 
@@ -147,7 +152,7 @@ def check_collective(op: str, axis: MeshAxis, x: Any, problem: Optional[BaseExce
     """Compare this collective's input across ``axis`` (the collective-checking mode); raise the same error on
     every rank, or return when all agree and no rank has a problem. ``fields``: more values to compare (one of
     :data:`FIELDS`' names)."""
-    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if tracing():
         raise SPMDCollectiveError(
             f"{op}: the collective-checking mode (spmdmoe.set_checks('collectives')) is eager only: it exchanges on "
             f"the host before every collective. Turn it off under torch.compile and CUDA graph capture "

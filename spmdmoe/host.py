@@ -3,8 +3,8 @@
 Every documented sync goes through :func:`to_host` (the EP split sizes in sync
 mode, the agreement exchanges of ``spmdmoe.agreement``, the sticky-flag read of
 :func:`spmdmoe.check_errors` and of the bias update) or :class:`DelayedRead`
-(an SP layer without EP reading, at each forward, the previous forward's
-problem exchange). :func:`host_sync_count`
+(a riding SP layer's problem exchange, ``spmdmoe.moe.ride``, read once in that
+forward's backward or at the next forward). :func:`host_sync_count`
 counts them, which is a bookkeeping aid, not proof: tests that claim "no other
 sync" on CUDA also run under ``torch.cuda.set_sync_debug_mode``.
 """
@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["to_host", "host_sync_count", "DelayedRead"]
+__all__ = ["to_host", "host_sync_count", "DelayedRead", "tracing"]
 
 _host_syncs = [0]
 
@@ -23,6 +23,11 @@ _host_syncs = [0]
 def host_sync_count() -> int:
     """How many explicit device-to-host transfers spmdmoe made so far (see the module docstring)."""
     return _host_syncs[0]
+
+
+def tracing() -> bool:
+    """Under ``torch.compile`` or CUDA graph capture, where no host read may happen."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def to_host(t: torch.Tensor) -> list:
@@ -76,7 +81,10 @@ class DelayedRead:
         """The values, as (nested) Python lists (a documented transfer: allowed in the sync debug mode, counted
         once: a second ``get`` returns the same lists)."""
         if self._values is None:
-            event = self._event
-            self._values = _counted(event is not None,
-                                    lambda: (event is None or event.synchronize(), self._host.tolist())[1])
+            self._values = _counted(self._event is not None, self._wait_and_read)
         return self._values
+
+    def _wait_and_read(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

@@ -78,16 +78,18 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
     the tensors (cast) without a reduction.
 
     Which tensors need a gradient is agreed once per call site (these tensors
-    on this axis), at its first call (in any grad mode): one small all-gather and a
-    host read; ranks that differ raise the same ``SPMDLayoutError`` on every
-    rank. When none needs one, every rank skips the reduction. Later calls
+    on this axis), by :func:`agree_grad_set` (``parallelize_moe`` and
+    ``replicate_grads`` call it when they wrap) or else at the first call, in
+    any grad mode: one small all-gather and a host read; ranks that differ
+    raise the same ``SPMDLayoutError`` on every rank. When none needs one, every rank skips the reduction. Later calls
     follow the agreed set whatever this rank's flags say now (a rank that
     froze all of them still records the node, so its peers' all-reduce finds
     it); a set that differs from the agreed one is recorded and raised on
     every rank by :func:`spmdmoe.check_errors`. Freeze parameters before the
-    first training forward. Grad mode itself is not exchanged (it would cost
-    a host read per call): a rank under ``torch.no_grad()`` while its peers
-    train leaves them waiting in backward; the collective-checking mode
+    set is agreed. Grad mode itself is not exchanged here (it would cost a
+    host read per call): a rank under ``torch.no_grad()`` while its peers
+    train leaves them waiting in backward, unless the layer around the call
+    carries it (``spmdmoe.moe.ride``, the EP count exchange); the collective-checking mode
     (``spmdmoe.set_checks("collectives")``) compares it and the set on every
     call. Inside an
     anchored call covering ``tensors`` (``spmdmoe.moe.overlap``) the sum is
@@ -162,7 +164,7 @@ def _agreed_set(axis: MeshAxis, tensors: list[torch.Tensor], mask: tuple[bool, .
         changed = [i for i, (a, b) in enumerate(zip(mask, agreed)) if a != b]
         detail = (f"rank {axis.rank} of {axis}: sync_grads over tensors {changed} (of {len(mask)}) that "
                   f"{'need' if mask[changed[0]] else 'no longer need'} a gradient here, unlike the set the ranks "
-                  "agreed on at the first call; freeze or unfreeze parameters before the first training forward, "
+                  "agreed on; freeze or unfreeze parameters before parallelize_moe / replicate_grads wrap them, "
                   "on every rank")
         _SYNC_SET.record(BIT["grad_set"], tensors[0].device, [] if detail in _SYNC_SET.details else [detail])
     return agreed

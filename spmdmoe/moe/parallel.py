@@ -64,12 +64,11 @@ from .checkpoint import ExpertLayout, grid_mesh, install_hooks
 from .dispatch import AllToAllTransport, LocalTransport, Problem
 from .sync_free import Capacity, SyncFreeTransport
 from .experts import GroupedExperts
-from . import ride
 from .grads import GradReduction, agree_grad_set, sync_grads
 from .overlap import call_anchored, inside_fsdp_unit
 from .layer import MoE, _Layer
 from .plan import agree_plan
-from .ride import Ride
+from .ride import COLUMNS, Ride
 
 __all__ = ["parallelize_moe", "ParallelMoE"]
 
@@ -225,7 +224,7 @@ class ParallelMoE(_Layer):
             self.sp_synced = ()
         # SP over the whole job, without EP or with EP on the SP axis: the T exchange (made for gather mode, the
         # sync-free capacity, or for the ride alone without EP) carries the deferred problems and the grad mode
-        rides = sp is not None and ep in (None, sp) and dp is None and sp.size > 1 and sp.size == _world_size()
+        rides = sp is not None and ep in (None, sp) and dp is None and 1 < sp.size == torch.distributed.get_world_size()
         self._ride = Ride(sp, self.problems) if rides else None
         self._reductions: Optional[tuple[GradReduction, GradReduction]] = None
         self.grad_overlap = True  # False: each SP gradient sum waits at its use (sp_sync_params)
@@ -415,7 +414,7 @@ class ParallelMoE(_Layer):
         return Capacity(int(to_host(most)[0]), self.capacity_overflow)
 
     def _gather_tokens(self, x: Input, found: Found) -> int:
-        """The ``T`` every SP rank gathers: one all-gather of ``(T, bad, ...)`` per rank (``1 + ride.COLUMNS``
+        """The ``T`` every SP rank gathers: one all-gather of ``(T, bad, ...)`` per rank (``1 + COLUMNS``
         int64; a riding layer fills the ride's columns, ``ride.py``), in every checking mode (with checks off
         nothing is found, so nobody reads it at once). Only a rank with a bad input reads it (a sync), and
         takes the ``T`` of the first rank whose input was good; when no rank's was, the whole SP group stands
@@ -423,13 +422,12 @@ class ParallelMoE(_Layer):
         sp = self.sp
         assert sp is not None
         own = x.global_tokens if isinstance(x, SPMDTensor) and x.axis == sp and isinstance(x.placement, Shard) else -1
-        width = 1 + ride.COLUMNS
+        width = 1 + COLUMNS
         mine = torch.full((width,), own, dtype=torch.int64, device=sp.metadata_device())  # fills: no host copy
+        mine[1:2].fill_(found.bits)
+        mine[2:].fill_(0)
         if self._ride is not None:
-            self._ride.fill(mine[1:], found.bits)
-        else:
-            mine[1:2].fill_(found.bits)
-            mine[2:].fill_(0)
+            self._ride.fill(mine[2:])
         table = torch.empty(sp.size * width, dtype=torch.int64, device=mine.device).view(sp.size, width)
         all_gather_single(table.view(-1), mine, group=sp.group)
         if self._ride is not None:
@@ -478,10 +476,6 @@ class ParallelMoE(_Layer):
             found.add("device", f"rank {rank}: input on {x_TD.device}, the layer on {self.expert_bias.device}; "
                                 "move the input there with .to(...)")
         return None if found else x_TD
-
-
-def _world_size() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def _distinct(*axes: Optional[MeshAxis]) -> tuple[MeshAxis, ...]:

@@ -43,18 +43,13 @@ from typing import Any, Optional
 
 import torch
 
-from ..agreement import BIT, ProblemFlag, problems_error
-from ..host import DelayedRead
+from ..agreement import BIT, GRAD_OFF, ProblemFlag, grad_mode_codes, problems_error
+from ..host import DelayedRead, tracing
 from ..types.mesh import MeshAxis
 
-__all__ = ["Ride", "COLUMNS", "tracing"]
+__all__ = ["Ride", "COLUMNS"]
 
-COLUMNS = 3  # bad, recorded, grad off
-
-
-def tracing() -> bool:
-    """Under ``torch.compile`` or CUDA graph capture: no host reads."""
-    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+COLUMNS = 3  # bad (the T exchange's own column), then the ride's: recorded, grad off
 
 
 class Ride:
@@ -64,13 +59,12 @@ class Ride:
         self.axis, self.flag = axis, flag
         self.pending: Optional[tuple[DelayedRead, int]] = None
 
-    def fill(self, row: torch.Tensor, found_bits: int) -> None:
-        """Write this rank's ``COLUMNS`` int64 into ``row`` (a device slice of the exchange's row): no sync."""
-        row[0:1].fill_(found_bits)
-        row[1:].fill_(0)
+    def fill(self, row: torch.Tensor) -> None:
+        """OR the ride's two columns (recorded, grad off) into ``row``, a zeroed device slice of the exchange's
+        row after its ``bad`` column: no sync."""
         if not tracing():  # a compiled forward does not ride (no host read follows)
-            self.flag.bits_into(row[1:2])
-        row[2:3].fill_(int(not torch.is_grad_enabled()))
+            self.flag.bits_into(row[0:1])
+        row[1:2].fill_(int(not torch.is_grad_enabled()))
 
     def start(self, table: torch.Tensor) -> None:
         """After the exchange: ``table`` is ``(sp, COLUMNS)``, every rank's row; start its copy to the host."""
@@ -110,12 +104,9 @@ class Ride:
         grad off (which ran no backward) included."""
         if pending is None:
             return
-        rows = pending[0].get()
-        off = [bool(r[2]) for r in rows]
-        mixed = any(off) and not all(off)
-        if in_backward and not mixed:
+        bits = grad_mode_codes([bad | recorded | (GRAD_OFF if off else 0) for bad, recorded, off in pending[0].get()])
+        if in_backward and not any(b & BIT["grad_mode"] for b in bits):
             return
-        bits = [bad | recorded | (BIT["grad_mode"] if mixed and o else 0) for (bad, recorded, _), o in zip(rows, off)]
         error = problems_error(op, bits, [] if in_backward else self.flag.details, list(self.axis.ranks))
         if not in_backward:
             self.pending = None
