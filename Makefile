@@ -10,6 +10,10 @@ TORCH  ?= torch==2.13.0
 # with its dependencies; it runs on CPU).
 TORCH_NEW ?= torch==2.15.0
 VENV_NEW  ?= .venv-torch-new
+# torchtitan for the swap tests (tests/test_torchtitan.py; Python >= 3.11), without its training-only dependencies
+TORCHTITAN ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.0
+TORCHTITAN_INSTALL = if $(VENV)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+	$(VENV)/bin/pip install -q --no-deps $(TORCHTITAN); else echo "Python < 3.11: the torchtitan tests skip"; fi
 PY       := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 PYTEST   := -m pytest -q -p no:cacheprovider
@@ -21,6 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH)"
 	$(VENV)/bin/pip install -q -e ".[test]"
+	$(if $(TORCHTITAN),$(TORCHTITAN_INSTALL))
 	touch $@
 
 demo: $(VENV)/.installed
@@ -36,7 +41,7 @@ test-dist: $(VENV)/.installed
 
 # The single-process suite (the examples' clean exit included) on the newest supported torch, in its own venv.
 test-torch-new:
-	$(MAKE) test-single VENV=$(VENV_NEW) TORCH="$(TORCH_NEW)"
+	$(MAKE) test-single VENV=$(VENV_NEW) TORCH="$(TORCH_NEW)" TORCHTITAN=
 
 clean:
 	rm -rf $(VENV) $(VENV_NEW) build *.egg-info

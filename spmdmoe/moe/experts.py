@@ -88,17 +88,22 @@ class GroupedExperts(nn.Module):
         out = super()._apply(fn, recurse)
         if self.packing:
             self.pack()
-        self.fp8_cache = fresh_cache(self.w1, self.w2, self.w3, self.fp8_cache)  # on the weights' new device
+        self.fp8_cache = fresh_cache(*self.read_weights(), self.fp8_cache)  # on the weights' new device
         return out
 
     @property
     def num_experts(self) -> int:
         return self.w1.shape[0]
 
+    def read_weights(self) -> list[torch.Tensor]:
+        """``[w1, w2, w3]`` as the forward reads them (a subclass holding them elsewhere, e.g. as DTensors,
+        returns this rank's local tensors)."""
+        return [self.w1, self.w2, self.w3]
+
     def forward(self, routed: RoutedTokens) -> torch.Tensor:
         """``y_RD`` for ``routed.x_RD``; ``y_TD``, the sum of each token's copies, when the transport asks for
         it (``routed.copies_TK``: the FP8 experts fuse that sum into their down-projection's node)."""
-        weights = [self.w1, self.w2, self.w3]
+        weights = self.read_weights()
         if self.grad_axis is not None:
             weights = sync_grads(weights, self.grad_axis)
         if self.precision == "fp8_rowwise" and weights[0].shape[1] > 0:

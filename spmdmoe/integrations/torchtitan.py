@@ -1,0 +1,436 @@
+"""``swap_moe``: torchtitan 0.3.0's MoE modules replaced, in place, by spmdmoe's layer.
+
+Legend: ``B`` batch, ``L`` sequence (this rank's part of it under SP), ``D`` model dim, ``F`` expert hidden
+dim, ``E`` experts, ``e`` this rank's experts, ``T = B * L`` tokens.
+
+    from spmdmoe.integrations.torchtitan import swap_moe
+    with torch.device("meta"):
+        model = model_config.build()          # torchtitan's model, as torchtitan builds it
+    swap_moe(model)                           # before torchtitan's parallelize / init
+    model.to_empty(device=...); model.init_states(buffer_device=...)
+
+What stays torchtitan's, so that its init, FSDP, activation checkpointing, compile, checkpointing (DCP
+included), state-dict adapters and load-balancing hook keep working: every parameter and buffer path of
+``torchtitan.models.common.moe.MoE``, and the module objects behind most of them:
+
+=========================================================  ==================================================
+``router.gate.weight``                                     torchtitan's gate ``Linear``, inside our router
+``routed_experts.inner_experts.{w1_EFD, w2_EDF, w3_EFD}``  :class:`Experts`: torchtitan's names, ``param_init``
+                                                           and sharding config; our grouped SwiGLU
+``shared_experts.w{1,2,3}.weight``                         torchtitan's ``Linear`` modules, inside our
+                                                           shared experts
+``expert_bias_E`` (saved), ``tokens_per_expert_E``         torchtitan's buffers (float32), read and counted
+                                                           into by our layer
+=========================================================  ==================================================
+
+So ``init_states`` draws the same numbers in the same order (the state dicts of a swapped and an unswapped
+model built and initialised from one seed are bitwise equal), and torchtitan's optimizer pre-hook reads
+``tokens_per_expert_E`` and updates ``expert_bias_E`` as it does for its own MoE. What is ours: the forward
+(the router, dispatch, experts, combine of ``spmdmoe.moe``, with SP and EP plans of their own), run by an
+spmdmoe layer that holds no state of its own (it reads the adapter's modules and buffers).
+
+torchtitan's options map one to one to :class:`spmdmoe.moe.MoEConfig` (``top_k``, ``score_func``,
+``route_norm``, ``route_scale``, ``num_expert_groups``, ``num_limited_groups``, ``load_balance_coeff``,
+shared experts); the gate GEMM runs in fp32 as torchtitan's does, and the routed experts' GEMMs run in
+``expert_dtype`` (default bf16, as torchtitan's ``GroupedExperts`` casts; ``None``: the activations'
+dtype). Refused, never approximated (``MoEConfigError``): a gate or shared-expert ``Linear`` with a bias,
+``_debug_force_load_balance``, experts that are not exactly torchtitan's ``GroupedExperts`` (the FP8 /
+MXFP8 converters replace them: use ``expert_precision="fp8_rowwise"`` instead), a token dispatcher other
+than the ``"standard"`` backend's, a sigmoid-gated shared FFN, and MoE classes other than
+``torchtitan.models.common.moe.MoE`` (e.g. a model's own subclass).
+
+Deferred errors. A problem one rank records (a non-finite router logit, a bad input on one rank) is raised
+on every rank by :func:`spmdmoe.check_errors`; ``swap_moe`` registers it, once per process, as a global
+optimizer step pre-hook that runs at each step, before the first optimizer found holding a swapped layer's parameters steps (torch runs
+global pre-hooks before an optimizer's own, so before torchtitan's load-balancing hook). With ``sp_mesh``
+the same hook first sums each layer's ``tokens_per_expert_E`` over the SP axis, which torchtitan's loss
+mesh does not include, so that every SP rank updates the same bias.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+try:
+    from torchtitan.models.common.feed_forward import FeedForward as _TTFeedForward
+    from torchtitan.models.common.moe import GroupedExperts as _TTGroupedExperts
+    from torchtitan.models.common.moe import MoE as _TTMoE
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter as _TTRouter
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+    from torchtitan.protocols.module import Module as _TTModule
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "spmdmoe.integrations.torchtitan needs torchtitan 0.3.0 (Python >= 3.11): "
+        'pip install "spmdmoe[torchtitan]"') from e
+
+from .. import agreement
+from .._dist import all_reduce
+from ..moe import MoE, MoEConfig, ParallelMoE, parallelize_moe
+from ..moe.experts import GroupedExperts, SharedExperts
+from ..moe.layer import _Layer
+from ..moe.parallel import _expert_layout
+from ..moe.router import Router
+from ..types.construct import from_local
+from ..types.errors import MoEConfigError
+from ..types.mesh import MeshLike
+from ..types.tensor import SPMDTensor
+
+__all__ = ["swap_moe", "SwappedMoE", "Experts"]
+
+_DISPATCHERS = (LocalTokenDispatcher, AllToAllTokenDispatcher)  # the "standard" comm backend's
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a DTensor (differentiable), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Experts(GroupedExperts, _TTModule):
+    """torchtitan's routed-expert parameters under spmdmoe's grouped SwiGLU.
+
+    Parameters ``w1_EFD`` (E, F, D), ``w2_EDF`` (E, D, F), ``w3_EFD`` (E, F, D): the very parameters of the
+    torchtitan ``GroupedExperts`` it replaces, with its ``param_init`` and sharding config, so
+    torchtitan's ``init_states`` and ``parallelize`` treat them as its own. Under EP they are DTensors
+    sharded on dim 0 (torchtitan's ``parallelize``, or ``swap_moe(ep_mesh=...)``); the forward reads this
+    rank's ``(e, F, D)`` blocks. ``dtype``: the GEMMs' dtype (``None``: the activations'); rows and
+    weights are cast to it and the output back, as torchtitan's experts do. ``num_experts`` is the global
+    ``E`` (torchtitan sizes its MoE buffers by it).
+    """
+
+    def __init__(self, source: _TTGroupedExperts, precision: str, fp8_wgrad: str, dtype: Optional[torch.dtype]):
+        nn.Module.__init__(self)
+        self.precision, self.fp8_wgrad, self.dtype = precision, fp8_wgrad, dtype
+        self._num_experts = int(source.num_experts)
+        self.w1_EFD, self.w2_EDF, self.w3_EFD = source.w1_EFD, source.w2_EDF, source.w3_EFD
+        self._param_init = source._param_init
+        self._sharding_config = source._sharding_config
+        self.pack()
+        self.fp8_cache = None
+        if precision == "fp8_rowwise":
+            from ..moe.fp8_cache import Fp8WeightCache
+            self.fp8_cache = Fp8WeightCache(*self.read_weights())
+
+    @property
+    def num_experts(self) -> int:  # type: ignore[override]
+        return self._num_experts
+
+    # GroupedExperts reads and packs w1 / w2 / w3: torchtitan's parameters under our names
+    w1 = property(lambda self: self.w1_EFD)
+    w2 = property(lambda self: self.w2_EDF)
+    w3 = property(lambda self: self.w3_EFD)
+
+    def pack(self) -> None:
+        """Packed ``w1 | w3`` (``GroupedExperts.pack``) once materialised: on meta they stay apart, as
+        FSDP2 (which torchtitan may apply before ``to_empty``) takes contiguous parameters only."""
+        if not self.w1_EFD.is_meta:
+            super().pack()
+
+    def _init_self_parameters(self) -> None:
+        """torchtitan's ``param_init``, on contiguous tensors (a CPU generator fills a strided view in another
+        order), packed again after."""
+        for p in (self.w1_EFD, self.w3_EFD):
+            if not isinstance(p, DTensor):
+                p.data = p.data.contiguous()
+        super()._init_self_parameters()
+        self.pack()
+
+    def read_weights(self) -> list[torch.Tensor]:
+        weights = [_local(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)]
+        return weights if self.dtype is None else [w.to(self.dtype) for w in weights]
+
+    def forward(self, routed: Any) -> torch.Tensor:
+        dtype = routed.x_RD.dtype
+        if self.dtype is None or dtype == self.dtype:
+            return super().forward(routed)
+        return super().forward(dataclasses.replace(routed, x_RD=routed.x_RD.to(self.dtype))).to(dtype)
+
+
+class _Bound:
+    """A layer whose state lives in a :class:`SwappedMoE`: the bias and counts are the adapter's buffers
+    (looked up at each use: torchtitan re-creates them in ``init_states``), dense weights its local
+    tensors."""
+
+    _owner: "SwappedMoE"  # a plain attribute, not a child module (a deepcopy of the adapter copies both)
+
+    @property
+    def expert_bias(self) -> torch.Tensor:
+        bias = self._owner.expert_bias_E
+        return self.no_bias if bias is None else _local(bias)  # type: ignore[attr-defined]
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return _local(self._owner.tokens_per_expert_E)
+
+    def dense_params(self) -> dict[str, torch.Tensor]:
+        return {n: _local(p) for n, p in super().dense_params().items()}  # type: ignore[misc]
+
+
+_BOUND: dict[type, type] = {}
+
+
+def _bind(engine: _Layer, adapter: "SwappedMoE") -> None:
+    """Point ``engine``'s modules at the adapter's and drop its own bias and counts (see :class:`_Bound`)."""
+    cls = type(engine)
+    if cls not in _BOUND:
+        _BOUND[cls] = type(f"Bound{cls.__name__}", (_Bound, cls), {})
+    adapter.routed_experts.inner_experts.grad_axis = engine.experts.grad_axis
+    for name, module in (("router", adapter.router), ("experts", adapter.routed_experts.inner_experts),
+                         ("shared_experts", adapter.shared_experts)):
+        engine.__dict__.pop(name, None)  # a None set before it was a module is a plain attribute
+        engine._modules[name] = module
+    del engine._buffers["expert_bias"], engine._buffers["tokens_per_expert"]
+    engine.__class__ = _BOUND[cls]
+    if getattr(engine, "sp_synced", ()):  # the dense weights summed over SP: now with the shared experts
+        engine.sp_synced = tuple(_Layer.dense_params(engine))
+    object.__setattr__(engine, "_owner", adapter)
+    engine.register_buffer("no_bias", torch.zeros(engine.config.num_experts, device="meta"), persistent=False)
+
+
+class SwappedMoE(_TTMoE):
+    """torchtitan's ``MoE`` with spmdmoe's forward (see the module docstring): ``forward(x_BLD) -> out_BLD``,
+    torchtitan's paths and buffers, its ``init_states``.
+
+    Attributes: ``layer``, the spmdmoe layer that runs the forward (a :class:`spmdmoe.moe.MoE`, or a
+    :class:`spmdmoe.moe.ParallelMoE` with SP / EP); it owns no parameters or saved buffers.
+    """
+
+    def __init__(self, source: _TTMoE, config: MoEConfig, layer: _Layer, expert_dtype: Optional[torch.dtype]):
+        nn.Module.__init__(self)
+        self.routed_experts = source.routed_experts
+        self.routed_experts.inner_experts = Experts(source.routed_experts.inner_experts, config.expert_precision,
+                                                    config.fp8_wgrad, expert_dtype)
+        with torch.device("meta"):
+            self.router = Router(config)
+        self.router.gate = source.router.gate
+        self.shared_experts: Optional[SharedExperts] = None
+        if source.shared_experts is not None:
+            ffn = source.shared_experts
+            with torch.device("meta"):
+                shared = SharedExperts(config.dim, ffn.w1.weight.shape[0])
+            shared.w1, shared.w2, shared.w3 = ffn.w1, ffn.w2, ffn.w3
+            self.shared_experts = shared
+        self.load_balance_coeff = source.load_balance_coeff
+        if source.expert_bias_E is not None:
+            self.register_buffer("expert_bias_E", source.expert_bias_E, persistent=True)
+        else:
+            self.expert_bias_E = None
+        self.register_buffer("tokens_per_expert_E", source.tokens_per_expert_E, persistent=False)
+        self.training = source.training
+        object.__setattr__(self, "layer", layer)  # not a child: it holds no state of its own
+        _bind(layer, self)
+        self._move_layer_buffers(lambda t: t.to(self.tokens_per_expert_E.device))
+        layer.train(self.training)
+
+    def _move_layer_buffers(self, fn: Any) -> None:
+        """Apply ``fn`` to the layer's own buffers (problem flags, capacity counters): they follow the
+        adapter; fresh from meta they start at zero."""
+        layer = self.layer
+        for name, buf in list(layer._buffers.items()):
+            if buf is None:
+                continue
+            moved = fn(buf)
+            if buf.is_meta and not moved.is_meta:
+                moved = torch.zeros_like(moved)
+            layer._buffers[name] = moved
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:  # type: ignore[override]
+        out = super()._apply(fn, recurse)
+        self._move_layer_buffers(fn)
+        return out
+
+    def _init_self_buffers(self, *, buffer_device: Optional[torch.device] = None) -> None:
+        super()._init_self_buffers(buffer_device=buffer_device)
+        for buf in self.layer._buffers.values():
+            if buf is not None and not buf.is_meta:
+                buf.zero_()
+
+    def train(self, mode: bool = True) -> "SwappedMoE":
+        super().train(mode)
+        self.layer.training = mode
+        return self
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if isinstance(x_BLD, DTensor):
+            raise MoEConfigError(
+                f"the swapped MoE takes this rank's plain (batch, seq, dim) tensor, found a DTensor "
+                f"({x_BLD.placements}); torchtitan's tensor parallelism of the MoE is not supported: pass its "
+                "sequence axis as swap_moe(sp_mesh=...) instead")
+        layer = self.layer
+        x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
+        sp = getattr(layer, "sp", None)
+        out = layer(from_local(x_TD, sp) if sp is not None else x_TD)
+        out_TD = out.local if isinstance(out, SPMDTensor) else out
+        return out_TD.view(x_BLD.shape)
+
+
+def _refuse(name: str, problem: str, fix: str) -> MoEConfigError:
+    return MoEConfigError(f"swap_moe: {name}: {problem}; {fix}")
+
+
+def _config(name: str, moe: _TTMoE, expert_precision: str) -> MoEConfig:
+    """The :class:`MoEConfig` of torchtitan MoE ``moe``, or ``MoEConfigError`` for what it cannot express."""
+    router, experts = moe.router, moe.routed_experts.inner_experts
+    checks = [
+        (type(router) is not _TTRouter, f"its router is a {type(router).__name__}",
+         "only torchtitan.models.common.moe.TokenChoiceTopKRouter is mapped"),
+        (getattr(router.gate, "bias", None) is not None, "its router gate has a bias",
+         "spmdmoe's gate has none: build the gate with bias=False"),
+        (bool(getattr(router, "_debug_force_load_balance", False)), "_debug_force_load_balance is set",
+         "unset it (a debugging aid spmdmoe does not reproduce)"),
+        (type(experts) is not _TTGroupedExperts, f"its experts are a {type(experts).__name__}",
+         "FP8 / MXFP8-converted experts are not swapped: drop the converter and pass "
+         "swap_moe(expert_precision='fp8_rowwise')"),
+        (type(moe.routed_experts.token_dispatcher) not in _DISPATCHERS,
+         f"its token dispatcher is a {type(moe.routed_experts.token_dispatcher).__name__}",
+         "only comm_backend='standard' is swapped (spmdmoe moves the tokens itself)"),
+    ]
+    shared = moe.shared_experts
+    if shared is not None:
+        checks += [
+            (type(shared) is not _TTFeedForward, f"its shared experts are a {type(shared).__name__}",
+             "only a plain SwiGLU FeedForward is mapped"),
+            (any(getattr(lin, "bias", None) is not None for lin in (shared.w1, shared.w2, shared.w3)),
+             "its shared experts' linears have a bias", "build them with bias=False"),
+        ]
+    for bad, problem, fix in checks:
+        if bad:
+            raise _refuse(name, problem, fix)
+    E, F, D = experts.w1_EFD.shape
+    return MoEConfig(
+        dim=D, hidden_dim=F, num_experts=E, top_k=router.top_k,
+        num_shared_experts=0,  # the shared FFN is torchtitan's own modules, of any hidden size
+        score_func=router.score_func, route_norm=router.route_norm, route_scale=router.route_scale,
+        num_expert_groups=router.num_expert_groups, num_limited_groups=router.num_limited_groups,
+        load_balance_coeff=moe.load_balance_coeff, router_dtype="float32",
+        expert_precision=expert_precision,  # type: ignore[arg-type]
+    )
+
+
+def _shard_experts(experts: _TTGroupedExperts, layer: _Layer) -> None:
+    """Make the expert weights DTensors of the layout the parallel ``layer`` computes on (EP: ``Shard(0)``;
+    gather-mode SP: the hidden dim, ``Shard(1)`` of ``w1`` / ``w3`` and ``Shard(2)`` of ``w2``, by the chunk
+    rule, which is DTensor's; both: a 2-D mesh), as spmdmoe's own checkpoints present them. torchtitan's
+    sharding config of the experts is dropped: the layer decides their layout."""
+    if not isinstance(layer, ParallelMoE):
+        return
+    cfg = layer.config
+    layout = _expert_layout(cfg, layer.sp, layer.ep, layer.sp_mode, layer.expert_slice, layer.hidden_slice)
+    experts._sharding_config = None
+    if layout.mesh is None:
+        return
+    for name, ours in (("w1_EFD", "experts.w1"), ("w2_EDF", "experts.w2"), ("w3_EFD", "experts.w3")):
+        p = getattr(experts, name)
+        if not isinstance(p, DTensor):
+            sharded = distribute_tensor(p.data, layout.mesh, layout.placements(ours))
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+
+
+def _unmapped(model: nn.Module) -> list[str]:
+    """Modules that look like another MoE implementation (refused: never approximated)."""
+    return [f"{name} ({type(m).__module__}.{type(m).__name__})" for name, m in model.named_modules()
+            if "moe" in type(m).__name__.lower() and not isinstance(m, SwappedMoE) and type(m) is not _TTMoE
+            and isinstance(m, _TTModule)]
+
+
+def swap_moe(
+    model: nn.Module,
+    *,
+    sp_mesh: Optional[MeshLike] = None,
+    ep_mesh: Optional[MeshLike] = None,
+    sp_mode: Literal["local", "gather"] = "local",
+    ep_mode: Literal["sync", "sync_free"] = "sync",
+    expert_precision: Optional[Literal["bf16", "fp8_rowwise"]] = None,
+    expert_dtype: Optional[torch.dtype] = torch.bfloat16,
+    agree_over: Optional[MeshLike] = None,
+) -> list[str]:
+    """Replace every ``torchtitan.models.common.moe.MoE`` in ``model`` by a :class:`SwappedMoE`; returns
+    their names. Call it on every rank, on the model as torchtitan built it (meta or not), before
+    torchtitan's ``parallelize`` and ``init_states``.
+
+    ``sp_mesh``: an SP axis; each rank passes its own part of the sequence, ``(B, L_rank, D)`` with
+    ``B * L_rank`` rows following spmdmoe's chunk rule for the total (``spmdmoe.shard`` of the
+    flattened tokens gives it; with ``B = 1`` any sequence length, divisible or not). One exchange per
+    layer and forward (``spmdmoe.from_local``), so SP layers run eagerly (not under ``fullgraph``
+    compile). The gradients of the layer's replicated weights are summed over it inside the layer, as
+    for tensor-parallel SP: keep the axis out of FSDP's reduction mesh. For torchtitan's context
+    parallelism leave it ``None`` (each rank routes its own chunk and FSDP reduces).
+    ``ep_mesh``: the EP axis (torchtitan's ``parallel_dims.get_mesh("ep")``); the expert weights are
+    DTensors sharded on it (by torchtitan's ``parallelize`` when the model's config carries its sharding
+    config, else here). ``sp_mode``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe`
+    (which runs here, a collective over ``agree_over``). ``expert_precision``: ``"bf16"`` (default:
+    ``expert_dtype``) or ``"fp8_rowwise"``. ``expert_dtype``: the routed GEMMs' dtype (bf16 as
+    torchtitan's; ``None``: the activations').
+
+    Raises ``MoEConfigError`` for what cannot be mapped exactly (module docstring) and for a model with
+    no torchtitan MoE.
+    """
+    precision = expert_precision or "bf16"
+    others = _unmapped(model)
+    if others:
+        raise MoEConfigError(f"swap_moe: {', '.join(others)}: MoE classes other than "
+                             "torchtitan.models.common.moe.MoE are not swapped (their forward may differ)")
+    targets = [(n, m) for n, m in model.named_modules() if type(m) is _TTMoE]
+    if not targets:
+        raise MoEConfigError(f"swap_moe: {type(model).__name__} holds no torchtitan.models.common.moe.MoE "
+                             "(already swapped, or not a torchtitan MoE model)")
+    for name, moe in targets:
+        config = _config(name, moe, precision)
+        with torch.device("meta"):
+            layer: _Layer = MoE(config)
+        if sp_mesh is not None or ep_mesh is not None:
+            layer = parallelize_moe(layer, sp_mesh=sp_mesh, ep_mesh=ep_mesh, sp_mode=sp_mode, ep_mode=ep_mode,
+                                    agree_over=agree_over, device="meta")
+        _shard_experts(moe.routed_experts.inner_experts, layer)
+        swapped = SwappedMoE(moe, config, layer, expert_dtype)
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent)._modules[child] = swapped
+        _SWAPPED.append(weakref.ref(swapped))
+    _register_step_hook()
+    return [n for n, _ in targets]
+
+
+_HOOK: list[Any] = []
+_STEPPER: list["weakref.ref[Any]"] = []  # the optimizer whose step runs the check (the first seen holding ours)
+
+
+def _register_step_hook() -> None:
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Once per step, before the step of the first optimizer found holding a swapped layer's parameters
+    (torchtitan's ``OptimizersContainer``, whose step runs its inner optimizers' after; a plain optimizer):
+    raise deferred problems on every rank (:func:`spmdmoe.check_errors`), then sum each SP layer's token
+    counts over its SP axis. No Python state changes in the forward, so compiled and checkpointed blocks
+    are untouched."""
+    stepper = _STEPPER[0]() if _STEPPER else None
+    if stepper is None:
+        ours = {id(p) for m in _live() for p in m.parameters()}
+        if not any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
+            return
+        _STEPPER[:] = [weakref.ref(optimizer)]
+    elif stepper is not optimizer:
+        return
+    agreement.check_errors()
+    for layer in _live():
+        sp = getattr(layer.layer, "sp", None)
+        if sp is not None and sp.size > 1:
+            all_reduce(_local(layer.tokens_per_expert_E), group=sp.group)
+
+
+def _live() -> list[SwappedMoE]:
+    """The live swapped layers, in the order they were swapped (the same on every rank)."""
+    live = [m for m in (ref() for ref in _SWAPPED) if m is not None]
+    _SWAPPED[:] = [weakref.ref(m) for m in live]
+    return live
+
+
+_SWAPPED: list["weakref.ref[SwappedMoE]"] = []

@@ -1,0 +1,208 @@
+"""``spmdmoe.integrations.torchtitan.swap_moe`` in one process (CPU): torchtitan's DeepSeek-V3 debug model,
+built twice from one seed, one swapped.
+
+Tolerances: torchtitan's experts compute in bf16 (also in an fp32 model) and so do ours by default, so
+outputs are compared per token row: relative error <= 1e-2 on rows routed alike, and at most 1 % of tokens
+routed to another expert set (routing compared on its own); gradients: ||diff|| / ||ref|| <= 1e-2 per
+parameter; training: |loss difference| <= 1 % of the loss at each of 20 steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from torchtitan_models import NoParallelism, build, debug_config
+
+from spmdmoe.integrations.torchtitan import SwappedMoE, swap_moe  # noqa: E402
+from spmdmoe.moe import route  # noqa: E402
+from spmdmoe.types.errors import MoEConfigError  # noqa: E402
+
+ROUTERS = {
+    "softmax": {},
+    "sigmoid-groups": {"score_func": "sigmoid", "route_norm": True, "route_scale": 2.5, "num_expert_groups": 4,
+                       "num_limited_groups": 2},
+}
+
+
+def _pair(**router):
+    config = debug_config(**router)
+    return build(copy.deepcopy(config)), build(config, swap_moe)
+
+
+def test_paths_and_init_match_bitwise():
+    ref, ours = _pair()
+    assert [type(m) for m in ours.modules() if isinstance(m, SwappedMoE)] == [SwappedMoE] * 2
+    ref_state, our_state = ref.state_dict(), ours.state_dict()
+    assert list(ref_state) == list(our_state)
+    assert all(torch.equal(ref_state[k], our_state[k]) for k in ref_state)
+    assert [n for n, _ in ref.named_buffers()] == [n for n, _ in ours.named_buffers()]
+    assert [n for n, _ in ref.named_parameters()] == [n for n, _ in ours.named_parameters()]
+
+
+def _rows(ref_moe, our_moe, x_BLD):
+    """Per-row relative output error, and which tokens both routers send to the same expert set."""
+    torch.manual_seed(1)
+    x_ref = x_BLD.clone().requires_grad_()
+    x_our = x_BLD.clone().requires_grad_()
+    y_ref, y_our = ref_moe(x_ref), our_moe(x_our)
+    g = torch.randn_like(y_ref)
+    (y_ref * g).sum().backward()
+    (y_our * g).sum().backward()
+    D = x_BLD.shape[-1]
+    ids_ref = ref_moe.router(x_BLD, ref_moe.expert_bias_E)[1].reshape(-1, ref_moe.router.top_k)
+    ours = route(x_BLD.reshape(-1, D), our_moe.router.gate.weight, our_moe.expert_bias_E, our_moe.layer.config)
+    same = (ids_ref.sort(-1).values == ours.ids_TK.sort(-1).values).all(-1)
+    err = ((y_ref - y_our).reshape(-1, D).norm(dim=-1) / y_ref.reshape(-1, D).norm(dim=-1)).detach()
+    return err, same, (x_ref.grad, x_our.grad)
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_module_parity_forward_backward(router):
+    ref, ours = _pair(**ROUTERS[router])
+    ref_moe, our_moe = ref.layers["1"].moe, ours.layers["1"].moe
+    with torch.no_grad():  # a bias that steers routing, the same in both
+        bias = torch.randn(8, generator=torch.Generator().manual_seed(3)) * 0.01
+        ref_moe.expert_bias_E.copy_(bias)
+        our_moe.expert_bias_E.copy_(bias)
+    x = torch.randn(3, 37, 256, generator=torch.Generator().manual_seed(2))
+    err, same, (gx_ref, gx_our) = _rows(ref_moe, our_moe, x)
+    assert (~same).float().mean() <= 0.01
+    assert err[same].max() <= 1e-2, err[same].max()
+    gx_err = ((gx_ref - gx_our).reshape(-1, 256).norm(dim=-1) / gx_ref.reshape(-1, 256).norm(dim=-1))
+    assert gx_err[same].max() <= 1e-2
+    for (name, p_ref), (_, p_our) in zip(ref_moe.named_parameters(), our_moe.named_parameters()):
+        assert (p_ref.grad - p_our.grad).norm() <= 1e-2 * p_ref.grad.norm(), name
+    assert torch.equal(ref_moe.tokens_per_expert_E, our_moe.tokens_per_expert_E)
+
+
+def _train(model, tokens, steps):
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    register_moe_load_balancing_hook(opt, [model], NoParallelism())
+    losses = []
+    for step in range(steps):
+        logits = model(tokens[step, :, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[step, :, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_tracks_torchtitan_with_its_load_balancing_hook():
+    ref, ours = _pair()
+    tokens = torch.randint(0, 2048, (2, 2, 33), generator=torch.Generator().manual_seed(4)).repeat(10, 1, 1)
+    ref_losses, our_losses = _train(ref, tokens, 20), _train(ours, tokens, 20)
+    for step, (a, b) in enumerate(zip(ref_losses, our_losses)):
+        assert abs(a - b) <= 0.01 * abs(a), (step, a, b)
+    assert ref_losses[-1] < ref_losses[0] - 0.5
+    for moe in (m for m in ours.modules() if isinstance(m, SwappedMoE)):  # torchtitan's hook ran on ours
+        assert moe.expert_bias_E.abs().sum() > 0 and not moe.tokens_per_expert_E.any()
+
+
+def test_activation_checkpointing_and_compiled_blocks():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    _, plain = _pair()
+    wrapped = copy.deepcopy(plain)
+    for name, block in list(wrapped.layers.named_children()):
+        block = checkpoint_wrapper(block, preserve_rng_state=False)
+        block.compile(fullgraph=True)
+        wrapped.layers.register_module(name, block)
+    tokens = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(5))
+    for model in (plain, wrapped):
+        model(tokens).float().pow(2).mean().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert (a.grad - b.grad).norm() <= 1e-3 * a.grad.norm() + 1e-12, name
+    # the counts: one per routed copy (spmdmoe counts when the backward runs, once under recompute)
+    pairs = zip(*([m for m in model.modules() if isinstance(m, SwappedMoE)] for model in (plain, wrapped)))
+    for a, b in pairs:
+        assert torch.equal(a.tokens_per_expert_E, b.tokens_per_expert_E)
+        assert a.tokens_per_expert_E.sum() == 2 * 24 * 3
+
+
+def test_dcp_checkpoints_load_both_ways(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ref, ours = _pair()
+    fresh = build(debug_config(), swap_moe, seed=7)
+    assert not torch.equal(fresh.layers["1"].moe.router.gate.weight, ref.layers["1"].moe.router.gate.weight)
+    dcp.save(ref.state_dict(), checkpoint_id=str(tmp_path / "tt"))
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path / "tt"))
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), fresh.state_dict().values()))
+    back = build(debug_config(), seed=8)
+    dcp.save(ours.state_dict(), checkpoint_id=str(tmp_path / "ours"))
+    state = back.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path / "ours"))
+    back.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), back.state_dict().values()))
+
+
+def _meta_model():
+    with torch.device("meta"):
+        return debug_config().build()
+
+
+def _gate_bias(model):
+    moe = model.layers["1"].moe
+    moe.router.gate.bias = torch.nn.Parameter(torch.zeros(8, device="meta"))
+
+
+def _force_balance(model):
+    model.layers["1"].moe.router._debug_force_load_balance = True
+
+
+def _converted_experts(model):
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class Fp8Experts(GroupedExperts):
+        pass
+    inner = model.layers["1"].moe.routed_experts.inner_experts
+    inner.__class__ = Fp8Experts
+
+
+def _dispatcher(model):
+    model.layers["1"].moe.routed_experts.token_dispatcher = object()
+
+
+def _subclass(model):
+    from torchtitan.models.common.moe import MoE
+
+    class OwnMoE(MoE):
+        pass
+    model.layers["1"].moe.__class__ = OwnMoE
+
+
+@pytest.mark.parametrize("change,words", [
+    (_gate_bias, "router gate has a bias"),
+    (_force_balance, "_debug_force_load_balance"),
+    (_converted_experts, "expert_precision='fp8_rowwise'"),
+    (_dispatcher, "comm_backend='standard'"),
+    (_subclass, "MoE classes other than"),
+])
+def test_refuses_what_it_cannot_map(change, words):
+    model = _meta_model()
+    change(model)
+    with pytest.raises(MoEConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        swap_moe(model)
+
+
+def test_refuses_a_model_without_torchtitan_moe():
+    with pytest.raises(MoEConfigError, match="holds no torchtitan"):
+        swap_moe(torch.nn.Linear(2, 2))
+
+
+def test_torchtitans_parallelize_ep4(torchrun_job):
+    """The whole model through torchtitan's ``parallelize_deepseekv3`` with EP = 4 on 4 gloo processes
+    (``tests/torchtitan_parallelize.py``): each rank's loss and every gradient match the unparallelized
+    torchtitan model's on the same weights."""
+    rc, out, err = torchrun_job("tests/torchtitan_parallelize.py", timeout=300)
+    assert rc == 0, err[-3000:]
+    assert out.count("gradients match") == 4, out

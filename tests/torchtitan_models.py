@@ -1,0 +1,56 @@
+"""torchtitan 0.3.0 models for the swap tests (``tests/test_torchtitan.py``, ``tests/distributed/test_torchtitan.py``).
+
+torchtitan's FlexAttention has no backward on CPU, so both models (torchtitan's and the swapped one) get
+torchtitan's own causal ``ScaledDotProductAttention``. ``build`` makes the model on meta, optionally swaps,
+materialises it and runs torchtitan's ``init_states`` from one seed, as torchtitan's trainer does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+torchtitan = pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
+
+from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.deepseek_v3 import model_registry  # noqa: E402
+
+
+def debug_config(layers: int = 3, **moe: Any) -> Any:
+    """torchtitan's DeepSeek-V3 debug model (dim 256, 8 experts, top 3, 1 shared expert), ``layers`` blocks
+    (the first dense), SDPA attention; ``moe`` overrides router options (e.g. ``score_func="sigmoid"``)."""
+    config = model_registry("debugmodel").model
+    config.layers = config.layers[:layers]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        if layer.moe is not None:
+            for key, value in moe.items():
+                setattr(layer.moe.router, key, value)
+    return config
+
+
+def build(config: Any, swap: Optional[Callable[[Any], Any]] = None, seed: int = 0,
+          device: str = "cpu") -> torch.nn.Module:
+    """``config`` built on meta, ``swap(model)`` applied, materialised on ``device`` and initialised from
+    ``seed`` by torchtitan's ``init_states``."""
+    with torch.device("meta"):
+        model = config.build()
+    if swap is not None:
+        swap(model)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device(device))
+    return model
+
+
+class NoParallelism:
+    """What torchtitan's load-balancing hook reads of ``ParallelDims`` in a one-process job."""
+
+    ep_enabled = False
+    tp = 1
+
+    def get_optional_mesh(self, name: str) -> None:
+        return None
