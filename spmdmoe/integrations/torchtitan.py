@@ -15,8 +15,8 @@ included), state-dict adapters and load-balancing hook keep working: every param
 
 =========================================================  ==================================================
 ``router.gate.weight``                                     torchtitan's gate ``Linear``, inside our router
-``routed_experts.inner_experts.{w1_EFD, w2_EDF, w3_EFD}``  :class:`Experts`: torchtitan's names, ``param_init``
-                                                           and sharding config; our grouped SwiGLU
+``routed_experts.inner_experts.{w1_EFD, w2_EDF, w3_EFD}``  :class:`Experts`: torchtitan's names and
+                                                           ``param_init``; our grouped SwiGLU and layout
 ``shared_experts.w{1,2,3}.weight``                         torchtitan's ``Linear`` modules, inside our
                                                            shared experts
 ``expert_bias_E`` (saved), ``tokens_per_expert_E``         torchtitan's buffers (float32), read and counted
@@ -96,26 +96,21 @@ class Experts(GroupedExperts, _TTModule):
     """torchtitan's routed-expert parameters under spmdmoe's grouped SwiGLU.
 
     Parameters ``w1_EFD`` (E, F, D), ``w2_EDF`` (E, D, F), ``w3_EFD`` (E, F, D): the very parameters of the
-    torchtitan ``GroupedExperts`` it replaces, with its ``param_init`` and sharding config, so
-    torchtitan's ``init_states`` and ``parallelize`` treat them as its own. Under EP they are DTensors
-    sharded on dim 0 (torchtitan's ``parallelize``, or ``swap_moe(ep_mesh=...)``); the forward reads this
-    rank's ``(e, F, D)`` blocks. ``dtype``: the GEMMs' dtype (``None``: the activations'); rows and
+    torchtitan ``GroupedExperts`` it replaces, with its ``param_init``, so torchtitan's ``init_states``
+    treats them as its own. Not its sharding config: the spmdmoe layer decides their layout, and
+    torchtitan's ``parallelize`` leaves them as ``swap_moe`` made them (DTensors sharded on dim 0 under EP,
+    on the hidden dim under gather-mode SP; the forward reads this rank's blocks). ``dtype``: the GEMMs' dtype (``None``: the activations'); rows and
     weights are cast to it and the output back, as torchtitan's experts do. ``num_experts`` is the global
     ``E`` (torchtitan sizes its MoE buffers by it).
     """
 
     def __init__(self, source: _TTGroupedExperts, precision: str, fp8_wgrad: str, dtype: Optional[torch.dtype]):
         nn.Module.__init__(self)
-        self.precision, self.fp8_wgrad, self.dtype = precision, fp8_wgrad, dtype
+        self.dtype = dtype
         self._num_experts = int(source.num_experts)
         self.w1_EFD, self.w2_EDF, self.w3_EFD = source.w1_EFD, source.w2_EDF, source.w3_EFD
         self._param_init = source._param_init
-        self._sharding_config = source._sharding_config
-        self.pack()
-        self.fp8_cache = None
-        if precision == "fp8_rowwise":
-            from ..moe.fp8_cache import Fp8WeightCache
-            self.fp8_cache = Fp8WeightCache(*self.read_weights())
+        self.set_precision(precision, fp8_wgrad)
 
     @property
     def num_experts(self) -> int:  # type: ignore[override]
@@ -247,9 +242,7 @@ class SwappedMoE(_TTMoE):
 
     def _init_self_buffers(self, *, buffer_device: Optional[torch.device] = None) -> None:
         super()._init_self_buffers(buffer_device=buffer_device)
-        for buf in self.layer._buffers.values():
-            if buf is not None and not buf.is_meta:
-                buf.zero_()
+        self.layer.reset_buffers()
 
     def train(self, mode: bool = True) -> "SwappedMoE":
         super().train(mode)
@@ -316,13 +309,11 @@ def _config(name: str, moe: _TTMoE, expert_precision: str) -> MoEConfig:
 def _shard_experts(experts: _TTGroupedExperts, layer: _Layer) -> None:
     """Make the expert weights DTensors of the layout the parallel ``layer`` computes on (EP: ``Shard(0)``;
     gather-mode SP: the hidden dim, ``Shard(1)`` of ``w1`` / ``w3`` and ``Shard(2)`` of ``w2``, by the chunk
-    rule, which is DTensor's; both: a 2-D mesh), as spmdmoe's own checkpoints present them. torchtitan's
-    sharding config of the experts is dropped: the layer decides their layout."""
+    rule, which is DTensor's; both: a 2-D mesh), as spmdmoe's own checkpoints present them."""
     if not isinstance(layer, ParallelMoE):
         return
     cfg = layer.config
     layout = _expert_layout(cfg, layer.sp, layer.ep, layer.sp_mode, layer.expert_slice, layer.hidden_slice)
-    experts._sharding_config = None
     if layout.mesh is None:
         return
     for name, ours in (("w1_EFD", "experts.w1"), ("w2_EDF", "experts.w2"), ("w3_EFD", "experts.w3")):
@@ -362,8 +353,7 @@ def swap_moe(
     for tensor-parallel SP: keep the axis out of FSDP's reduction mesh. For torchtitan's context
     parallelism leave it ``None`` (each rank routes its own chunk and FSDP reduces).
     ``ep_mesh``: the EP axis (torchtitan's ``parallel_dims.get_mesh("ep")``); the expert weights are
-    DTensors sharded on it (by torchtitan's ``parallelize`` when the model's config carries its sharding
-    config, else here). ``sp_mode``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe`
+    DTensors sharded on it, here (torchtitan's ``parallelize`` leaves them so). ``sp_mode``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe`
     (which runs here, a collective over ``agree_over``). ``expert_precision``: ``"bf16"`` (default:
     ``expert_dtype``) or ``"fp8_rowwise"``. ``expert_dtype``: the routed GEMMs' dtype (bf16 as
     torchtitan's; ``None``: the activations').

@@ -49,14 +49,19 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, precision: str = "bf16", fp8_wgrad: str = "auto"):
         super().__init__()
-        self.precision = precision
-        self.fp8_wgrad = fp8_wgrad
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.set_precision(precision, fp8_wgrad)
+
+    def set_precision(self, precision: str, fp8_wgrad: str) -> None:
+        """Set the precision, pack ``w1 | w3`` and make the FP8 weight cache (``None`` in bf16), once the
+        weights are in place (a subclass holding other parameters calls it from its constructor too)."""
+        self.precision = precision
+        self.fp8_wgrad = fp8_wgrad
         self.pack()
         self.fp8_cache: Optional[Fp8WeightCache] = (
-            Fp8WeightCache(self.w1, self.w2, self.w3) if precision == "fp8_rowwise" else None)
+            Fp8WeightCache(*self.read_weights()) if precision == "fp8_rowwise" else None)
 
     def pack(self) -> None:
         """Put ``w1`` and ``w3`` side by side in one storage (``w3`` right after ``w1`` for each expert),
