@@ -1,5 +1,6 @@
 """The GPU benchmarks that can run on CPU keep running: their ``--smoke`` modes, on gloo, in subprocesses.
 
+``benchmarks/torchtitan_model.py --smoke`` (one process) trains torchtitan's model and the swapped one, eager and compiled.
 ``benchmarks/sync_free.py --smoke`` builds every candidate stack (sync, sync-free lossless and with
 capacity factors) on 2 gloo processes and checks that sync-free and sync agree bit for bit, so the
 script is known to work before a 2-GPU host is lent to time it. ``benchmarks/sp_grad_overlap.py
@@ -44,3 +45,15 @@ def test_fp8_numerics_smoke():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 8 / 2, 40 |")]
     assert len(rows) == 4 and all(float(r.split("|")[-2]) > 0 for r in rows), out.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_torchtitan_model_benchmark_smoke():
+    """Every part of ``benchmarks/torchtitan_model.py`` at tiny size on CPU: both models track each other
+    eager and compiled per block, and the benchmark's compiled step runs."""
+    pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "torchtitan_model.py"), "--smoke"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert out.stdout.count("OK: every step within 1% of torchtitan's loss") == 2, out.stdout[-2000:]
+    assert "OK: smoke, both models compiled per block and stepped" in out.stdout, out.stdout[-2000:]

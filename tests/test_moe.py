@@ -108,6 +108,19 @@ def test_routing_rules():
     torch.testing.assert_close(r2.weights_TK[:, 0], torch.softmax(x @ w.T, -1)[:, 6])
 
 
+def test_fp32_gate_runs_in_fp32_inside_autocast():
+    """torch.autocast(bf16) would round an fp32 gate GEMM to bf16 and pick other experts; the router turns
+    autocast off for it, as torchtitan's does (a bf16 router_dtype still follows autocast)."""
+    cfg = MoEConfig(dim=64, hidden_dim=8, num_experts=16, top_k=4)
+    x, w = torch.randn(256, 64), torch.randn(16, 64)
+    plain = route(x, w, torch.zeros(16), cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = route(x, w, torch.zeros(16), cfg)
+        rounded = F.linear(x, w)
+    assert rounded.dtype == torch.bfloat16  # autocast is on: the same GEMM outside the router rounds
+    assert torch.equal(inside.logits_TE, plain.logits_TE) and torch.equal(inside.ids_TK, plain.ids_TK)
+
+
 def test_gather_rows_backward_is_the_index_select_gradient():
     src = torch.randn(5, 3, requires_grad=True)
     ids = torch.randint(0, 4, (5, 2))

@@ -18,13 +18,15 @@ from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa
 from torchtitan.models.deepseek_v3 import model_registry  # noqa: E402
 
 
-def debug_config(layers: int = 3, **moe: Any) -> Any:
-    """torchtitan's DeepSeek-V3 debug model (dim 256, 8 experts, top 3, 1 shared expert), ``layers`` blocks
-    (the first dense), SDPA attention; ``moe`` overrides router options (e.g. ``score_func="sigmoid"``)."""
-    config = model_registry("debugmodel").model
+def debug_config(layers: int = 3, flavor: str = "debugmodel", sdpa: bool = True, **moe: Any) -> Any:
+    """torchtitan's DeepSeek-V3 ``flavor`` (default its debug model: dim 256, 8 experts, top 3, 1 shared
+    expert), its first ``layers`` blocks (the first dense); ``sdpa``: torchtitan's causal SDPA attention
+    instead of FlexAttention; ``moe`` overrides router options (e.g. ``score_func="sigmoid"``)."""
+    config = model_registry(flavor).model
     config.layers = config.layers[:layers]
     for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        if sdpa:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
         if layer.moe is not None:
             for key, value in moe.items():
                 setattr(layer.moe.router, key, value)

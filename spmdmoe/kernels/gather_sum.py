@@ -84,9 +84,9 @@ def gather_sum_reference(src_RD: torch.Tensor, index_SJ: torch.Tensor, weights_S
     acc = torch.promote_types(src_RD.dtype, torch.float32)
     picked_SJD = src_RD.index_select(0, index_SJ.reshape(-1)).view(S, J, D).to(acc)
     w_SJ = torch.ones((S, J), dtype=acc, device=src_RD.device) if weights_SJ is None else weights_SJ.to(acc)
-    out_SD = torch.empty((S, D), dtype=acc, device=src_RD.device)  # a base tensor, not a view: callers (an
-    torch.bmm(w_SJ.unsqueeze(1), picked_SJD, out=out_SD.view(S, 1, D))  # MoE layer's output) may modify it in place
-    return out_SD.to(src_RD.dtype)
+    # copy=True: a base tensor, never a view of the bmm's (callers, an MoE layer's output, may modify it in
+    # place); not bmm(out=...), which makes Dynamo on torch 2.11 specialize S
+    return torch.bmm(w_SJ.unsqueeze(1), picked_SJD).squeeze(1).to(src_RD.dtype, copy=True)
 
 
 def gather_sum(src_RD: torch.Tensor, index_SJ: torch.Tensor, weights_SJ: Optional[torch.Tensor] = None) -> torch.Tensor:

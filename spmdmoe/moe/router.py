@@ -7,7 +7,8 @@ outside collectives), ``D`` model dim, ``E`` experts, ``K`` top-k,
 The gate GEMM runs in fp32 by default (``MoEConfig.router_dtype``): the rows
 and the gate weight are cast to fp32 (autograd rounds the weight's fp32
 gradient once to the parameter dtype), so bf16 activations choose the experts
-an fp32 gate would. scores = softmax or sigmoid of the logits, in fp32; the K experts are
+an fp32 gate would, also inside ``torch.autocast`` (autocast is off for that GEMM, as
+torchtitan's router does). scores = softmax or sigmoid of the logits, in fp32; the K experts are
 chosen on ``scores + expert_bias`` (the bias steers selection only); the
 routing weights are the chosen unbiased scores, divided by their sum when
 ``route_norm``, times ``route_scale``. Group-limited routing (DeepSeek-V3):
@@ -59,7 +60,10 @@ class Router(nn.Module):
 
 def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, expert_bias_E: torch.Tensor, config: MoEConfig) -> Routing:
     """Route ``T`` valid rows (see the module docstring). No host syncs."""
-    if config.router_dtype == "float32":
+    if config.router_dtype == "float32" and torch.is_autocast_enabled(x_TD.device.type):
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), gate_ED.float())
+    elif config.router_dtype == "float32":
         logits_TE = F.linear(x_TD.float(), gate_ED.float())
     else:
         logits_TE = F.linear(x_TD, gate_ED).float()

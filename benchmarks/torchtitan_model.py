@@ -1,0 +1,267 @@
+"""torchtitan 0.3.0's DeepSeek-V3 models trained on one GPU with torchtitan's MoE and with spmdmoe's
+(``swap_moe``), side by side in one process.
+
+    python benchmarks/torchtitan_model.py --part debug  [--out FILE]   # the whole debug model, FlexAttention
+    python benchmarks/torchtitan_model.py --part parity [--out FILE]   # DeepSeek-MoE-16B layer shape, 50 steps
+    python benchmarks/torchtitan_model.py --part bench  [--out FILE]   # the same model: tokens/s, peak memory
+    python benchmarks/torchtitan_model.py --smoke                       # CPU, tiny: every part, no timing
+
+Training is torchtitan's one-device setup in a plain loop (its Trainer imports datasets): fp32
+parameters, the forward and the loss under ``torch.autocast(bfloat16)`` (torchtitan's
+``mixed_precision_param`` off FSDP), AdamW, torchtitan's own ``register_moe_load_balancing_hook``. Both
+models are built on meta from one config, one of them swapped, and initialised by torchtitan's
+``init_states`` from one seed, so they start bitwise equal. The data: a few fixed random batches cycled
+(the loss falls as the model learns them).
+
+* ``debug``: torchtitan's whole ``debugmodel`` (6 blocks, FlexAttention with its document masks), 20
+  steps eager, then 20 steps with every block compiled as torchtitan compiles it
+  (``block.compile(fullgraph=True)``, ``capture_scalar_outputs``), fresh models each.
+* ``parity``: the DeepSeek-MoE-16B flavor (dim 2048, 64 experts of hidden 1408, top 6, 2 shared
+  experts, vocabulary 102400) cut to its first ``--layers`` blocks (the first dense), with torchtitan's
+  causal SDPA attention (no FlexAttention autotuning); 50 eager steps, |loss difference| <= 1 % of
+  torchtitan's loss at every step.
+* ``bench``: that model, every block compiled as torchtitan does, both models resident; a training step
+  (forward, backward, AdamW step) of each timed interleaved (``timing.timed``: rotated order, median);
+  tokens/s and peak memory: the most a step allocates above what is resident (weights, gradients,
+  optimizer state: reported beside it).
+
+torch 2.11 (the GPU hosts) lacks two names torchtitan 0.3.0 uses; :func:`shim_torch` supplies them before
+torchtitan is imported. torchtitan is an optional extra: without it the script says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import inspect
+import pathlib
+import sys
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from timing import report, timed  # noqa: E402
+
+TOLERANCE = 0.01  # |loss difference| / loss at every step
+
+
+def shim_torch() -> None:
+    """torch 2.11: a stub ``torch.distributed.fsdp.DataParallelMeshDims`` (it only annotates torchtitan's FSDP
+    helpers), ``create_block_mask`` without ``separate_full_blocks``, ``torch.compiler._is_non_strict_tracing``."""
+    import torch.distributed.fsdp as fsdp
+    import torch.nn.attention.flex_attention as flex
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+    if "separate_full_blocks" not in inspect.signature(flex.create_block_mask).parameters:
+        plain = flex.create_block_mask
+
+        def create_block_mask(*args: Any, separate_full_blocks: bool = False, **kwargs: Any) -> Any:
+            return plain(*args, **kwargs)
+        flex.create_block_mask = create_block_mask
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        torch.compiler._is_non_strict_tracing = lambda: False
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """Every block compiled as torchtitan 0.3.0 compiles it."""
+    torch._dynamo.config.capture_scalar_outputs = True
+    for block in model.layers.values():
+        block.compile(fullgraph=True)
+
+
+class Trainer:
+    """One model's training step: autocast(bf16) forward and loss, backward, AdamW with torchtitan's hook."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, flex: bool):
+        from torchtitan.components.optimizer import register_moe_load_balancing_hook
+        from torchtitan_models import NoParallelism
+
+        self.model, self.flex = model, flex
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        register_moe_load_balancing_hook(self.opt, [model], NoParallelism())
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        extra = {}
+        if self.flex:
+            positions = torch.arange(x.shape[1], device=x.device).expand_as(x)
+            extra = {"positions": positions, "attention_masks": self.model.get_attention_masks(positions=positions)}
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            logits = self.model(x, **extra)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss = self.loss(tokens)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def resident_gib(self) -> float:
+        """Weights, gradients (allocated for the step) and AdamW's state."""
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        state = sum(t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values()
+                    if torch.is_tensor(t))
+        return (2 * params + state) / 2**30
+
+
+def pair(config: Any, device: str, seed: int = 0) -> dict[str, torch.nn.Module]:
+    from torchtitan_models import build
+
+    from spmdmoe.integrations.torchtitan import swap_moe
+
+    return {"torchtitan": build(copy.deepcopy(config), None, seed, device),
+            "spmdmoe": build(config, swap_moe, seed, device)}
+
+
+def batches(vocab: int, batch: int, seq: int, count: int, device: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device) for _ in range(count)]
+
+
+def track(config: Any, steps: int, data: list[torch.Tensor], device: str, lr: float, flex: bool,
+          compiled: bool) -> tuple[list[float], list[float]]:
+    """``steps`` steps of each model (torchtitan's first, then ours) on the same batches: their losses."""
+    losses = []
+    for model in pair(config, device).values():
+        if compiled:
+            compile_blocks(model)
+        trainer = Trainer(model, lr, flex)
+        losses.append(torch.stack([trainer.step(data[i % len(data)]) for i in range(steps)]).tolist())
+        del trainer, model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return losses[0], losses[1]
+
+
+def tracking_table(title: str, runs: dict[str, tuple[list[float], list[float]]]) -> tuple[str, bool]:
+    lines = [title, "", "| run | steps | first loss tt / ours | last loss tt / ours | max abs(loss diff) / loss | "
+             "at step |", "|---|---|---|---|---|---|"]
+    ok = True
+    for name, (tt, ours) in runs.items():
+        rel = [abs(a - b) / abs(a) for a, b in zip(tt, ours)]
+        worst = max(range(len(rel)), key=rel.__getitem__)
+        ok &= max(rel) <= TOLERANCE and tt[-1] < tt[0]
+        lines.append(f"| {name} | {len(tt)} | {tt[0]:.4f} / {ours[0]:.4f} | {tt[-1]:.4f} / {ours[-1]:.4f} | "
+                     f"{rel[worst]:.2e} | {worst} |")
+    lines.append(f"\n{'OK' if ok else 'FAILED'}: every step within {TOLERANCE:.0%} of torchtitan's loss, and the "
+                 "loss fell")
+    return "\n".join(lines), ok
+
+
+def part_debug(args: argparse.Namespace, device: str) -> bool:
+    from torchtitan_models import debug_config
+
+    layers, steps = (2, 4) if args.smoke else (6, 20)
+    config = debug_config(layers=layers, sdpa=args.smoke)  # CPU: FlexAttention has no backward there
+    data = batches(config.vocab_size, 2 if args.smoke else 8, 32 if args.smoke else 512, 2, device)
+    runs = {mode: track(config, steps, data, device, 1e-3, not args.smoke, mode == "compiled per block")
+            for mode in ("eager", "compiled per block")}
+    text, ok = tracking_table(f"torchtitan DeepSeek-V3 debugmodel, {layers} blocks, "
+                              f"{'SDPA' if args.smoke else 'FlexAttention'}, {data[0].shape[0]} x "
+                              f"{data[0].shape[1] - 1} tokens per step, AdamW lr 1e-3, autocast bf16", runs)
+    report(text, args.out)
+    return ok
+
+
+def dsmoe16b(args: argparse.Namespace) -> tuple[Any, str]:
+    """The model of ``parity`` and ``bench``, and its description."""
+    from torchtitan_models import debug_config
+
+    if args.smoke:  # the debug model's shapes: the 16B flavor's 102400-word vocabulary alone is too big for CPU
+        return debug_config(layers=2), "torchtitan DeepSeek-V3 debugmodel cut to 2 blocks (smoke)"
+    return (debug_config(layers=args.layers, flavor="16B"),
+            f"torchtitan DeepSeek-V3, 16B flavor cut to {args.layers} blocks (1 dense, {args.layers - 1} MoE: "
+            "64 experts 2048 -> 1408, top 6, 2 shared)")
+
+
+def part_parity(args: argparse.Namespace, device: str) -> bool:
+    config, name = dsmoe16b(args)
+    steps = 6 if args.smoke else args.steps
+    data = batches(config.vocab_size, args.batch, 32 if args.smoke else args.seq, 2 if args.smoke else 4, device)
+    runs = {"eager": track(config, steps, data, device, 3e-4, False, False)}
+    text, ok = tracking_table(f"{name}, SDPA, {args.batch} x {data[0].shape[1] - 1} tokens per step, AdamW lr "
+                              "3e-4, autocast bf16", runs)
+    report(text, args.out)
+    return ok
+
+
+def part_bench(args: argparse.Namespace, device: str) -> bool:
+    config, name = dsmoe16b(args)
+    data = batches(config.vocab_size, args.batch, 32 if args.smoke else args.seq, 4, device)
+    trainers = {key: Trainer(model, 3e-4, False) for key, model in pair(config, device).items()}
+    for trainer in trainers.values():
+        compile_blocks(trainer.model)
+    tokens = data[0][:, 1:].numel()
+    first = {key: trainer.step(data[0]).item() for key, trainer in trainers.items()}  # compiles
+    if args.smoke:
+        print("OK: smoke, both models compiled per block and stepped:", first)
+        return True
+    peak, resident = {}, {}
+    for key, trainer in trainers.items():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.step(data[1])
+        torch.cuda.synchronize()
+        peak[key] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        resident[key] = trainer.resident_gib()
+    it = iter(range(1 << 30))
+
+    def forward_backward(trainer: Trainer) -> None:
+        trainer.loss(data[next(it) % len(data)]).backward()
+        trainer.model.zero_grad(set_to_none=True)
+    fns = {}
+    for key, trainer in trainers.items():
+        fns[f"{key} step"] = lambda t=trainer: t.step(data[next(it) % len(data)])
+        fns[f"{key} fwd+bwd"] = lambda t=trainer: forward_backward(t)
+    ms = timed(fns, args.iters, args.reps)
+    lines = [f"{name}, SDPA, {args.batch} x {args.seq} = {tokens} tokens per step, fp32 weights + autocast bf16, every "
+             f"block compiled (fullgraph), AdamW; timed interleaved, median of {args.reps} x {args.iters}", "",
+             "| MoE | step ms | tokens/s | speedup | fwd+bwd ms | speedup | step peak GiB above resident | "
+             "resident GiB |", "|---|---|---|---|---|---|---|---|"]
+    for key in trainers:
+        step, fb = ms[f"{key} step"], ms[f"{key} fwd+bwd"]
+        lines.append(f"| {key} | {step:.2f} | {tokens / step * 1e3:,.0f} | {ms['torchtitan step'] / step:.3f} | "
+                     f"{fb:.2f} | {ms['torchtitan fwd+bwd'] / fb:.3f} | {peak[key]:.2f} | {resident[key]:.2f} |")
+    report("\n".join(lines), args.out)
+    return True
+
+
+PARTS: dict[str, Callable[[argparse.Namespace, str], bool]] = {
+    "debug": part_debug, "parity": part_parity, "bench": part_bench}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=list(PARTS), action="append", help="default: all three")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every part, no timing")
+    p.add_argument("--layers", type=int, default=4, help="blocks of the 16B flavor (the first dense)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    shim_torch()
+    try:
+        import torchtitan  # noqa: F401
+    except ImportError:
+        print("torchtitan is not installed (pip install '.[torchtitan]', or --no-deps .whl/*.whl): nothing to run")
+        return 0
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.batch = 2
+    report(f"## torchtitan models with spmdmoe's MoE ({datetime.date.today()}, "
+           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}; "
+           f"`python benchmarks/torchtitan_model.py {' '.join(sys.argv[1:])}`)", args.out)
+    ok = [PARTS[name](args, device) for name in (args.part or list(PARTS))]
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
