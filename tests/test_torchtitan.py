@@ -40,6 +40,7 @@ def test_paths_and_init_match_bitwise():
     assert all(torch.equal(ref_state[k], our_state[k]) for k in ref_state)
     assert [n for n, _ in ref.named_buffers()] == [n for n, _ in ours.named_buffers()]
     assert [n for n, _ in ref.named_parameters()] == [n for n, _ in ours.named_parameters()]
+    ours.verify_module_protocol()  # torchtitan's Trainer checks every submodule is one of its Modules
 
 
 def _rows(ref_moe, our_moe, x_BLD):
@@ -218,3 +219,27 @@ def test_torchtitans_parallelize_ep4(torchrun_job):
     rc, out, err = torchrun_job("tests/torchtitan_parallelize.py", timeout=300)
     assert rc == 0, err[-3000:]
     assert out.count("gradients match") == 4, out
+
+
+def test_swapped_model_spec_swaps_before_torchtitans_parallelize():
+    """The Trainer's path: the spec's ``parallelize_fn`` swaps the meta-built model, then runs the spec's own
+    with the same arguments (EP on: torchtitan's "ep" mesh; the EP run itself: ``torchtitan_parallelize.py``)."""
+    import dataclasses
+
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    from spmdmoe.integrations.torchtitan import swapped_model_spec
+
+    seen = []
+
+    def parallelize(model, *, parallel_dims, **kwargs):
+        seen.append((type(model.layers["1"].moe), parallel_dims, kwargs))
+        return model
+
+    spec = swapped_model_spec(dataclasses.replace(model_registry("debugmodel"), parallelize_fn=parallelize))
+    dims = NoParallelism()
+    model = _meta_model()
+    assert spec.parallelize_fn(model, parallel_dims=dims, training="t", dump_folder="") is model
+    assert seen == [(SwappedMoE, dims, {"training": "t", "dump_folder": ""})]
+    with pytest.raises(TypeError, match="ep_mesh comes from torchtitan's parallel_dims"):
+        swapped_model_spec(spec, ep_mesh=None)

@@ -15,14 +15,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_docs_torchtitan import guide_blocks  # noqa: E402
 from torchtitan_models import build, debug_config  # noqa: E402
 
-from spmdmoe.integrations.torchtitan import SwappedMoE, swap_moe  # noqa: E402
+from spmdmoe.integrations.torchtitan import SwappedMoE  # noqa: E402
 
 
 def main():
     """torchtitan's own ``parallelize_deepseekv3`` (EP = 4 over dp_shard = 4, FSDP, ``partial_dtensor``
-    backend) on the swapped model: each rank trains its own batch; the reference is the unparallelized
+    backend) on the swapped model, called as torchtitan's Trainer calls it: the ``parallelize_fn`` of the
+    spec that ``docs/torchtitan.md``'s Trainer block makes (it swaps, then parallelizes): each rank trains its own batch; the reference is the unparallelized
     torchtitan model with the same weights on all 4 batches (loss: their sum: torchtitan turns FSDP's division off and
     normalises the loss itself).
 
@@ -36,7 +38,6 @@ def main():
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 
     parallel_dims_module.device_type = "cpu"
@@ -48,11 +49,13 @@ def main():
     set_deepseek_v3_sharding_config(config, enable_sp=False, enable_ep=True)
     with torch.device("meta"):
         model = config.build()
-    swap_moe(model, ep_mesh=dims.get_mesh("ep"))
+    guide: dict = {}
+    exec(guide_blocks()[0], guide)  # model_spec = swapped_model_spec(model_registry("debugmodel"))
     parallelism = ParallelismConfig(expert_parallel_degree=4, data_parallel_shard_degree=4,
                                     spmd_backend="partial_dtensor")
-    parallelize_deepseekv3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                           compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    model = guide["model_spec"].parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(),
+                                               parallelism=parallelism, compile_config=CompileConfig(),
+                                               ac_config=None, dump_folder="")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)

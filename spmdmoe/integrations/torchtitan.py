@@ -9,6 +9,10 @@ dim, ``E`` experts, ``e`` this rank's experts, ``T = B * L`` tokens.
     swap_moe(model)                           # before torchtitan's parallelize / init
     model.to_empty(device=...); model.init_states(buffer_device=...)
 
+    config.model_spec = swapped_model_spec(config.model_spec)   # the same from torchtitan's Trainer
+
+The guide, with what changes and what does not: ``docs/torchtitan.md``.
+
 What stays torchtitan's, so that its init, FSDP, activation checkpointing, compile, checkpointing (DCP
 included), state-dict adapters and load-balancing hook keep working: every parameter and buffer path of
 ``torchtitan.models.common.moe.MoE``, and the module objects behind most of them:
@@ -82,7 +86,7 @@ from ..types.errors import MoEConfigError
 from ..types.mesh import MeshLike
 from ..types.tensor import SPMDTensor
 
-__all__ = ["swap_moe", "SwappedMoE", "Experts"]
+__all__ = ["swap_moe", "swapped_model_spec", "SwappedMoE", "Experts"]
 
 _DISPATCHERS = (LocalTokenDispatcher, AllToAllTokenDispatcher)  # the "standard" comm backend's
 
@@ -147,6 +151,14 @@ class Experts(GroupedExperts, _TTModule):
         return super().forward(dataclasses.replace(routed, x_RD=routed.x_RD.to(self.dtype))).to(dtype)
 
 
+class _Router(Router, _TTModule):
+    """spmdmoe's router as a torchtitan ``Module`` (its ``verify_module_protocol`` accepts the model)."""
+
+
+class _SharedExperts(SharedExperts, _TTModule):
+    """spmdmoe's shared experts as a torchtitan ``Module``."""
+
+
 class _Bound:
     """A layer whose state lives in a :class:`SwappedMoE`: the bias and counts are the adapter's buffers
     (looked up at each use: torchtitan re-creates them in ``init_states``), dense weights its local
@@ -202,13 +214,13 @@ class SwappedMoE(_TTMoE):
         self.routed_experts.inner_experts = Experts(source.routed_experts.inner_experts, config.expert_precision,
                                                     config.fp8_wgrad, expert_dtype)
         with torch.device("meta"):
-            self.router = Router(config)
+            self.router = _Router(config)
         self.router.gate = source.router.gate
         self.shared_experts: Optional[SharedExperts] = None
         if source.shared_experts is not None:
             ffn = source.shared_experts
             with torch.device("meta"):
-                shared = SharedExperts(config.dim, ffn.w1.weight.shape[0])
+                shared = _SharedExperts(config.dim, ffn.w1.weight.shape[0])
             shared.w1, shared.w2, shared.w3 = ffn.w1, ffn.w2, ffn.w3
             self.shared_experts = shared
         self.load_balance_coeff = source.load_balance_coeff
@@ -384,6 +396,23 @@ def swap_moe(
         _SWAPPED.append(weakref.ref(swapped))
     _register_step_hook()
     return [n for n, _ in targets]
+
+
+def swapped_model_spec(model_spec: Any, **options: Any) -> Any:
+    """torchtitan's ``ModelSpec`` with a ``parallelize_fn`` that first calls :func:`swap_moe` on the model
+    torchtitan's Trainer built on meta (``ep_mesh``: torchtitan's "ep" mesh when EP is on; ``options``: the
+    others, e.g. ``expert_precision``), then the spec's own ``parallelize_fn``. The one line for torchtitan's
+    Trainer, in a config function: ``config.model_spec = swapped_model_spec(config.model_spec)``. The Trainer
+    calls ``parallelize_fn`` before ``init_weights`` (for each pipeline stage under PP), as ``swap_moe``
+    needs; a seed checkpoint skips it, and its state dict is the same either way."""
+    if "ep_mesh" in options:
+        raise TypeError("swapped_model_spec: ep_mesh comes from torchtitan's parallel_dims; drop the argument")
+    parallelize = model_spec.parallelize_fn
+
+    def parallelize_fn(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
+        swap_moe(model, ep_mesh=parallel_dims.get_mesh("ep") if parallel_dims.ep_enabled else None, **options)
+        return parallelize(model, parallel_dims=parallel_dims, **kwargs)
+    return dataclasses.replace(model_spec, parallelize_fn=parallelize_fn)
 
 
 _HOOK: list[Any] = []
