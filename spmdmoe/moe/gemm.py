@@ -104,7 +104,7 @@ def plain_tensor(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _packed_offset(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[int]:
     """``w1``'s storage offset when ``w3`` sits right after it in the same storage, else ``None``.
     Under ``torch.compile`` a constant of the trace, read from the real parameters: Dynamo recompiles

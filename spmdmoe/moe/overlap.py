@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from .._dist import all_reduce
 from ..types.tensor import SPMDTensor
@@ -181,7 +182,7 @@ def sync_params(module: nn.Module) -> list[torch.Tensor]:
 
 def is_fsdp_unit(module: nn.Module) -> bool:
     """Whether ``fully_shard`` made ``module`` an FSDP2 unit."""
-    return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
+    return isinstance(module, FSDPModule)
 
 
 def inside_fsdp_unit(root: nn.Module, name: str) -> bool:
