@@ -4,8 +4,11 @@
 VENV   ?= .venv
 PYTHON ?= python3
 NPROC  ?= 4
-# The CPU build of torch 2.13.0 lies on local disk on the project's CPU machines.
+# The CPU build of torch 2.13.0 lies on local disk on the project's CPU machines; elsewhere pip takes PyPI's build
+# (on Linux the CUDA one, about 3 GB with its dependencies) unless TORCH_INDEX names another index, e.g.
+# `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` for the CPU build.
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
 # The newest supported torch, for `make test-torch-new` (CI's second leg): PyPI's build (CUDA, about 3 GB
 # with its dependencies; it runs on CPU).
 TORCH_NEW ?= torch==2.15.0
@@ -23,7 +26,7 @@ PYTEST   := -m pytest -q -p no:cacheprovider
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q "$(TORCH)"
+	$(VENV)/bin/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(VENV)/bin/pip install -q -e ".[test]"
 	$(if $(TORCHTITAN),$(TORCHTITAN_INSTALL))
 	touch $@

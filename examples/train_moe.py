@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 examples/train_moe.py                 # CPU / gloo, SP 4 + EP 4
     torchrun --nproc-per-node 4 examples/train_moe.py --sp 2 --ep 2   # 2x2: SP 2, EP across the 2 batches
     torchrun --nproc-per-node 2 examples/train_moe.py --device cuda   # NCCL
-    torchrun --nproc-per-node 4 examples/train_moe.py --expert-precision fp8_rowwise --tolerance 2e-2
+    torchrun --nproc-per-node 4 examples/train_moe.py --expert-precision fp8_rowwise
 
 A byte-level decoder (attention + MoE blocks) learns Python's own standard
 library source (real text, shipped with every Python). The sequence length
@@ -16,7 +16,9 @@ trains the same model in one process on the same data and prints both loss
 curves: every step must agree within 1e-4 relative (fp32). With
 ``--expert-precision fp8_rowwise`` the parallel run's routed experts run in FP8
 (emulated on CPU) while the reference keeps full precision: the table then
-shows how closely FP8 training tracks it.
+shows how closely FP8 training tracks it: the tolerance is then 1e-3 relative
+(over the default 20 steps 1.2e-4 was measured on CPU, 6.4e-5 on one H200).
+``--tolerance`` overrides either.
 
 Only the public API is used: ``spmdmoe.shard``, ``all_gather``, ``with_local``,
 ``spmdmoe.moe.{MoE, MoEConfig, parallelize_moe, replicate_grads}``.
@@ -219,10 +221,13 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tolerance", type=float, default=1e-4)
+    ap.add_argument("--tolerance", type=float, default=None,
+                    help="largest relative loss difference per step (default 1e-4; 1e-3 with FP8 experts)")
     ap.add_argument("--expert-precision", choices=["bf16", "fp8_rowwise"], default="bf16",
                     help="the parallel run's routed experts (the reference keeps full precision)")
     args = ap.parse_args()
+    if args.tolerance is None:
+        args.tolerance = 1e-3 if args.expert_precision == "fp8_rowwise" else 1e-4
 
     if "RANK" not in os.environ:
         print("train_moe.py runs on several processes; launch it with torchrun, e.g.\n"
@@ -230,7 +235,16 @@ def main() -> int:
               "(or `make demo`, which also creates the environment)", file=sys.stderr)
         return 2
     if args.device == "cuda":
-        local = int(os.environ["LOCAL_RANK"])
+        local, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        visible = torch.cuda.device_count()  # 0 without a GPU or with a CPU build of torch
+        if visible < per_node:  # every rank of this node stops here, before any process group: none is left waiting
+            if local == 0:
+                found = "no CUDA GPU is visible" if visible == 0 else f"only {visible} CUDA GPU(s) are visible"
+                build = "" if torch.backends.cuda.is_built() else f" (torch {torch.__version__} is a CPU build)"
+                fix = "" if visible == 0 else f", or launch at most {visible} processes per node"
+                print(f"error: --device cuda needs one CUDA GPU per process ({per_node} on this node), but {found}"
+                      f"{build}; leave --device out to train on CPU (gloo){fix}", file=sys.stderr)
+            return 2
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))

@@ -10,6 +10,7 @@ never leaves the other ranks waiting in the next test's collective.
 * :func:`check_layout` — verify an ``SPMDTensor``'s layout across ranks (for
   tensors made by the local constructors, which check nothing across ranks).
 * :func:`single_process_group` — a world-size-1 gloo group for examples and doctests.
+* :func:`markdown_python_blocks` — the ``python`` code blocks of a Markdown file (docs run as tests).
 
 Every verdict goes through ``spmdmoe.agreement`` (one exchange of a small row
 per rank).
@@ -18,6 +19,8 @@ per rank).
 from __future__ import annotations
 
 import contextlib
+import re
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Type
 
 import torch
@@ -39,6 +42,7 @@ __all__ = [
     "single_process_group",
     "sync_error_mode",
     "capture_training_step",
+    "markdown_python_blocks",
 ]
 
 
@@ -185,3 +189,20 @@ def capture_training_step(step: Callable[[], Any], module: torch.nn.Module, *lea
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def markdown_python_blocks(path: "str | Path") -> list[tuple[int, str]]:
+    r"""``(line, code)`` of each fenced ````python`` block of the Markdown file ``path``, in order; ``line`` is
+    the block's first code line (1-based), for error messages. Other fences (````text``, ````bash``) are
+    left out.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
+    ...     _ = f.write("Intro\n\n```python\nx = 1\n```\n\n```text\nnot code\n```\n")
+    >>> markdown_python_blocks(f.name)
+    [(4, 'x = 1\n')]
+    """
+    text = Path(path).read_text()
+    return [(text[: m.start()].count("\n") + 2, m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M)]
+

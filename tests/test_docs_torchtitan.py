@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from spmdmoe.testing import markdown_python_blocks
+
 pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
 
 GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "torchtitan.md"
@@ -18,7 +20,7 @@ GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "torchtitan.md"
 
 def guide_blocks() -> list[str]:
     """The guide's Python blocks, in order: the Trainer block, the own-loop block."""
-    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
+    blocks = [code for _, code in markdown_python_blocks(GUIDE)]
     assert len(blocks) == 2, f"docs/torchtitan.md: expected 2 python blocks, found {len(blocks)}"
     return blocks
 

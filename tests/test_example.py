@@ -1,7 +1,8 @@
 """README command 1's job, short: examples/train_moe.py on 4 processes must match one process.
 
 With FP8 experts (emulated on CPU) the parallel loss curve must track the full-precision single-process
-one within 1e-3 relative (5.4e-6 measured over 6 steps on CPU)."""
+one within 1e-3 relative (5.4e-6 measured over 6 steps on CPU). Launched wrongly (no torchrun; ``--device cuda``
+where no GPU is visible) it says what is wrong instead of failing inside torch."""
 
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,3 +30,16 @@ def test_train_moe_example_explains_how_to_launch():
     env = {k: v for k, v in os.environ.items() if k != "RANK"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "torchrun --nproc-per-node 4" in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_train_moe_example_without_a_gpu_says_so(torchrun_job):
+    """``--device cuda`` where no GPU is visible: one clear error naming the flag, every rank exits before any
+    process group is made (no NCCL init, no hang, no raw ``torch._C`` AttributeError)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the GPU-less path is not taken")
+    returncode, out, err = torchrun_job("examples/train_moe.py", "--device", "cuda", "--steps", "1", timeout=150)
+    assert returncode != 0, out[-3000:] + err[-3000:]
+    assert err.count("error: --device cuda needs one CUDA GPU per process (4 on this node), but no CUDA GPU is visible") == 1, err[-3000:]
+    assert "AttributeError" not in err and 'train_moe.py", line' not in err, err[-3000:]  # no rank's traceback
+    assert "step " not in out, out[-3000:]
