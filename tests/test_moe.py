@@ -119,6 +119,8 @@ def test_fp32_gate_runs_in_fp32_inside_autocast():
         rounded = F.linear(x, w)
     assert rounded.dtype == torch.bfloat16  # autocast is on: the same GEMM outside the router rounds
     assert torch.equal(inside.logits_TE, plain.logits_TE) and torch.equal(inside.ids_TK, plain.ids_TK)
+    meta = route(x.to("meta"), w.to("meta"), torch.zeros(16, device="meta"), cfg)  # no autocast on meta: planning
+    assert meta.ids_TK.shape == (256, 4) and meta.ids_TK.is_meta
 
 
 def test_gather_rows_backward_is_the_index_select_gradient():

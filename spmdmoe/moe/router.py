@@ -60,8 +60,9 @@ class Router(nn.Module):
 
 def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, expert_bias_E: torch.Tensor, config: MoEConfig) -> Routing:
     """Route ``T`` valid rows (see the module docstring). No host syncs."""
-    if config.router_dtype == "float32" and torch.is_autocast_enabled(x_TD.device.type):
-        with torch.autocast(x_TD.device.type, enabled=False):
+    device = x_TD.device.type
+    if config.router_dtype == "float32" and device != "meta" and torch.is_autocast_enabled(device):  # meta: none
+        with torch.autocast(device, enabled=False):
             logits_TE = F.linear(x_TD.float(), gate_ED.float())
     elif config.router_dtype == "float32":
         logits_TE = F.linear(x_TD.float(), gate_ED.float())
