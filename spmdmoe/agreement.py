@@ -46,7 +46,7 @@ layer, ``parallelize_moe``, ``load_state_dict`` and the sticky flags.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -77,6 +77,7 @@ __all__ = [
     "exchange_rows",
     "problems_error",
     "ProblemFlag",
+    "Problem",
     "check_errors",
     "clear_all",
     "world_axis",
@@ -356,6 +357,24 @@ class ProblemFlag:
         self.generation += 1
         if self.on_clear is not None:
             self.on_clear()
+
+
+@dataclass
+class Problem:
+    """This rank's problem bits for one forward and the details only it can write.
+
+    ``bits`` is a host int, or a device int64 scalar once a device-side check
+    (non-finite logits) joined: reading it would sync, so only the transports
+    move it (into an exchange or the sticky flag).
+    """
+
+    bits: Union[int, torch.Tensor] = 0
+    details: list[str] = field(default_factory=list)
+    flag: Optional[ProblemFlag] = None  # where the bits are recorded when they are not raised at once
+
+    def record(self, bits: Union[int, torch.Tensor], device: torch.device) -> None:
+        if self.flag is not None:
+            self.flag.record(bits, device, self.details)
 
 
 _flags: "weakref.WeakSet[ProblemFlag]" = weakref.WeakSet()

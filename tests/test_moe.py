@@ -12,7 +12,7 @@ from spmdmoe.moe import MoE, MoEConfig, route
 from spmdmoe.moe.balance import aux_loss
 from spmdmoe.moe.experts import grouped_swiglu
 from spmdmoe.moe.gemm import grouped_mm, native_grouped_mm_ok
-from spmdmoe.moe.permute import gather_rows, sort_by_expert, weighted_combine
+from spmdmoe.moe.permute import scatter_rows, sort_by_expert, weighted_combine
 from spmdmoe.types.routed import RoutedTokens
 
 CONFIGS = [
@@ -123,14 +123,14 @@ def test_fp32_gate_runs_in_fp32_inside_autocast():
     assert meta.ids_TK.shape == (256, 4) and meta.ids_TK.is_meta
 
 
-def test_gather_rows_backward_is_the_index_select_gradient():
+def test_scatter_rows_backward_is_the_index_select_gradient():
     src = torch.randn(5, 3, requires_grad=True)
     ids = torch.randint(0, 4, (5, 2))
     pos, counts = sort_by_expert(ids, 4)
     assert counts.tolist() == torch.bincount(ids.flatten(), minlength=4).tolist()
     order = torch.empty(10, dtype=torch.int64).scatter_(0, pos.flatten(), torch.arange(10))
     assert torch.equal(ids.flatten()[order], ids.flatten().sort(stable=True).values)
-    out = gather_rows(src, pos)
+    out = scatter_rows(src, pos)
     torch.testing.assert_close(out, src[order // 2])
     g = torch.randn_like(out)
     (out * g).sum().backward()

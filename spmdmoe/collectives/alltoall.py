@@ -6,7 +6,8 @@ device-side counts exist, they are exchanged on device (one small
 both send and receive splits (``spmdmoe.host.to_host``, counted). Problems
 with the counts travel in the same exchange (agreement mode (a), see
 ``spmdmoe.agreement``), so a bad input on one rank raises on every rank with no
-extra collective. A sync-free path with a static capacity comes later.
+extra collective. The sync-free path (static capacity, no host read) is
+``spmdmoe.moe.sync_free``.
 """
 
 from __future__ import annotations

@@ -38,43 +38,25 @@ records its own (mode (c)) and the step boundary raises.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
-from ..agreement import GRAD_OFF, ProblemFlag, grad_mode_codes, raise_problems
+from ..agreement import GRAD_OFF, Problem, grad_mode_codes, raise_problems
 from ..collectives.alltoall import exchange_split_sizes, exchanged_op
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
-from .permute import gather_rows, gather_rows_fp8, sort_by_expert, spread_weights, weighted_combine
+from .permute import scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights, weighted_combine
 
-__all__ = ["LocalTransport", "AllToAllTransport", "Problem"]
-
-
-@dataclass
-class Problem:
-    """This rank's problem bits for one forward and the details only it can write.
-
-    ``bits`` is a host int, or a device int64 scalar once a device-side check
-    (non-finite logits) joined: reading it would sync, so only the transports
-    move it (into an exchange or the sticky flag).
-    """
-
-    bits: Union[int, torch.Tensor] = 0
-    details: list[str] = field(default_factory=list)
-    flag: Optional[ProblemFlag] = None  # where the bits are recorded when they are not raised at once
-
-    def record(self, bits: Union[int, torch.Tensor], device: torch.device) -> None:
-        if self.flag is not None:
-            self.flag.record(bits, device, self.details)
+__all__ = ["LocalTransport", "AllToAllTransport"]
 
 
 def _fan_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x_ND, counts_E, pos_TK)``: the ``N`` routed copies in stable expert order, the copies per
     expert, and where copy ``(t, k)`` sits."""
     pos_TK, counts_E = sort_by_expert(ids_TK, num_experts)
-    return gather_rows(x_TD, pos_TK), counts_E, pos_TK
+    return scatter_rows(x_TD, pos_TK), counts_E, pos_TK
 
 
 class LocalTransport:
@@ -98,10 +80,10 @@ class LocalTransport:
         pos_TK, counts_E = sort_by_expert(ids_TK, self.num_experts)
         q = None
         if fp8_rows:
-            x_ND, q_ND, s_N = gather_rows_fp8(x_TD, pos_TK)
+            x_ND, q_ND, s_N = scatter_rows_fp8(x_TD, pos_TK)
             q = (q_ND, s_N)
         else:
-            x_ND = gather_rows(x_TD, pos_TK)
+            x_ND = scatter_rows(x_TD, pos_TK)
         w_N = spread_weights(weights_TK, pos_TK, x_ND.shape[0]) if weights_TK is not None else None
         return RoutedTokens(x_ND, counts_E.cumsum(0).to(torch.int32), x_ND.shape[0], None, pos_TK,
                             weights_R=w_N, fp8_rows=q, copies_TK=pos_TK if w_N is not None else None)
@@ -173,12 +155,12 @@ class AllToAllTransport:
         perm_R, offsets = _expert_major(recv_ne.to(x_ND.device), R)
         inv_R = torch.empty_like(perm_R)
         inv_R.scatter_(0, perm_R, torch.arange(R, device=perm_R.device))
-        x_RD = gather_rows(x_recv, inv_R.view(R, 1))
+        x_RD = scatter_rows(x_recv, inv_R.view(R, 1))
         return RoutedTokens(x_RD, offsets, R, sizes, _Exchange(pos_TK, send, recv, perm_R, inv_R))
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
         ex: _Exchange = routed.handle
-        y_recv = gather_rows(y_RD, ex.perm_R.view(-1, 1))
+        y_recv = scatter_rows(y_RD, ex.perm_R.view(-1, 1))
         y_ND = exchanged_op(y_recv, ex.recv, ex.send, self.axis, 0)
         return weighted_combine(y_ND, ex.pos_TK, weights_TK)
 

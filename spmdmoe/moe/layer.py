@@ -24,7 +24,7 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.nn as nn
 
-from ..agreement import BIT, ProblemFlag
+from ..agreement import BIT, Problem, ProblemFlag
 from ..types.checks import checks_enabled
 from ..types.errors import SPMDDtypeError, SPMDShapeError
 from ..types.mesh import MeshAxis
@@ -32,7 +32,7 @@ from ..types.routed import RoutedTokens
 from . import balance
 from .checkpoint import install_hooks
 from .config import MoEConfig
-from .dispatch import LocalTransport, Problem
+from .dispatch import LocalTransport
 from .experts import GroupedExperts, SharedExperts
 from .init import init_parameters
 from .permute import count_per_expert

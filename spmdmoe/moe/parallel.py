@@ -26,13 +26,13 @@ what; ``spmdmoe.moe.ddp`` and ``fully_shard_moe`` set DDP / FSDP2 up with it.
 
 Every rank agrees (``spmdmoe.agreement``). ``parallelize_moe`` compares the
 config, plan and weights of every rank once (``plan.py``). Each forward then
-checks its input against that agreed layer, locally and for free: ``Shard(0)``
+checks its input against that agreed layer (``accept.py``), locally and for free: ``Shard(0)``
 on ``sp_mesh`` (or, without SP, a plain or ``Varying`` tensor), width ``D``,
 the layer's compute dtype, the layer's device. A rank whose input fails
 does NOT raise on its own: it stands in zero rows (in gather mode its chunk of
 zeros, at the ``T`` the SP axis agrees on) so that it issues exactly the
 collectives its peers issue, and returns zeros shaped like its input, linked
-to the layer's graph and to its input (``_StandIn``), so its backward runs the
+to the layer's graph and to its input (``spmdmoe.stand_in``), so its backward runs the
 collectives of the layer and of everything upstream too. Its problem bits
 ride the EP count exchange: when the EP axis spans every rank the layer talks
 to (no other SP axis, no ``dp_mesh``), every rank raises there; otherwise the
@@ -49,19 +49,21 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from .._dist import all_gather_single, all_reduce
-from ..agreement import BIT, Found, alone, check_errors, global_rank, raise_problems
+from ..agreement import BIT, Found, Problem, alone, check_errors, global_rank, raise_problems
 from ..collective_check import check_collective
 from ..collectives import all_gather, reduce_scatter
 from ..host import to_host
+from ..stand_in import stand_in
 from ..types import layout
 from ..types.checks import checks_enabled, checks_mode
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshAxis, MeshLike
-from ..types.placement import Partial, Shard, Varying
+from ..types.placement import Partial, Shard
 from ..types.product import product_axis
 from ..types.tensor import SPMDTensor
+from .accept import accept
 from .checkpoint import ExpertLayout, grid_mesh, install_hooks
-from .dispatch import AllToAllTransport, LocalTransport, Problem
+from .dispatch import AllToAllTransport, LocalTransport
 from .sync_free import Capacity, SyncFreeTransport
 from .experts import GroupedExperts
 from .grads import GradReduction, agree_grad_set, sync_grads
@@ -328,7 +330,9 @@ class ParallelMoE(_Layer):
         if self._ride is not None:
             self._ride.surface()
         found = Found()
-        x_TD = self._accept(x, found) if checks_enabled() else (x.local if isinstance(x, SPMDTensor) else x)
+        x_TD = (accept(x, found, sp=self.sp, ep=self.ep, dim=self.config.dim, dtype=self.compute_dtype(),
+                       device=self.expert_bias.device) if checks_enabled()
+                else (x.local if isinstance(x, SPMDTensor) else x))
         if found and alone():  # the only process of the job: nobody to leave waiting
             raise_problems("MoE layer", [found.bits], found.details)
         # the body is an anchored call on the rows it reads (overlap.py): the SP gradient sums of
@@ -349,7 +353,7 @@ class ParallelMoE(_Layer):
         if self._ride is not None:
             out_TD = self._ride.on_backward(out_TD)
         if found:
-            return _stand_in(x, out_TD, self._zero_rows)
+            return stand_in(x, out_TD, self._zero_rows)
         return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD
 
     def _zero_rows(self, rows: int) -> torch.Tensor:
@@ -437,46 +441,6 @@ class ParallelMoE(_Layer):
         good = [row[0] for row in to_host(table) if not row[1]]
         return good[0] if good else 0
 
-    def _accept(self, x: Any, found: Found) -> Optional[torch.Tensor]:
-        """This rank's rows if ``x`` is what the agreed layer takes, else ``None`` with ``found`` set
-        (messages name global ranks, as the layer's verdicts do)."""
-        axis = self.sp if self.sp is not None else self.ep
-        rank = global_rank()
-        if self.sp is not None:
-            expected = "an SPMDTensor sharded with Shard(0) on the layer's sp_mesh"
-            if not (isinstance(x, SPMDTensor) and isinstance(x.placement, Shard) and x.token_dim == 0):
-                found.add("input_layout", f"rank {rank}: this MoE layer takes {expected}, found {_describe(x)}; "
-                                          "wrap the local rows with spmdmoe.shard(...) or spmdmoe.from_local(...)")
-                return None
-            if x.axis != self.sp:
-                found.add("input_mesh", f"rank {rank}: the input is sharded on {x.axis}, but the layer's sp_mesh "
-                                        f"is {self.sp}")
-                return None
-            x_TD = x.local
-        else:
-            if isinstance(x, SPMDTensor) and not isinstance(x.placement, Varying):
-                found.add("input_layout", f"rank {rank}: without sp_mesh this MoE layer takes a plain (tokens, dim) "
-                                          f"tensor or a Varying SPMDTensor, found {x.placement}; pass sp_mesh to "
-                                          "parallelize_moe for SP inputs")
-                return None
-            if not isinstance(x, (SPMDTensor, torch.Tensor)):
-                found.add("input_layout", f"rank {rank}: this MoE layer takes a (tokens, dim) tensor, found {_describe(x)}")
-                return None
-            x_TD = x.local if isinstance(x, SPMDTensor) else x
-        D, dtype = self.config.dim, self.compute_dtype()
-        if x_TD.dim() != 2 or x_TD.shape[1] != D:
-            found.add("width", f"rank {rank}: the MoE layer expects local rows of shape (tokens, dim={D}), found "
-                               f"{tuple(x_TD.shape)}; flatten the batch to (tokens, {D}) before the layer")
-        if x_TD.dtype != dtype:
-            found.add("dtype", f"rank {rank}: the MoE layer computes in {dtype} (its parameters' dtype), found input "
-                               f"of dtype {x_TD.dtype}; cast the input (x.to({dtype})) or the layer")
-        if axis is not None and (problem := axis.device_problem(x_TD)) is not None:
-            found.add("device", f"rank {rank}: input {problem}")
-        elif x_TD.device != self.expert_bias.device:  # a device the backend takes, but not the layer's
-            found.add("device", f"rank {rank}: input on {x_TD.device}, the layer on {self.expert_bias.device}; "
-                                "move the input there with .to(...)")
-        return None if found else x_TD
-
 
 def _distinct(*axes: Optional[MeshAxis]) -> tuple[MeshAxis, ...]:
     """The axes given, without ``None`` and without repeats (SP and EP may be one group)."""
@@ -485,41 +449,3 @@ def _distinct(*axes: Optional[MeshAxis]) -> tuple[MeshAxis, ...]:
         if a is not None and a not in out:
             out.append(a)
     return tuple(out)
-
-
-def _describe(x: Any) -> str:
-    return f"{x.placement} on {x.axis}" if isinstance(x, SPMDTensor) else type(x).__name__
-
-
-class _StandIn(torch.autograd.Function):
-    """Zeros shaped like ``like``; the backward sends zero gradients to ``like`` and to ``out_TD``.
-
-    So a rank that stood in still runs every backward collective: the layer's
-    own (through ``out_TD``) and those upstream of its input (through ``like``).
-    Zeros, not ``0 * x``, so a non-finite input cannot turn them into NaN.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, like: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.like = (like.shape, like.dtype, like.device)
-        ctx.out = (out_TD.shape, out_TD.dtype, out_TD.device)
-        return torch.zeros_like(like)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        shape, dtype, device = ctx.like
-        g_like = None if device.type == "meta" else torch.zeros(shape, dtype=dtype, device=device)
-        shape, dtype, device = ctx.out
-        return g_like, torch.zeros(shape, dtype=dtype, device=device)
-
-
-def _stand_in(x: Any, out_TD: torch.Tensor, zero_rows: Any) -> Any:
-    """What a rank with a bad input returns: zeros shaped like its input (its own code downstream sees
-    what it passed), linked to its input and to the layer's output so its backward takes part in every
-    collective its peers run. An input that cannot carry a gradient gets zero rows of the layer's width."""
-    local = x.local if isinstance(x, SPMDTensor) else x
-    if isinstance(local, torch.Tensor) and local.is_floating_point():
-        zeros = _StandIn.apply(local, out_TD)
-        return x.with_local(zeros) if isinstance(x, SPMDTensor) else zeros
-    rows = local.shape[0] if isinstance(local, torch.Tensor) and local.dim() else 0
-    return _StandIn.apply(zero_rows(rows), out_TD)

@@ -24,11 +24,11 @@ import torch
 from ..autograd import differentiable
 from ..kernels import fan_out, fan_out_fp8, gather_sum
 
-__all__ = ["gather_rows", "gather_rows_fp8", "count_per_expert", "sort_by_expert", "spread_weights",
+__all__ = ["scatter_rows", "scatter_rows_fp8", "count_per_expert", "sort_by_expert", "spread_weights",
            "weighted_combine"]
 
 
-class _GatherRows(torch.autograd.Function):
+class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(index_SJ)
@@ -41,19 +41,19 @@ class _GatherRows(torch.autograd.Function):
         return gather_sum(grad_RD.contiguous(), index_SJ), None, None
 
 
-_gather = differentiable(_GatherRows, lambda src_SD, index_SJ, rows: fan_out(src_SD, index_SJ, rows)[0])
+_scatter = differentiable(_ScatterRows, lambda src_SD, index_SJ, rows: fan_out(src_SD, index_SJ, rows)[0])
 
 
-def gather_rows(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
+def scatter_rows(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
     """``out[index_SJ[s, j]] = src[s]``: each source row into its ``J`` slots of ``rows`` output rows.
 
     ``rows`` defaults to ``S*J`` (a permutation when ``J = 1``); slots no index
     names are zero. The backward sums each row's ``J`` slots in fp32.
     """
-    return _gather(src_SD, index_SJ, index_SJ.numel() if rows is None else rows)
+    return _scatter(src_SD, index_SJ, index_SJ.numel() if rows is None else rows)
 
 
-class _GatherRowsFp8(torch.autograd.Function):
+class _ScatterRowsFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int) -> Any:  # type: ignore[override]
         ctx.save_for_backward(index_SJ)
@@ -69,13 +69,13 @@ class _GatherRowsFp8(torch.autograd.Function):
         return (gather_sum(grad_RD.contiguous(), index_SJ) if grad_RD is not None else None), None, None
 
 
-def gather_rows_fp8(src_SD: torch.Tensor, index_SJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`gather_rows` (``rows = S*J``) plus the rowwise e4m3 of every copy and its fp32 scale, quantized
+def scatter_rows_fp8(src_SD: torch.Tensor, index_SJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`scatter_rows` (``rows = S*J``) plus the rowwise e4m3 of every copy and its fp32 scale, quantized
     once per source row in the same pass (:func:`spmdmoe.kernels.fan_out_fp8`): ``(out, q, s)``, bit for bit
     ``out`` and ``quantize_rows(out)``. Only ``out`` has a gradient."""
     rows = index_SJ.numel()
     if src_SD.requires_grad and torch.is_grad_enabled():
-        return _GatherRowsFp8.apply(src_SD, index_SJ, rows)
+        return _ScatterRowsFp8.apply(src_SD, index_SJ, rows)
     return fan_out_fp8(src_SD, index_SJ, rows)
 
 

@@ -57,12 +57,12 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_gather_single
+from ..agreement import Problem
 from ..collectives.alltoall import exchanged_op
 from ..host import to_host
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
-from .dispatch import Problem
-from .permute import gather_rows, sort_by_expert, weighted_combine
+from .permute import scatter_rows, sort_by_expert, weighted_combine
 
 __all__ = ["Capacity", "SyncFreeTransport", "slot_rows"]
 
@@ -122,8 +122,24 @@ class SyncFreeTransport:
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
                  capacity: Optional[Capacity] = None, fp8_rows: bool = False,
                  weights_TK: Optional[torch.Tensor] = None) -> RoutedTokens:
-        """``fp8_rows``, ``weights_TK``: ignored (FP8 experts quantize the rows that arrive; the combine
-        weights the rows that come back)."""
+        """This rank's routed copies into its EP peers' experts, with no host read (module docstring).
+
+        Args:
+            x_TD: ``(T, D)`` rows routed here (bf16 / fp32; ``T`` may be 0 and may differ between ranks, at
+                most ``capacity.t_max`` unless a capacity factor may drop copies).
+            ids_TK: int64 ``(T, K)`` global expert ids of each row's ``K`` copies.
+            problem: this rank's problem bits, recorded in the layer's sticky flag (never read here).
+            capacity: ``T_max`` (host int, the same on every rank of the EP group) and the layer's
+                overflow buffer, updated on the device with this forward's worst slot demand.
+            fp8_rows, weights_TK: ignored (FP8 experts quantize the rows that arrive; the combine weights
+                the rows that come back).
+
+        Returns ``RoutedTokens`` with ``x_RD`` ``(Q, D)``, ``Q = n * S``: this rank's ``e`` experts' rows in
+        expert-major order (source rank order within an expert), rows past the int32 ``group_offsets[-1]``
+        zero; ``capacity = Q``; ``group_sizes = None`` (never on the host); the handle the combine needs
+        (each copy's send row, ``Q`` when dropped, and the inverse of the received rows' fan-out).
+        Collectives: one all-gather of the ``(E,)`` counts and one even all-to-all of ``Q`` rows over EP
+        (their reverse in the backward)."""
         if capacity is None:
             raise TypeError("SyncFreeTransport.dispatch needs a Capacity (T_max and the overflow buffer)")
         t_max = capacity.t_max
@@ -148,7 +164,7 @@ class SyncFreeTransport:
         dst_TK = ids_TK // e
         within_TK = pos_TK - slot_start_n[dst_TK]
         send_pos_TK = torch.where(within_TK < S, dst_TK * S + within_TK, Q)
-        send_QD = gather_rows(x_TD, send_pos_TK, Q + 1)[:Q]
+        send_QD = scatter_rows(x_TD, send_pos_TK, Q + 1)[:Q]
         recv_QD = exchanged_op(send_QD, [S] * n, [S] * n, self.axis, 0)
         # receiver: received row q = i*S + k is the k-th row source i sent here (in local-expert order); it goes
         # to expert-major row dst_start[l, i] + (k - the rows of i's earlier experts), or to the dump row Q
@@ -164,7 +180,7 @@ class SyncFreeTransport:
         start_in_slot = (cum_ne - recv_ne).gather(1, l_safe)
         dest_nS = dst_start_ne[src_i, l_safe] + k_nS - start_in_slot
         dest_Q = torch.where(live_nS, dest_nS, Q).reshape(Q, 1)
-        x_RD = gather_rows(recv_QD, dest_Q, Q + 1)[:Q]
+        x_RD = scatter_rows(recv_QD, dest_Q, Q + 1)[:Q]
         # the inverse map (unique targets: dead received rows land past Q, then dropped)
         perm = torch.full((2 * Q,), Q, dtype=torch.int64, device=dev)
         perm.scatter_(0, torch.where(live_nS.reshape(-1), dest_Q.view(-1), Q + torch.arange(Q, device=dev)),
@@ -176,7 +192,7 @@ class SyncFreeTransport:
         h: _Handle = routed.handle
         n = self.axis.size
         Q = n * h.slot
-        y_recv = gather_rows(y_RD, h.perm_Q.view(-1, 1), Q + 1)[:Q]  # rows past valid: into the dump row
+        y_recv = scatter_rows(y_RD, h.perm_Q.view(-1, 1), Q + 1)[:Q]  # rows past valid: into the dump row
         y_send = exchanged_op(y_recv, [h.slot] * n, [h.slot] * n, self.axis, 0)
         if h.droppable:  # a dropped copy reads this zero row
             y_send = torch.cat([y_send, y_send.new_zeros((1, y_send.shape[1]))])

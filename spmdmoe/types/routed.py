@@ -66,7 +66,3 @@ class RoutedTokens:
     def __post_init__(self) -> None:
         if self.valid_rows is None:
             object.__setattr__(self, "valid_rows", self.group_offsets[-1:])
-
-    @property
-    def num_groups(self) -> int:
-        return int(self.group_offsets.shape[0])

@@ -11,9 +11,8 @@ import torch
 
 import spmdmoe
 from spmdmoe import SPMDShapeError
-from spmdmoe.agreement import BIT, ProblemFlag
+from spmdmoe.agreement import BIT, Problem, ProblemFlag
 from spmdmoe.moe import AllToAllTransport, LocalTransport
-from spmdmoe.moe.dispatch import Problem
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
 
 D, K = 3, 2
