@@ -77,9 +77,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from .. import agreement
 from .._dist import all_reduce
 from ..moe import MoE, MoEConfig, ParallelMoE, parallelize_moe
+from ..moe.checkpoint import expert_layout
 from ..moe.experts import GroupedExperts, SharedExperts
 from ..moe.layer import _Layer
-from ..moe.parallel import _expert_layout
 from ..moe.router import Router
 from ..types.construct import from_local
 from ..types.errors import MoEConfigError
@@ -325,7 +325,7 @@ def _shard_experts(experts: _TTGroupedExperts, layer: _Layer) -> None:
     if not isinstance(layer, ParallelMoE):
         return
     cfg = layer.config
-    layout = _expert_layout(cfg, layer.sp, layer.ep, layer.sp_mode, layer.expert_slice, layer.hidden_slice)
+    layout = expert_layout(cfg, layer.sp, layer.ep, layer.sp_mode, layer.expert_slice, layer.hidden_slice)
     if layout.mesh is None:
         return
     for name, ours in (("w1_EFD", "experts.w1"), ("w2_EDF", "experts.w2"), ("w3_EFD", "experts.w3")):

@@ -53,7 +53,7 @@ from ..types.errors import SPMDLayoutError
 from ..types.layout import contiguous_strides
 from ..types.mesh import MeshAxis
 
-__all__ = ["to_torchtitan", "from_torchtitan", "install_hooks", "ExpertLayout", "grid_mesh"]
+__all__ = ["to_torchtitan", "from_torchtitan", "install_hooks", "ExpertLayout", "expert_layout", "grid_mesh"]
 
 # torchtitan's names -> ours, newest first (0.3.0, then the earlier _EFD names)
 TORCHTITAN_NAMES = {
@@ -118,6 +118,25 @@ def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:
     mesh = DeviceMesh.from_group([ep.group, sp.group], ep.device_type, mesh=grid, mesh_dim_names=("ep", "sp"))
     _GRIDS.setdefault(ep.group, weakref.WeakKeyDictionary())[sp.group] = mesh
     return mesh
+
+
+def expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
+                  experts: slice, hidden: slice) -> ExpertLayout:
+    """The DTensor layout that ``state_dict()`` gives the expert weights (see ``checkpoint.py``)."""
+    split_ep = ep is not None and ep.size > 1
+    split_tp = sp is not None and sp_mode == "gather" and sp.size > 1
+    if split_ep and split_tp:
+        assert ep is not None and sp is not None
+        mesh, ep_dim, tp_dim = grid_mesh(ep, sp), 0, 1
+    elif split_ep:
+        assert ep is not None
+        mesh, ep_dim, tp_dim = ep.device_mesh(), 0, None
+    elif split_tp:
+        assert sp is not None
+        mesh, ep_dim, tp_dim = sp.device_mesh(), None, 0
+    else:
+        mesh, ep_dim, tp_dim = None, None, None
+    return ExpertLayout(cfg.num_experts, experts, hidden, cfg.hidden_dim, mesh, ep_dim, tp_dim)
 
 
 def to_torchtitan(state_dict: dict[str, Any], *, names: str = "new") -> dict[str, Any]:

@@ -48,29 +48,27 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
-from .._dist import all_gather_single, all_reduce
-from ..agreement import BIT, Found, Problem, alone, check_errors, global_rank, raise_problems
+from ..agreement import BIT, Found, Problem, alone, check_errors, raise_problems
 from ..collective_check import check_collective
-from ..collectives import all_gather, reduce_scatter
-from ..host import to_host
 from ..stand_in import stand_in
 from ..types import layout
 from ..types.checks import checks_enabled, checks_mode
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshAxis, MeshLike
-from ..types.placement import Partial, Shard
 from ..types.product import product_axis
 from ..types.tensor import SPMDTensor
 from .accept import accept
-from .checkpoint import ExpertLayout, grid_mesh, install_hooks
+from .checkpoint import expert_layout, install_hooks
 from .dispatch import AllToAllTransport, LocalTransport
-from .sync_free import Capacity, SyncFreeTransport
 from .experts import GroupedExperts
+from .gather_mode import gather_input, gathered
 from .grads import GradReduction, agree_grad_set, sync_grads
-from .overlap import call_anchored, inside_fsdp_unit
 from .layer import MoE, _Layer
+from .overlap import call_anchored, inside_fsdp_unit
 from .plan import agree_plan
-from .ride import COLUMNS, Ride
+from .ride import Ride
+from .sync_free import Capacity, SyncFreeTransport, layer_capacity
+from .token_exchange import exchange_tokens
 
 __all__ = ["parallelize_moe", "ParallelMoE"]
 
@@ -159,25 +157,6 @@ def parallelize_moe(
     return layer
 
 
-def _expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
-                   experts: slice, hidden: slice) -> ExpertLayout:
-    """The DTensor layout that ``state_dict()`` gives the expert weights (see ``checkpoint.py``)."""
-    split_ep = ep is not None and ep.size > 1
-    split_tp = sp is not None and sp_mode == "gather" and sp.size > 1
-    if split_ep and split_tp:
-        assert ep is not None and sp is not None
-        mesh, ep_dim, tp_dim = grid_mesh(ep, sp), 0, 1
-    elif split_ep:
-        assert ep is not None
-        mesh, ep_dim, tp_dim = ep.device_mesh(), 0, None
-    elif split_tp:
-        assert sp is not None
-        mesh, ep_dim, tp_dim = sp.device_mesh(), None, 0
-    else:
-        mesh, ep_dim, tp_dim = None, None, None
-    return ExpertLayout(cfg.num_experts, experts, hidden, cfg.hidden_dim, mesh, ep_dim, tp_dim)
-
-
 class ParallelMoE(_Layer):
     """A :class:`MoE` over SP and/or EP axes; see :func:`parallelize_moe` and the module docstring."""
 
@@ -215,7 +194,7 @@ class ParallelMoE(_Layer):
                              persistent=False)
         self.set_ep_mode(ep_mode)
         self.aux_axes = () if sp is None else (sp,)
-        install_hooks(self, _expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden), agree_over)
+        install_hooks(self, expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden), agree_over)
         if sp is not None and sp.size > 1:
             self.sp_synced = tuple(_Layer.weights(self))  # dense weights; the experts sync their own
             agree_grad_set([self.get_parameter(n) for n in self.sp_synced], sp)  # now, eagerly (grads.py)
@@ -324,6 +303,13 @@ class ParallelMoE(_Layer):
     _spmdmoe_sync_params = sp_sync_params  # what overlap.sync_params asks
 
     def forward(self, x: Input) -> Input:
+        """One MoE call, stage by stage: (1) accept this rank's input (``accept.py``; a bad one is found, never
+        raised alone); (2) in gather mode, agree on ``T`` and all-gather the rows (``gather_mode.py``), else
+        size the sync-free capacity (``sync_free.layer_capacity``); (3) route, dispatch, experts, combine
+        (``_Layer._pipeline``: ``router.py``, the transport of ``dispatch.py`` / ``sync_free.py``,
+        ``experts.py``), anchored so that the SP gradient sums overlap the backward (``overlap.py``); (4) in
+        gather mode reduce-scatter, then add the shared experts; (5) return the rows in the input's layout, or
+        on a rank whose input was bad the stand-in (``spmdmoe.stand_in``)."""
         axis = self.sp if self.sp is not None else self.ep
         if axis is not None and checks_mode() == "collectives":  # train / eval and grad mode decide collectives
             check_collective("MoE layer", axis, None, None, {"training": self.training})
@@ -335,16 +321,14 @@ class ParallelMoE(_Layer):
                 else (x.local if isinstance(x, SPMDTensor) else x))
         if found and alone():  # the only process of the job: nobody to leave waiting
             raise_problems("MoE layer", [found.bits], found.details)
-        # the body is an anchored call on the rows it reads (overlap.py): the SP gradient sums of
-        # sp_sync_params() overlap the rest of the layer's backward (or the enclosing overlap_grads')
         if self.sp is not None and self.sp_mode == "gather":
             problem = Problem(found.bits, found.details)
-            h, T = self._gather_input(x, found)
-            out_TD = call_anchored(lambda h: self._gathered(h, T, problem), (h,), {}, self.sp_sync_params)
+            h, T = gather_input(self, x, found)
+            out_TD = call_anchored(lambda h: gathered(self, h, T, problem), (h,), {}, self.sp_sync_params)
         else:
             if self._ride is not None and self.ep is None:  # the exchange only carries the ride (T not needed)
-                self._gather_tokens(x, found)
-            capacity = self._capacity(x, None if found else x_TD, found)
+                exchange_tokens(x, found, self.sp, self._ride)
+            capacity = layer_capacity(self, x, None if found else x_TD, found)
             problem = Problem(found.bits, found.details)
             if found:  # stand in zero rows: the same collectives as the peers, nothing routed
                 x_TD = self._zero_rows(0)
@@ -364,82 +348,6 @@ class ParallelMoE(_Layer):
         w = self.weights()
         return self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem, capacity=capacity), x_TD, w)
 
-    def _gather_input(self, x: Input, found: Found) -> tuple[SPMDTensor, int]:
-        """Gather mode's input and the ``T`` the SP axis agrees on: ``x``, or on a rank whose input is
-        bad its chunk as zeros, at that ``T``."""
-        sp = self.sp
-        assert sp is not None
-        T = self._gather_tokens(x, found)
-        if found:
-            x = SPMDTensor._new(self._zero_rows(layout.local_tokens(T, sp.size, sp.rank)), sp, Shard(0), T, 0)
-        assert isinstance(x, SPMDTensor)
-        return x, T
-
-    def _gathered(self, x: SPMDTensor, T: int, problem: Problem) -> torch.Tensor:
-        """Gather mode: route all SP rows, TP experts, combine, reduce-scatter; + shared on the local rows."""
-        sp = self.sp
-        assert sp is not None
-        w = self.weights()
-        start = layout.chunk_offset(T, sp.size, sp.rank)
-        h_TD = all_gather(x).local
-        rows_T = torch.arange(h_TD.shape[0], device=h_TD.device)
-        own_T = (rows_T >= start) & (rows_T < start + x.local_tokens)
-        # EP on another axis: max_tokens or the all-reduce; more rows than max_tokens (the whole SP group
-        # sees the same T) is recorded with this forward's problems, for the step boundary
-        over = Found()
-        capacity = self._capacity(None, h_TD, over)
-        if over:
-            problem.bits, problem.details = problem.bits | over.bits, problem.details + over.details
-        partial_TD = self._pipeline(h_TD, w, self.transport, own=own_T, problem=problem, capacity=capacity)
-        out_TD = reduce_scatter(SPMDTensor._new(partial_TD, sp, Partial(), T, 0)).local
-        return self._plus_shared(out_TD, x.local, w)
-
-    def _capacity(self, x: Input, x_TD: Optional[torch.Tensor], found: Found) -> Optional[Capacity]:
-        """The sync-free transport's :class:`Capacity` (``None`` for the others): ``T_max``, the most rows
-        any rank of the EP group routes, and the overflow buffer. EP on the SP axis: the SP input's padded local count (agreed over SP with checks on:
-        one small all-gather, no host read on a rank whose input is good). Otherwise ``max_tokens`` (more
-        rows here: a problem, raised on every rank at the step boundary; this rank stands in zero rows),
-        or one host all-reduce (MAX) of the routed rows over EP: the documented sync of that case."""
-        ep = self.ep
-        if not isinstance(self.transport, SyncFreeTransport) or ep is None:
-            return None
-        if self.sp is not None and self.sp == ep:
-            T = layout.padded_local_tokens(max(self._gather_tokens(x, found), 0), ep.size)
-            return Capacity(T, self.capacity_overflow)
-        rows = 0 if x_TD is None else x_TD.shape[0]
-        if self.max_tokens is not None:
-            if rows > self.max_tokens:
-                found.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than max_tokens="
-                                      f"{self.max_tokens}, which sizes the sync-free EP buffers; split the batch "
-                                      "or pass a larger max_tokens to parallelize_moe")
-            return Capacity(self.max_tokens, self.capacity_overflow)
-        most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
-        all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
-        return Capacity(int(to_host(most)[0]), self.capacity_overflow)
-
-    def _gather_tokens(self, x: Input, found: Found) -> int:
-        """The ``T`` every SP rank gathers: one all-gather of ``(T, bad, ...)`` per rank (``1 + COLUMNS``
-        int64; a riding layer fills the ride's columns, ``ride.py``), in every checking mode (with checks off
-        nothing is found, so nobody reads it at once). Only a rank with a bad input reads it (a sync), and
-        takes the ``T`` of the first rank whose input was good; when no rank's was, the whole SP group stands
-        in zero tokens (its problems are raised with everyone else's, at the step boundary)."""
-        sp = self.sp
-        assert sp is not None
-        own = x.global_tokens if isinstance(x, SPMDTensor) and x.axis == sp and isinstance(x.placement, Shard) else -1
-        width = 1 + COLUMNS
-        mine = torch.full((width,), own, dtype=torch.int64, device=sp.metadata_device())  # fills: no host copy
-        mine[1:2].fill_(found.bits)
-        mine[2:].fill_(0)
-        if self._ride is not None:
-            self._ride.fill(mine[2:])
-        table = torch.empty(sp.size * width, dtype=torch.int64, device=mine.device).view(sp.size, width)
-        all_gather_single(table.view(-1), mine, group=sp.group)
-        if self._ride is not None:
-            self._ride.start(table[:, 1:])
-        if not found:
-            return own
-        good = [row[0] for row in to_host(table) if not row[1]]
-        return good[0] if good else 0
 
 
 def _distinct(*axes: Optional[MeshAxis]) -> tuple[MeshAxis, ...]:

@@ -51,20 +51,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from .._dist import all_gather_single
-from ..agreement import Problem
+from .._dist import all_gather_single, all_reduce
+from ..agreement import Found, Problem, global_rank
 from ..collectives.alltoall import exchanged_op
 from ..host import to_host
+from ..types import layout
 from ..types.mesh import MeshAxis
 from ..types.routed import RoutedTokens
 from .permute import scatter_rows, sort_by_expert, weighted_combine
+from .token_exchange import exchange_tokens
 
-__all__ = ["Capacity", "SyncFreeTransport", "slot_rows"]
+__all__ = ["Capacity", "SyncFreeTransport", "layer_capacity", "slot_rows"]
 
 
 class Capacity(NamedTuple):
@@ -84,6 +86,33 @@ def slot_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capacity_f
     if capacity_factor is None:
         return lossless
     return min(lossless, math.ceil(capacity_factor * t_max * top_k / ranks))
+
+
+def layer_capacity(layer: Any, x: Any, x_TD: Optional[torch.Tensor], found: Found) -> Optional[Capacity]:
+    """The :class:`Capacity` a parallel layer hands its transport this forward (``None`` unless it is sync-free
+    EP): ``T_max``, the most rows any rank of the EP group routes, and the layer's overflow buffer.
+
+    EP on the SP axis: the SP input's padded local count, from the token exchange (``token_exchange.py``; no
+    host read on a rank whose input is good). Otherwise ``layer.max_tokens`` (more rows here, ``x_TD``: a
+    problem added to ``found``, raised on every rank at the step boundary; this rank stands in zero rows), or,
+    when that is ``None``, one host all-reduce (MAX) of the routed rows over EP: the documented sync of that
+    case."""
+    ep = layer.ep
+    if not isinstance(layer.transport, SyncFreeTransport) or ep is None:
+        return None
+    if layer.sp is not None and layer.sp == ep:
+        T = layout.padded_local_tokens(max(exchange_tokens(x, found, layer.sp, layer._ride), 0), ep.size)
+        return Capacity(T, layer.capacity_overflow)
+    rows = 0 if x_TD is None else x_TD.shape[0]
+    if layer.max_tokens is not None:
+        if rows > layer.max_tokens:
+            found.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than max_tokens="
+                                  f"{layer.max_tokens}, which sizes the sync-free EP buffers; split the batch "
+                                  "or pass a larger max_tokens to parallelize_moe")
+        return Capacity(layer.max_tokens, layer.capacity_overflow)
+    most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
+    all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
+    return Capacity(int(to_host(most)[0]), layer.capacity_overflow)
 
 
 @dataclass(frozen=True)
