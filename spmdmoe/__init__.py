@@ -6,10 +6,12 @@ shard. See ``docs/design.md`` for the chunk rule, the collectives and the
 agreement mechanism.
 """
 
-from . import types  # first: spmdmoe.agreement imports types' submodules, and types.construct imports it
+from . import types
 from . import agreement, collectives, dtensor, moe, testing
 from .agreement import check_errors
 from .collectives import all_gather, all_reduce, all_to_all, exchange_counts, redistribute, reduce_scatter
+from .construct import from_local, padded_empty, shard
+from .meshes import init_mesh, product_axis
 from .shutdown import shutdown
 from .types import *  # noqa: F401,F403
 from .types import __all__ as _types_all
@@ -31,5 +33,10 @@ __all__ = [
     "redistribute",
     "reduce_scatter",
     "shutdown",
+    "from_local",
+    "padded_empty",
+    "shard",
+    "init_mesh",
+    "product_axis",
     *_types_all,
 ]

@@ -36,7 +36,7 @@ from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
-from .types.construct import from_local
+from .construct import from_local
 from .types.errors import SPMDLayoutError
 from .types.layout import contiguous_strides
 from .types.mesh import mesh_axis

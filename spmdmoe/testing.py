@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .agreement import exchange_rows
 from .types.checks import checks
-from .types.construct import from_local
+from .construct import from_local
 from .types.mesh import MeshLike, mesh_axis
 from .types.placement import Varying
 from .types.tensor import SPMDTensor

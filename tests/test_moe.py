@@ -13,7 +13,7 @@ from spmdmoe.moe.balance import aux_loss
 from spmdmoe.moe.experts import grouped_swiglu
 from spmdmoe.moe.gemm import grouped_mm, native_grouped_mm_ok
 from spmdmoe.moe.permute import scatter_rows, sort_by_expert, weighted_combine
-from spmdmoe.types.routed import RoutedTokens
+from spmdmoe.moe.routed import RoutedTokens
 
 CONFIGS = [
     dict(dim=16, hidden_dim=16, num_experts=8, top_k=2),

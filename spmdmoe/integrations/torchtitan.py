@@ -81,7 +81,7 @@ from ..moe.checkpoint import expert_layout
 from ..moe.experts import GroupedExperts, SharedExperts
 from ..moe.layer import _Layer
 from ..moe.router import Router
-from ..types.construct import from_local
+from ..construct import from_local
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshLike
 from ..types.tensor import SPMDTensor

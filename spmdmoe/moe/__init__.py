@@ -10,6 +10,7 @@
 ``overlap_grads``          let those sums overlap backward until a module's input
 ``LocalTransport``         dispatch/combine with every expert local
 ``AllToAllTransport``      dispatch/combine over an EP axis (sync mode)
+``RoutedTokens``           a transport's output: rows grouped by local expert
 ``grad_reductions``        per parameter: the group and divide factor its
                            gradient still needs across batches (DP)
 ``reduce_grads``           apply them by hand after ``backward``
@@ -27,6 +28,7 @@ from .grads import GradReduction, agree_grad_set, replicate_grads, sync_grads
 from .layer import MoE
 from .overlap import overlap_grads
 from .parallel import ParallelMoE, parallelize_moe
+from .routed import RoutedTokens
 from .router import Routing, route
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "register_spmd_hooks",
     "LocalTransport",
     "AllToAllTransport",
+    "RoutedTokens",
     "Routing",
     "route",
 ]

@@ -46,7 +46,7 @@ import torch
 from ..agreement import GRAD_OFF, Problem, grad_mode_codes, raise_problems
 from ..collectives.alltoall import exchange_split_sizes, exchanged_op
 from ..types.mesh import MeshAxis
-from ..types.routed import RoutedTokens
+from .routed import RoutedTokens
 from .permute import scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights, weighted_combine
 
 __all__ = ["LocalTransport", "AllToAllTransport"]

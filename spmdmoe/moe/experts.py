@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..kernels import swiglu_backward, swiglu_forward
 from ..types.mesh import MeshAxis
-from ..types.routed import RoutedTokens
+from .routed import RoutedTokens
 from .fp8 import fp8_swiglu, quantize_weights
 from .fp8_cache import Fp8WeightCache, fresh_cache
 from .gemm import plain_tensor, grouped_mm, grouped_mm_pair, joined

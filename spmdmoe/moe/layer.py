@@ -28,7 +28,7 @@ from ..agreement import BIT, Problem, ProblemFlag
 from ..types.checks import checks_enabled
 from ..types.errors import SPMDDtypeError, SPMDShapeError
 from ..types.mesh import MeshAxis
-from ..types.routed import RoutedTokens
+from .routed import RoutedTokens
 from . import balance
 from .checkpoint import install_hooks
 from .config import MoEConfig

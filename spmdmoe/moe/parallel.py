@@ -55,7 +55,7 @@ from ..types import layout
 from ..types.checks import checks_enabled, checks_mode
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshAxis, MeshLike
-from ..types.product import product_axis
+from ..meshes import product_axis
 from ..types.tensor import SPMDTensor
 from .accept import accept
 from .checkpoint import expert_layout, install_hooks

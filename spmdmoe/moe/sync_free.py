@@ -62,7 +62,7 @@ from ..collectives.alltoall import exchanged_op
 from ..host import to_host
 from ..types import layout
 from ..types.mesh import MeshAxis
-from ..types.routed import RoutedTokens
+from .routed import RoutedTokens
 from .permute import scatter_rows, sort_by_expert, weighted_combine
 from .token_exchange import exchange_tokens
 

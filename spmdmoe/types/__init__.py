@@ -1,7 +1,10 @@
-"""The vocabulary of spmdmoe: placements, mesh axes, ``SPMDTensor``, errors, checks."""
+"""The vocabulary of spmdmoe: placements, mesh axes, ``SPMDTensor``, errors, checks.
+
+Nothing here talks to other ranks (no import of ``spmdmoe.agreement``): what builds tensors and meshes
+across ranks is ``spmdmoe.construct`` and ``spmdmoe.meshes``.
+"""
 
 from .checks import Layout, assert_layout, checks, checks_enabled, checks_mode, layout_checked, set_checks
-from .construct import from_local, padded_empty, shard
 from .errors import (
     MoEConfigError,
     SPMDCapacityError,
@@ -15,16 +18,13 @@ from .errors import (
     SPMDTokenCountError,
 )
 from .layout import chunk_counts, chunk_offset, local_tokens, padded_global_tokens, padded_local_tokens
-from .mesh import MeshAxis, MeshLike, init_mesh, mesh_axis
-from .product import product_axis
+from .mesh import MeshAxis, MeshLike, mesh_axis
 from .placement import Partial, Placement, Replicate, Shard, Varying
-from .routed import RoutedTokens
 from .tensor import SPMDTensor
 
 __all__ = [
     "Layout",
     "MoEConfigError",
-    "RoutedTokens",
     "SPMDCapacityError",
     "SPMDCollectiveError",
     "SPMDRoutingError",
@@ -48,15 +48,10 @@ __all__ = [
     "checks_mode",
     "chunk_counts",
     "chunk_offset",
-    "from_local",
-    "init_mesh",
     "layout_checked",
     "local_tokens",
     "mesh_axis",
-    "padded_empty",
     "padded_global_tokens",
     "padded_local_tokens",
-    "product_axis",
     "set_checks",
-    "shard",
 ]

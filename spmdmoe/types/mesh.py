@@ -17,7 +17,6 @@ process group, whatever object they were built from.
 from __future__ import annotations
 
 import weakref
-from datetime import timedelta
 from typing import Any, Union
 
 import torch
@@ -26,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import SPMDDeviceError, SPMDMeshError
 
-__all__ = ["MeshAxis", "MeshLike", "mesh_axis", "init_mesh"]
+__all__ = ["MeshAxis", "MeshLike", "mesh_axis"]
 
 _BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "xccl": ("xpu",),
                     "fake": ("cpu", "cuda", "meta")}  # torch's fake group (planning): meta tensors too
@@ -179,72 +178,3 @@ def mesh_axis(mesh: MeshLike) -> MeshAxis:
     if axis is None:
         axis = _cache[key] = MeshAxis(key[0], key[1], mesh)
     return axis
-
-
-def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tuple[str, ...]",
-              timeout: "timedelta | None" = None) -> DeviceMesh:
-    """``init_device_mesh`` with the process groups created explicitly, one per row of each dim.
-
-    Same mesh (ranks laid out row-major), same named dims, every group made
-    by ``new_group`` in the same order on every rank (every rank must call
-    it). It does not prevent gloo's abort at interpreter exit ("terminate
-    called without an active exception": 8 of 15 four-process runs of a
-    1-D ``init_mesh`` script on torch 2.13 that ended with
-    ``destroy_process_group()``); end jobs with :func:`spmdmoe.shutdown`.
-
-    ``timeout``: every group of the mesh is a new group with this timeout
-    (without it, a dim over every rank uses the default group and the others
-    the default timeout), e.g. to let one part of a job fail fast.
-
-    Every rank first exchanges its ``shape`` and ``mesh_dim_names`` (one all-gather of 10 integers per
-    rank): a rank that passes other ones makes every rank raise the same :class:`SPMDMeshError`, naming
-    the values per rank, instead of leaving its peers waiting in ``new_group``.
-
-    >>> import spmdmoe
-    >>> pg = spmdmoe.testing.single_process_group()
-    >>> spmdmoe.init_mesh("cpu", (1, 1), mesh_dim_names=("dp", "sp"))["sp"].size()
-    1
-    """
-    world, me = dist.get_world_size(), dist.get_rank()
-    _agree_on_mesh(tuple(shape), tuple(mesh_dim_names))
-    numel = 1
-    for size in shape:
-        numel *= size
-    if numel != world or len(mesh_dim_names) != len(shape):
-        raise SPMDMeshError(
-            f"rank {me}: a mesh of shape {tuple(shape)} ({len(mesh_dim_names)} names) needs "
-            f"{numel} processes and one name per dim, found {world} processes"
-        )
-    grid = torch.arange(world).view(*shape)
-    groups = []
-    for dim in range(grid.dim()):
-        rows = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
-        mine = None
-        for row in rows.tolist():  # every rank creates every group, in the same order
-            new = len(row) < world or timeout is not None
-            group = dist.new_group(row, timeout=timeout) if new else dist.group.WORLD
-            if me in row:
-                mine = group
-        groups.append(mine)
-    return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device_type, mesh=grid,
-                                 mesh_dim_names=tuple(mesh_dim_names))
-
-
-_MAX_DIMS = 8
-
-
-def _agree_on_mesh(shape: "tuple[int, ...]", names: "tuple[str, ...]") -> None:
-    """Raise the same :class:`SPMDMeshError` on every rank when ranks pass different meshes to :func:`init_mesh`
-    (one all-gather over the world: dims, each size, a checksum of the names)."""
-    import zlib
-
-    from ..agreement import Field, Found, agree  # here: spmdmoe.agreement imports this package
-
-    fix = "every rank must call init_mesh with the same shape and mesh_dim_names, in the same order"
-    sizes = [int(s) for s in shape[:_MAX_DIMS]] + [0] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
-    fields = [(Field("number of mesh dims", SPMDMeshError, fix=fix), len(shape))]
-    fields += [(Field(f"size of mesh dim {i}", SPMDMeshError, fix=fix), v) for i, v in enumerate(sizes)]
-    checksum = zlib.crc32("\0".join(names).encode())
-    fields.append((Field("mesh_dim_names", SPMDMeshError, lambda v: f"names checksum {v:#010x}",
-                         fix=f"{fix} (this rank: {names})"), checksum))
-    agree("init_mesh", None, Found(), fields, global_ranks=True)

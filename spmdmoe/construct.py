@@ -14,12 +14,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..agreement import Field, Found, agree, dtype_code, dtype_name
-from . import layout
-from .errors import SPMDLayoutError
-from .mesh import MeshAxis, MeshLike, mesh_axis
-from .placement import Partial, Placement, Replicate, Shard, Varying
-from .tensor import SPMDTensor, _bad_rows_message, _buffer_rows, _check_token_dim, _check_total, count_message, parse_count
+from .agreement import Field, Found, agree, dtype_code, dtype_name
+from .types import layout
+from .types.errors import SPMDLayoutError
+from .types.mesh import MeshAxis, MeshLike, mesh_axis
+from .types.placement import Partial, Placement, Replicate, Shard, Varying
+from .types.tensor import SPMDTensor, _bad_rows_message, _buffer_rows, _check_token_dim, _check_total, count_message, parse_count
 
 __all__ = ["shard", "from_local", "padded_empty"]
 

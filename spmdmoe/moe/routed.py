@@ -3,7 +3,7 @@
 Legend: ``R`` rows in the buffer (routed copies received by this rank's
 experts), ``D`` model dim, ``e`` local experts.
 
-A dispatcher (``spmdmoe.moe.dispatch``) turns ``(x_TD, ids_TK)`` into a
+A transport (``spmdmoe.moe.dispatch``, ``spmdmoe.moe.sync_free``) turns ``(x_TD, ids_TK)`` into a
 ``RoutedTokens`` and ``combine`` turns the experts' output rows back into the
 source layout. The experts only ever see ``x_RD`` and ``group_offsets``.
 """
