@@ -6,10 +6,10 @@ backward is a collective too, and a rank that skipped recording it would skip
 the backward collective its peers run, and they would wait forever. Whether a
 collective records its backward therefore depends only on facts every rank
 shares: grad mode and the dtype (floating point). A rank whose input does not
-require grad still records the node, through :data:`ANCHOR`, a zero-size leaf
+require grad still records the node, through :data:`GRAD_LEAF`, a zero-size leaf
 that requires grad and is passed as an extra input, so its backward runs
 whenever the peers' does. Its gradient is never computed (the backward returns
-``None`` for it), so the anchor costs nothing.
+``None`` for it), so the leaf costs nothing.
 
 One consequence, by design: with grad mode on, a collective's floating-point
 result requires grad on every rank, even where the input did not.
@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ANCHOR", "differentiable", "collective_op", "anchored"]
+__all__ = ["GRAD_LEAF", "differentiable", "collective_op", "always_recorded"]
 
-ANCHOR = torch.zeros(0, requires_grad=True)
+GRAD_LEAF = torch.zeros(0, requires_grad=True)
 
 
 def differentiable(function: type[torch.autograd.Function], plain: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -46,22 +46,22 @@ def differentiable(function: type[torch.autograd.Function], plain: Callable[...,
 def collective_op(function: type[torch.autograd.Function], plain: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """For COLLECTIVES: record the backward whenever grad mode is on and the data is floating point.
 
-    ``function.forward`` takes ``(local, *args, anchor)`` and its backward returns
-    one more ``None`` for the anchor. The decision never looks at
+    ``function.forward`` takes ``(local, *args, grad_leaf)`` and its backward returns
+    one more ``None`` for the leaf. The decision never looks at
     ``local.requires_grad``, which can differ between ranks.
     """
 
     def op(local: torch.Tensor, *args: Any) -> torch.Tensor:
         if torch.is_grad_enabled() and (local.is_floating_point() or local.is_complex()):
-            return function.apply(local, *args, ANCHOR)
+            return function.apply(local, *args, GRAD_LEAF)
         return plain(local, *args)
 
     return op
 
 
-class _Anchored(torch.autograd.Function):
+class _AlwaysRecorded(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, grad_leaf: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return local.view_as(local)
 
     @staticmethod
@@ -69,13 +69,13 @@ class _Anchored(torch.autograd.Function):
         return grad, None
 
 
-def anchored(local: torch.Tensor) -> torch.Tensor:
-    """``local`` unchanged, but requiring grad whenever grad mode is on (through :data:`ANCHOR`).
+def always_recorded(local: torch.Tensor) -> torch.Tensor:
+    """``local`` unchanged, but requiring grad whenever grad mode is on (through :data:`GRAD_LEAF`).
 
     For collectives whose backward is recorded by torch itself (the functional
-    collectives that ``torch.compile`` traces): feeding them an anchored input
+    collectives that ``torch.compile`` traces): feeding them such an input
     records their backward on every rank alike, as :func:`collective_op` does.
     """
     if torch.is_grad_enabled() and (local.is_floating_point() or local.is_complex()):
-        return _Anchored.apply(local, ANCHOR)
+        return _AlwaysRecorded.apply(local, GRAD_LEAF)
     return local

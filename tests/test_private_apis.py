@@ -116,7 +116,7 @@ class _Probe(torch.autograd.Function):
 
 
 def test_current_graph_task_id_names_one_backward():
-    """``torch._C._current_graph_task_id`` as ``overlap.Anchor.submit`` uses it: -1 outside a backward, one
+    """``torch._C._current_graph_task_id`` as ``overlap.Join.launch`` uses it: -1 outside a backward, one
     id for every node of one backward, another id for a second backward of the same graph (an aborted
     backward retried with ``retain_graph``: its stale sums are dropped by the id)."""
     assert torch._C._current_graph_task_id() == -1
@@ -132,8 +132,8 @@ def test_current_graph_task_id_names_one_backward():
 
 
 def test_will_engine_execute_node_sees_where_the_backward_stops():
-    """``torch._C._will_engine_execute_node`` as ``overlap.Anchor.joins_this_backward`` uses it: asked in a
-    node's backward about a node nearer the inputs (the anchor's join), true when the running backward
+    """``torch._C._will_engine_execute_node`` as ``overlap.Join.joins_this_backward`` uses it: asked in a
+    node's backward about a node nearer the inputs (the call's join), true when the running backward
     reaches it, false when it stops short (``torch.autograd.grad`` of an intermediate)."""
     x = torch.randn(3, requires_grad=True)
     start = x * 2  # the "join": its node is reached only by a backward that goes down to x
@@ -158,7 +158,7 @@ def test_make_nccl_premul_sum_builds_a_reduce_op():
 def test_fsdp2_units_are_found(pg):
     """``overlap.is_fsdp_unit`` (``isinstance`` of the public ``FSDPModule``; it once matched the class name):
     true for what ``fully_shard`` returns (a 1-rank CPU mesh), false for a plain module. A miss would put
-    FSDP2 units' SP sums behind the outer anchor, after their reduce-scatter."""
+    FSDP2 units' SP sums behind the outer join, after their reduce-scatter."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 

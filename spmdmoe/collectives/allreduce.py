@@ -26,7 +26,7 @@ class _AllReduce(torch.autograd.Function):
     """Sum over ranks into a fresh tensor; the backward is the same sum."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, axis: MeshAxis, anchor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, axis: MeshAxis, grad_leaf: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.axis = axis
         return summed(local, axis)
 

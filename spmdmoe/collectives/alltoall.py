@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_to_all_single
 from ..agreement import BIT, Field, Found, agree, raise_problems
-from ..autograd import anchored, collective_op
+from ..autograd import always_recorded, collective_op
 from ..host import to_host
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Varying
@@ -43,7 +43,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int,  # type: ignore[override]
-                anchor: torch.Tensor) -> torch.Tensor:
+                grad_leaf: torch.Tensor) -> torch.Tensor:
         ctx.meta = (send, recv, axis, dim)
         return exchanged(local, send, recv, axis, dim)
 
@@ -59,10 +59,10 @@ _exchanged_op = collective_op(_AllToAll, exchanged)
 def exchanged_op(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int) -> torch.Tensor:
     """:func:`exchanged` with its backward (the reverse exchange), recorded on every rank whenever grad
     mode is on. Under ``torch.compile`` the split sizes are traced scalars (``capture_scalar_outputs``),
-    so the exchange is torch's functional ``all_to_all_single_autograd`` on an anchored input."""
+    so the exchange is torch's functional ``all_to_all_single_autograd`` on an input made to require grad (``always_recorded``)."""
     if not torch.compiler.is_compiling():
         return _exchanged_op(local, send, recv, axis, dim)
-    rows = anchored(rows_view(local, dim))
+    rows = always_recorded(rows_view(local, dim))
     return restore_dim(funcol.all_to_all_single_autograd(rows, recv, send, axis.group), dim)
 
 

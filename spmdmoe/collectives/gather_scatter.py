@@ -90,7 +90,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, buffer: Optional[torch.Tensor], axis: MeshAxis, total: int,  # type: ignore[override]
-                dim: int, anchor: torch.Tensor) -> torch.Tensor:
+                dim: int, grad_leaf: torch.Tensor) -> torch.Tensor:
         ctx.meta = (axis, total, dim)
         return gather_padded(local, buffer, axis, total, dim)
 
@@ -106,7 +106,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, axis: MeshAxis, total: int, dim: int,  # type: ignore[override]
-                anchor: torch.Tensor) -> torch.Tensor:
+                grad_leaf: torch.Tensor) -> torch.Tensor:
         ctx.meta = (axis, total, dim)
         return scatter_block(local, axis, total, dim)
 

@@ -46,7 +46,7 @@ import torch
 
 from .._dist import all_reduce
 from ..agreement import ProblemFlag, alone
-from ..autograd import ANCHOR
+from ..autograd import GRAD_LEAF
 from ..host import to_host
 from ..types.checks import checks_enabled
 from ..types.mesh import MeshAxis
@@ -59,7 +59,7 @@ class _CountOnBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, weights_TK: torch.Tensor, counts_E: torch.Tensor, layer: Any,  # type: ignore[override]
-                anchor: torch.Tensor) -> torch.Tensor:
+                grad_leaf: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(counts_E)
         ctx.layer = weakref.ref(layer)  # no cycle layer -> aux_loss -> graph -> layer
         return weights_TK.view_as(weights_TK)
@@ -76,10 +76,10 @@ class _CountOnBackward(torch.autograd.Function):
 def count_on_backward(weights_TK: torch.Tensor, counts_E: torch.Tensor, layer: Any) -> torch.Tensor:
     """``weights_TK`` unchanged; once its backward runs, ``counts_E`` is added to ``layer.tokens_per_expert``.
 
-    Recorded whenever grad mode is on (``spmdmoe.autograd.ANCHOR``), also for a
+    Recorded whenever grad mode is on (``spmdmoe.autograd.GRAD_LEAF``), also for a
     frozen router; the caller decides on training mode.
     """
-    return _CountOnBackward.apply(weights_TK, counts_E, layer, ANCHOR)
+    return _CountOnBackward.apply(weights_TK, counts_E, layer, GRAD_LEAF)
 
 
 def reduce_counts(counts_E: torch.Tensor, axes: Sequence[MeshAxis]) -> torch.Tensor:

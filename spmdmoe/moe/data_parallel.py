@@ -41,6 +41,7 @@ from .._dist import all_gather_single, all_reduce
 from ..agreement import BIT, ProblemFlag
 from ..types.errors import SPMDLayoutError, SPMDMeshError
 from ..types.mesh import MeshAxis
+from .flat import flatten, split_as
 from .grads import GradReduction
 from .parallel import ParallelMoE
 
@@ -114,7 +115,7 @@ def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> N
             p.grad = torch.zeros_like(p)
         items.append((reductions[name], p.grad if p.requires_grad else torch.zeros_like(p), p.requires_grad))
     for red, grads, trained in _by_reduction(items):
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = flatten(grads)
         if red.axis is not None:
             _agree_on_trained(red.axis, trained)
         _reduce(flat, red, async_op=False)
@@ -192,8 +193,8 @@ def _by_reduction(items: Iterable[tuple[GradReduction, torch.Tensor, bool]]
 
 def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy the consecutive parts of ``flat`` back into ``tensors`` (the inverse of flattening them)."""
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(part.view_as(t))
+    for t, part in zip(tensors, split_as(flat, [t.shape for t in tensors])):
+        t.copy_(part)
 
 
 def _reduce(flat: torch.Tensor, red: GradReduction, async_op: bool) -> "Optional[torch.futures.Future[Any]]":
@@ -231,7 +232,7 @@ def _ddp_hook(by_param: dict[int, GradReduction], bucket):  # type: ignore[no-un
     groups = _by_reduction((by_param[id(p)], g, True) for p, g in zip(bucket.parameters(), grads))
     pending = []
     for red, views, _ in groups:
-        flat = buf if len(groups) == 1 else torch.cat([v.reshape(-1) for v in views])
+        flat = buf if len(groups) == 1 else flatten(views)
         pending.append((flat, views, _reduce(flat, red, async_op=True)))
 
     def finish(_: Any = None) -> torch.Tensor:

@@ -34,35 +34,36 @@ from ..collective_check import check_collective
 from ..types.checks import checks_mode
 from ..types.errors import SPMDLayoutError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
-from .overlap import Anchor, active_anchor, by_dtype, call_anchored
+from .flat import by_dtype, split_as
+from .overlap import Join, active_join, call_joined
 
 __all__ = ["sync_grads", "agree_grad_set", "replicate_grads", "GradReduction"]
 
 
 class _SyncGrads(torch.autograd.Function):
     """Views (or casts to ``dtypes``) forward; backward sums the incoming gradients over the axis:
-    here and now, or, inside an anchored call, launched for its join to wait for (``overlap.py``)."""
+    here and now, or, inside a joined call, launched for its join to wait for (``overlap.py``)."""
 
     @staticmethod
-    def forward(ctx: Any, axis: MeshAxis, anchor: Optional[Anchor], dtypes: list[torch.dtype],  # type: ignore[override]
+    def forward(ctx: Any, axis: MeshAxis, join: Optional[Join], dtypes: list[torch.dtype],  # type: ignore[override]
                 token: Optional[torch.Tensor], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.axis, ctx.anchor, ctx.in_dtypes = axis, anchor, [t.dtype for t in tensors]
-        if anchor is not None:
-            ctx.slots = [anchor.slots[id(t)] for t in tensors]
+        ctx.axis, ctx.join, ctx.in_dtypes = axis, join, [t.dtype for t in tensors]
+        if join is not None:
+            ctx.slots = [join.slots[id(t)] for t in tensors]
         return tuple(t.view_as(t) if d == t.dtype else t.to(d) for t, d in zip(tensors, dtypes))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
-        if ctx.anchor is not None and ctx.anchor.joins_this_backward():  # the join hands the sums over
-            ctx.anchor.submit(ctx.axis.group, ctx.slots, grads)
+        if ctx.join is not None and ctx.join.joins_this_backward():  # the join hands the sums over
+            ctx.join.launch(ctx.axis.group, ctx.slots, grads)
             return (None,) * (4 + len(grads))
         out: list[Optional[torch.Tensor]] = [None] * len(grads)
         for idx, flat in by_dtype(grads):
             if flat.numel():
                 all_reduce(flat, group=ctx.axis.group)
-            for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
-                out[i] = part.view_as(grads[i]).to(ctx.in_dtypes[i])
+            for i, part in zip(idx, split_as(flat, [grads[i].shape for i in idx])):
+                out[i] = part.to(ctx.in_dtypes[i])
         return (None, None, None, None, *out)
 
 
@@ -92,7 +93,7 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
     carries it (``spmdmoe.moe.ride``, the EP count exchange); the collective-checking mode
     (``spmdmoe.set_checks("collectives")``) compares it and the set on every
     call. Inside an
-    anchored call covering ``tensors`` (``spmdmoe.moe.overlap``) the sum is
+    joined call covering ``tensors`` (``spmdmoe.moe.overlap``) the sum is
     launched asynchronously and waited for at the call's input.
 
     >>> import torch, spmdmoe
@@ -113,13 +114,13 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
     agreed = _agreed_set(axis, tensors, mask)  # in any grad mode: grad mode must not decide that it runs
     if not torch.is_grad_enabled() or not any(agreed):
         return [t if d == t.dtype else t.to(d) for t, d in zip(tensors, dtypes)]
-    anchor = None if torch.compiler.is_compiling() else active_anchor()
-    if anchor is not None and not anchor.covers(tensors):
-        anchor = None
-    token = None if anchor is None else anchor.token
+    join = None if torch.compiler.is_compiling() else active_join()
+    if join is not None and not join.covers(tensors):
+        join = None
+    token = None if join is None else join.token
     if not any(mask) and (token is None or not token.requires_grad):  # stand in: the node the peers
         token = torch.zeros((), device=tensors[0].device, requires_grad=True)  # record, reached from a leaf
-    return list(_SyncGrads.apply(axis, anchor, dtypes, token, *tensors))
+    return list(_SyncGrads.apply(axis, join, dtypes, token, *tensors))
 
 
 # the requires-grad set each sync_grads call site agreed on at its first call: (group, tensors) -> (refs, set)
@@ -180,7 +181,7 @@ def replicate_grads(
     name ``include`` accepts, default all that require grad) are swapped for
     :func:`sync_grads` views. For model code such as attention and norm
     weights replicated along the SP axis. Call it once per module. Each call is
-    an anchored call on its first tensor argument (``spmdmoe.moe.overlap``):
+    a joined call on its first tensor argument (``spmdmoe.moe.overlap``):
     the sums wait at that input's gradient, or at an enclosing
     :func:`spmdmoe.moe.overlap_grads` module's; ``overlap=False``: at their use.
 
@@ -206,7 +207,7 @@ def replicate_grads(
 
 
 def _replicated_params(self: nn.Module) -> list[torch.Tensor]:
-    """The parameters an anchored call defers the sums of (``overlap.sync_params``): none with
+    """The parameters a joined call defers the sums of (``overlap.sync_params``): none with
     ``overlap=False`` or a 1-rank axis."""
     axis, names, overlap = self._spmdmoe_replicated
     return [self.get_parameter(n) for n in names] if axis.size > 1 and overlap else []
@@ -228,7 +229,7 @@ def _replicated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             for (owner, leaf), p in zip(entries, params):
                 owner._parameters[leaf] = p
 
-    return call_anchored(body, args, kwargs, self._spmdmoe_sync_params) if overlap else body(*args, **kwargs)
+    return call_joined(body, args, kwargs, self._spmdmoe_sync_params) if overlap else body(*args, **kwargs)
 
 
 class GradReduction(NamedTuple):

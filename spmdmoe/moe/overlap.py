@@ -1,8 +1,8 @@
-"""Overlapped SP gradient sums: launched at the use, waited for at the anchor (docs/design.md §5.2).
+"""Overlapped SP gradient sums: launched at the use, waited for at the join (docs/design.md §5.2).
 
 ``sync_grads`` (``grads.py``) sums the fresh gradients of replicated
 parameters over an SP axis at their use. Alone, it waits for that all-reduce
-right there, and the rest of backward waits with it. Inside an *anchored*
+right there, and the rest of backward waits with it. Inside a *joined*
 call (a :class:`ParallelMoE` forward, a ``replicate_grads`` module call, or a
 module wrapped by :func:`overlap_grads`, e.g. a transformer block) it only
 launches it, asynchronously, and the call's *join* node waits for it when the
@@ -31,10 +31,10 @@ collectives in the same order (the backward order and the parameters' shapes
 are the same on every rank of the axis). A backward that will not run the
 join (a second-order backward reaching a use but not the call's input, a
 ``torch.autograd.grad`` stopping short of it) sums at the use instead. Not
-anchored: under ``torch.compile`` (the collectives are functional there and
+joined: under ``torch.compile`` (the collectives are functional there and
 inductor places their waits), with grad off, or when the call's input is not
-floating point. An input that needs no gradient is anchored anyway (backward
-then computes one): whether a call anchors must not differ between ranks.
+floating point. An input that needs no gradient is joined anyway (backward
+then computes one): whether a call joins must not differ between ranks.
 """
 
 from __future__ import annotations
@@ -50,25 +50,15 @@ from torch.distributed.fsdp import FSDPModule
 
 from .._dist import all_reduce
 from ..types.tensor import SPMDTensor
+from .flat import by_dtype, split_as
 
-__all__ = ["overlap_grads", "Anchor", "anchored", "active_anchor", "call_anchored", "sync_params", "by_dtype"]
+__all__ = ["overlap_grads", "Join", "joined", "active_join", "call_joined", "sync_params"]
 
 _local = threading.local()
 
 
-def by_dtype(grads: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-    """The gradients flattened into one buffer per dtype (dtypes in a fixed order): ``(indices, flat)``
-    each. One collective per buffer, eager or compiled, waited for here or at an anchor: the same
-    collectives on every rank whichever way it runs."""
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, g in enumerate(grads):
-        groups.setdefault(g.dtype, []).append(i)
-    return [(idx, torch.cat([grads[i].detach().reshape(-1) for i in idx]))
-            for _, idx in sorted(groups.items(), key=lambda kv: str(kv[0]))]
-
-
-class Anchor:
-    """One anchored call's launched SP sums and the parameters they belong to (the join's inputs)."""
+class Join:
+    """One joined call's launched SP sums and the parameters they belong to (the join's inputs)."""
 
     def __init__(self, params: Sequence[torch.Tensor]):
         self.params = list(params)
@@ -82,11 +72,11 @@ class Anchor:
         return all(id(t) in self.slots for t in tensors)
 
     def joins_this_backward(self) -> bool:
-        """Whether the running backward will run this anchor's join (not so in a second-order
+        """Whether the running backward will run this call's join node (not so in a second-order
         backward that reaches a use but not the call's input, or one that stops short of it)."""
         return self.node is not None and torch._C._will_engine_execute_node(self.node)
 
-    def submit(self, group: Any, slots: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
+    def launch(self, group: Any, slots: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
         """All-reduce the fresh gradients of parameters ``slots`` (indices into ``params``) over
         ``group`` asynchronously: one buffer per dtype (:func:`by_dtype`). Sums left by an earlier
         backward of the same graph that stopped before the join (an exception, then a retry with
@@ -98,64 +88,63 @@ class Anchor:
             work = all_reduce(flat, group=group, async_op=True) if flat.numel() else None
             self.launched.append((flat, work, [(slots[i], grads[i].shape) for i in idx]))  # grads freed
 
-    def finish(self) -> list[Optional[torch.Tensor]]:
+    def wait(self) -> list[Optional[torch.Tensor]]:
         """Wait for every launched sum; each parameter's summed gradient over its uses (or None)."""
         out: list[Optional[torch.Tensor]] = [None] * len(self.params)
         launched, self.launched = self.launched, []
         for flat, work, items in launched:
             if work is not None:
                 work.wait()
-            for (slot, shape), part in zip(items, flat.split([shape.numel() for _, shape in items])):
-                part = part.view(shape)
+            for (slot, _), part in zip(items, split_as(flat, [shape for _, shape in items])):
                 out[slot] = part if out[slot] is None else out[slot] + part
         return [None if g is None else g.to(p.dtype) for g, p in zip(out, self.params)]
 
 
-class _Join(torch.autograd.Function):
+class _JoinNode(torch.autograd.Function):
     """Identity on ``x`` plus a 0-d ``token``; backward: ``dx`` as it came (so a second-order backward
-    through the call still works) and the anchor's summed parameter gradients."""
+    through the call still works) and the join's summed parameter gradients."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: Anchor, x: torch.Tensor, *params: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.anchor = anchor
+    def forward(ctx: Any, join: Join, x: torch.Tensor, *params: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.join = join
         return x.view_as(x), x.new_zeros(())
 
     @staticmethod
     def backward(ctx: Any, dx: torch.Tensor, _dtoken: Any) -> Any:  # type: ignore[override]
         with torch.no_grad():
-            sums = ctx.anchor.finish()
+            sums = ctx.join.wait()
         return (None, dx, *sums)
 
 
-def active_anchor() -> Optional[Anchor]:
-    """The innermost anchored call running on this thread (``None`` outside one)."""
+def active_join() -> Optional[Join]:
+    """The innermost joined call running on this thread (``None`` outside one)."""
     stack = getattr(_local, "stack", None)
     return stack[-1] if stack else None
 
 
 def _covered(params: Sequence[torch.Tensor]) -> bool:
-    outer = active_anchor()
+    outer = active_join()
     return outer is not None and outer.covers(params)
 
 
 @contextlib.contextmanager
-def anchored(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
-    """Run the body as an anchored call on input ``x`` (a tensor or an ``SPMDTensor``); yields the
-    ``x`` to use instead. Yields ``x`` unchanged, anchoring nothing, when an enclosing anchored call
+def joined(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
+    """Run the body as a joined call on input ``x`` (a tensor or an ``SPMDTensor``); yields the
+    ``x`` to use instead. Yields ``x`` unchanged, joining nothing, when an enclosing joined call
     already covers ``params``, when there are none, under ``torch.compile``, with grad off, or when
     ``x`` is not floating point. The decision must be the same on every rank (their collectives
     differ otherwise), so it does not depend on ``x.requires_grad``: an ``x`` that needs no
-    gradient is anchored too, and backward then computes its gradient (to reach the join)."""
+    gradient is joined too, and backward then computes its gradient (to reach the join)."""
     local = x.local if isinstance(x, SPMDTensor) else x
     if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not params
             or not isinstance(local, torch.Tensor) or not local.is_floating_point() or _covered(params)):
         yield x
         return
-    anchor = Anchor(params)
-    local, anchor.token = _Join.apply(anchor, local, *params)
-    anchor.node = anchor.token.grad_fn
+    join = Join(params)
+    local, join.token = _JoinNode.apply(join, local, *params)
+    join.node = join.token.grad_fn
     stack = _local.__dict__.setdefault("stack", [])
-    stack.append(anchor)
+    stack.append(join)
     try:
         yield x.with_local(local) if isinstance(x, SPMDTensor) else local
     finally:
@@ -163,12 +152,12 @@ def anchored(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
 
 
 def sync_params(module: nn.Module) -> list[torch.Tensor]:
-    """The parameters whose SP reductions an anchored call on ``module`` defers: those of every
+    """The parameters whose SP reductions a joined call on ``module`` defers: those of every
     module inside it that says (``_spmdmoe_sync_params()``: ``ParallelMoE``, ``replicate_grads``
     modules), read at call
     time (so FSDP2's unsharded parameters are the ones listed). FSDP2 units nested inside
     ``module`` are left out: their sums must be done before their own reduce-scatter, so they
-    anchor themselves."""
+    join themselves."""
     seen: dict[int, torch.Tensor] = {}
     todo = [module]
     while todo:
@@ -195,19 +184,19 @@ def inside_fsdp_unit(root: nn.Module, name: str) -> bool:
     return False
 
 
-def call_anchored(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+def call_joined(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                   params: Callable[[], Sequence[torch.Tensor]]) -> Any:
-    """``fn(*args, **kwargs)`` as an anchored call on its first tensor (or ``SPMDTensor``) argument,
+    """``fn(*args, **kwargs)`` as a joined call on its first tensor (or ``SPMDTensor``) argument,
     deferring the reductions of ``params()`` (not called under ``torch.compile``)."""
     i = next((i for i, a in enumerate(args) if isinstance(a, (torch.Tensor, SPMDTensor))), None)
     if i is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    with anchored(args[i], params()) as x:
+    with joined(args[i], params()) as x:
         return fn(*args[:i], x, *args[i + 1:], **kwargs)
 
 
 def overlap_grads(module: nn.Module) -> nn.Module:
-    """Anchor the SP gradient sums inside ``module`` at its input; returns ``module``.
+    """Join the SP gradient sums inside ``module`` at its input; returns ``module``.
 
     Wraps ``module.forward`` in place (names, ``state_dict`` unchanged; a
     ``deepcopy`` wraps the copy). The all-reduces of the replicated parameters
@@ -217,8 +206,8 @@ def overlap_grads(module: nn.Module) -> nn.Module:
     docstring). Give it the transformer blocks: the MoE layer's expert
     gradients then reduce behind the block's attention backward. Works with
     DDP and FSDP2 in either order of wrapping; FSDP2 units inside ``module``
-    keep their own anchors. Without it each ``ParallelMoE`` and
-    ``replicate_grads`` module anchors at its own input. Applying it twice
+    keep their own joins. Without it each ``ParallelMoE`` and
+    ``replicate_grads`` module joins at its own input. Applying it twice
     changes nothing.
 
     >>> import torch, spmdmoe
@@ -227,13 +216,13 @@ def overlap_grads(module: nn.Module) -> nn.Module:
     >>> block(torch.ones(1, 2, requires_grad=True)).shape
     torch.Size([1, 2])
     """
-    if getattr(module, "_spmdmoe_overlap_inner", None) is not None:  # already anchored
+    if getattr(module, "_spmdmoe_overlap_inner", None) is not None:  # already joined
         return module
     object.__setattr__(module, "_spmdmoe_overlap_inner", module.forward)
-    object.__setattr__(module, "forward", types.MethodType(_anchored_forward, module))
+    object.__setattr__(module, "forward", types.MethodType(_joined_forward, module))
     return module
 
 
-def _anchored_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _joined_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``overlap_grads``' forward: a method bound to the module, so ``deepcopy`` rebinds it to the copy."""
-    return call_anchored(self._spmdmoe_overlap_inner, args, kwargs, lambda: sync_params(self))
+    return call_joined(self._spmdmoe_overlap_inner, args, kwargs, lambda: sync_params(self))

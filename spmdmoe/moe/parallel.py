@@ -64,7 +64,7 @@ from .experts import GroupedExperts
 from .gather_mode import gather_input, gathered
 from .grads import GradReduction, agree_grad_set, sync_grads
 from .layer import MoE, _Layer
-from .overlap import call_anchored, inside_fsdp_unit
+from .overlap import call_joined, inside_fsdp_unit
 from .plan import agree_plan
 from .ride import Ride
 from .sync_free import Capacity, SyncFreeTransport, layer_capacity
@@ -307,7 +307,7 @@ class ParallelMoE(_Layer):
         raised alone); (2) in gather mode, agree on ``T`` and all-gather the rows (``gather_mode.py``), else
         size the sync-free capacity (``sync_free.layer_capacity``); (3) route, dispatch, experts, combine
         (``_Layer._pipeline``: ``router.py``, the transport of ``dispatch.py`` / ``sync_free.py``,
-        ``experts.py``), anchored so that the SP gradient sums overlap the backward (``overlap.py``); (4) in
+        ``experts.py``), joined so that the SP gradient sums overlap the backward (``overlap.py``); (4) in
         gather mode reduce-scatter, then add the shared experts; (5) return the rows in the input's layout, or
         on a rank whose input was bad the stand-in (``spmdmoe.stand_in``)."""
         axis = self.sp if self.sp is not None else self.ep
@@ -324,7 +324,7 @@ class ParallelMoE(_Layer):
         if self.sp is not None and self.sp_mode == "gather":
             problem = Problem(found.bits, found.details)
             h, T = gather_input(self, x, found)
-            out_TD = call_anchored(lambda h: gathered(self, h, T, problem), (h,), {}, self.sp_sync_params)
+            out_TD = call_joined(lambda h: gathered(self, h, T, problem), (h,), {}, self.sp_sync_params)
         else:
             if self._ride is not None and self.ep is None:  # the exchange only carries the ride (T not needed)
                 exchange_tokens(x, found, self.sp, self._ride)
@@ -332,7 +332,7 @@ class ParallelMoE(_Layer):
             problem = Problem(found.bits, found.details)
             if found:  # stand in zero rows: the same collectives as the peers, nothing routed
                 x_TD = self._zero_rows(0)
-            out_TD = call_anchored(lambda x_TD: self._local(x_TD, problem, capacity), (x_TD,), {},
+            out_TD = call_joined(lambda x_TD: self._local(x_TD, problem, capacity), (x_TD,), {},
                                    self.sp_sync_params)
         if self._ride is not None:
             out_TD = self._ride.on_backward(out_TD)

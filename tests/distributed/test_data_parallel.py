@@ -143,7 +143,7 @@ WRAPPERS = {
     "fsdp2_blocks": lambda net: fully_shard_moe(net, blocks=[net.inp, net.moe]),
     "reduce_grads": lambda net: net,
 }
-# the same with the whole net anchored by overlap_grads (dp_sp: its SP sums then overlap backward)
+# the same with the whole net joined by overlap_grads (dp_sp: its SP sums then overlap backward)
 OVERLAPPED = {f"{name}+overlap": (lambda wrap: lambda net: wrap(overlap_grads(net)))(wrap)
               for name, wrap in WRAPPERS.items()}
 
@@ -155,7 +155,7 @@ OVERLAPPED = {f"{name}+overlap": (lambda wrap: lambda net: wrap(overlap_grads(ne
 )
 def test_training_matches_single_device(device, plan, wrapper):
     """dp x ep, dp x sp (every wrapper; FSDP2 also with the layers as their own units; every wrapper
-    again with the net anchored by ``overlap_grads``, whose SP sums then wait at the net's input, or,
+    again with the net joined by ``overlap_grads``, whose SP sums then wait at the net's input, or,
     for FSDP2 units inside it, at their own), and EP alone (no dp: dense over EP, experts only
     divided; FSDP needs dp, see the rejection test)."""
     ref_losses, ref_params, ref_bias = _reference(device, _batches(plan))

@@ -1,11 +1,11 @@
-"""Overlapped SP gradient sums (``spmdmoe.moe.overlap``): launched at the use, waited for at the anchor.
+"""Overlapped SP gradient sums (``spmdmoe.moe.overlap``): launched at the use, waited for at the join.
 
 A block ``moe(inp(x)) + inp(x)`` (``inp`` a ``replicate_grads`` Linear, ``moe`` an SP-local layer
 with a shared expert; experts replicated along SP, so their gradients are summed too) on the world as
 one SP axis, 3 or 13 tokens (3: a rank with none on 4 ranks). What is checked:
 
 * the order: every sum is launched (``async_op=True``) before any is waited for, the MoE's during
-  the MoE's backward, and the first wait comes after ``inp``'s backward (the anchor is the block's
+  the MoE's backward, and the first wait comes after ``inp``'s backward (the join is the block's
   input); one bucket per ``sync_grads`` call and dtype (here 3, all fp32);
 * values: gradients equal those of the same block with every sum waited for at its use (itself
   checked against one device by test_moe_training / test_data_parallel), fp32,
