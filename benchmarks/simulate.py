@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmdmoe
+from older import config_in
 from spmdmoe.moe import MoEConfig
 from spmdmoe.moe.sync_free import slot_rows
 
@@ -55,7 +56,7 @@ def simulate(dp: int, sp: int, ep: int, tokens: int, libs: dict[str, Any], reps:
         calls = {}
         for name, lib in libs.items():
             with torch.device("meta"):
-                moe = lib.moe.MoE(lib.moe.MoEConfig(**CFG.__dict__)).to(torch.bfloat16)
+                moe = lib.moe.MoE(config_in(lib.moe, CFG)).to(torch.bfloat16)
             layer = lib.moe.parallelize_moe(moe, sp_mesh=sp_mesh, ep_mesh=mesh["ep"],
                                             dp_mesh=mesh["dp"] if dp > 1 else None, device="meta",
                                             ep_mode="sync_free", max_tokens=tokens // sp)

@@ -15,7 +15,6 @@ Prints ms per step and ours / base per precision and mode. ``--base-first``: the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import importlib
 import sys
@@ -23,15 +22,14 @@ from typing import Any, Callable
 
 import torch
 
+from older import config_in
 from shapes import SHAPES
 from spmdmoe.moe import MoE, MoEConfig
 from timing import report, timed
 
 
 def build(lib: Any, cfg: MoEConfig, precision: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    fields = {f.name for f in dataclasses.fields(lib.MoEConfig)} - {"expert_precision"}
-    same = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}
-    m = lib.MoE(lib.MoEConfig(**same, expert_precision=precision)).to(device="cuda", dtype=torch.bfloat16)
+    m = lib.MoE(config_in(lib, cfg, expert_precision=precision)).to(device="cuda", dtype=torch.bfloat16)
     m.load_state_dict(state)
     return m
 

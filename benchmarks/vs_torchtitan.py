@@ -75,6 +75,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from expert_gemms import gemms, operands
+from older import config_in
 from shapes import SHAPES, Shape
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.checkpoint import to_torchtitan
@@ -324,10 +325,7 @@ def main() -> None:
         if lib is None:
             m = MoE(dataclasses.replace(cfg, expert_precision=precision, **extra)).to(device=device, dtype=dtype)
         else:  # the older copy: its own config class
-            fields = {f.name for f in dataclasses.fields(lib.MoEConfig)} - {"expert_precision"}
-            same = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}
-            m = lib.MoE(lib.MoEConfig(**same, expert_precision=precision))
-            m = m.to(device=device, dtype=dtype)
+            m = lib.MoE(config_in(lib, cfg, expert_precision=precision)).to(device=device, dtype=dtype)
         m.load_state_dict(state)
         if not cache:
             m.experts.fp8_cache = None
