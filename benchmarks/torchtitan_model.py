@@ -32,7 +32,6 @@ torchtitan is imported. torchtitan is an optional extra: without it the script s
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import inspect
 import pathlib
@@ -108,13 +107,11 @@ class Trainer:
         return (2 * params + state) / 2**30
 
 
-def pair(config: Any, device: str, seed: int = 0) -> dict[str, torch.nn.Module]:
-    from torchtitan_models import build
+def pair(config: Any, device: str) -> dict[str, torch.nn.Module]:
+    """torchtitan's model and the swapped one from one seed (``tests/torchtitan_models.pair``), by name."""
+    from torchtitan_models import pair as built
 
-    from spmdmoe.integrations.torchtitan import swap_moe
-
-    return {"torchtitan": build(copy.deepcopy(config), None, seed, device),
-            "spmdmoe": build(config, swap_moe, seed, device)}
+    return dict(zip(("torchtitan", "spmdmoe"), built(config, 0, device)))
 
 
 def batches(vocab: int, batch: int, seq: int, count: int, device: str) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from torchtitan_models import NoParallelism, build, debug_config
+from torchtitan_models import NoParallelism, build, debug_config, pair
 
 from spmdmoe.integrations.torchtitan import SwappedMoE, swap_moe  # noqa: E402
 from spmdmoe.moe import route  # noqa: E402
@@ -28,8 +28,7 @@ ROUTERS = {
 
 
 def _pair(**router):
-    config = debug_config(**router)
-    return build(copy.deepcopy(config)), build(config, swap_moe)
+    return pair(debug_config(**router))
 
 
 def test_paths_and_init_match_bitwise():

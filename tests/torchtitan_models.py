@@ -7,6 +7,7 @@ materialises it and runs torchtitan's ``init_states`` from one seed, as torchtit
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Optional
 
 import pytest
@@ -46,6 +47,13 @@ def build(config: Any, swap: Optional[Callable[[Any], Any]] = None, seed: int = 
     with torch.no_grad():
         model.init_states(buffer_device=torch.device(device))
     return model
+
+
+def pair(config: Any, seed: int = 0, device: str = "cpu") -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(torchtitan's model, the swapped one)``, both built from ``config`` and initialised from ``seed``."""
+    from spmdmoe.integrations.torchtitan import swap_moe
+
+    return build(copy.deepcopy(config), None, seed, device), build(config, swap_moe, seed, device)
 
 
 class NoParallelism:
