@@ -1,45 +1,37 @@
-"""Token dispatch and combine: one small interface, one class per transport.
+"""Token dispatch and combine: one interface (:class:`Transport`), one class per transport.
 
 Legend: ``T`` tokens routed here, ``D`` model dim, ``K`` top-k, ``N = T*K``
 routed copies, ``E`` experts, ``e`` local experts, ``n`` EP ranks, ``R`` rows
 received by this rank's experts.
 
-Interface (docs/design.md §5)::
+=====================  ============================  ====================================  ==========
+transport              a layer with                  collectives per forward (over EP)     host syncs
+=====================  ============================  ====================================  ==========
+``LocalTransport``     no EP (or an EP axis of 1)    none                                  none
+``AllToAllTransport``  EP, ``ep_mode="sync"``        counts and problem bits all-to-all,   1
+                                                     rows all-to-all (exact sizes)
+``SyncFreeTransport``  EP, ``ep_mode="sync_free"``   counts all-gather, rows all-to-all    none
+(``sync_free.py``)                                   (``S`` rows per rank pair)
+=====================  ============================  ====================================  ==========
 
-    routed = transport.dispatch(x_TD, ids_TK, problem=code, capacity=cap,   # -> RoutedTokens
-                                fp8_rows=..., weights_TK=w_TK)
-    out_TD = transport.combine(y_RD, routed, weights_TK)
+:func:`transport_for` makes the one a layer uses. All three sort the copies by
+expert (``permute.sort_by_expert``); the EP ones turn the rows they receive
+(source-major) into the experts' order (expert-major) with one index builder,
+``permute.expert_major``. Backward: the same moves reversed, on every rank alike.
 
-``fp8_rows`` and ``weights_TK`` are offers a transport may take: ``LocalTransport`` quantizes each token
-once in its fan-out for FP8 experts (``RoutedTokens.fp8_rows``) and folds the routing weights into the
-experts (``RoutedTokens.weights_R``); the combine is then the unweighted sum of each token's copies, which
-the experts do themselves (``RoutedTokens.copies_TK``: the FP8 experts fuse it into their down-projection,
-whose backward quantizes each token's output gradient once for its ``K`` copies) and ``combine`` passes
-their token rows through. The EP transports ignore both offers.
-
-``LocalTransport`` (no EP: every expert is local) and ``AllToAllTransport``
-(EP, sync mode) share the sort and the gathers of ``permute.py``; which one a
-layer uses follows from the meshes it was given and its ``ep_mode``
-(``SyncFreeTransport``, ``sync_free.py``, the static-capacity one).
-``capacity``: ``sync_free.Capacity`` (``T_max``, the most tokens any rank routes,
-a host int the layer derives from its layout, and the layer's overflow buffer);
-only the sync-free transport takes it.
-
-``problem``: this rank's problem bits for the forward (``spmdmoe.agreement``:
-a bad input, non-finite router logits). ``AllToAllTransport`` carries them in
+``problem`` (``spmdmoe.agreement``): ``AllToAllTransport`` carries the bits in
 its count exchange (mode (a)): when its EP axis spans every rank the layer
 talks to, every rank raises right there; otherwise each rank records its own
 bits in the sticky flag (mode (c)) and the step goes on, so that no rank
 leaves a peer waiting, and the step boundary raises everywhere. Under
 ``torch.compile`` a graph cannot branch on the exchanged bits: every rank
-records its own (mode (c)) and the step boundary raises.
-``LocalTransport`` has no exchange: it records (mode (c)).
+records its own (mode (c)). The others have no exchange of bits: they record.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -47,9 +39,63 @@ from ..agreement import GRAD_OFF, Problem, grad_mode_codes, raise_problems
 from ..collectives.alltoall import exchange_split_sizes, exchanged_op
 from ..types.mesh import MeshAxis
 from .routed import RoutedTokens
-from .permute import scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights, weighted_combine
+from .sync_free import SyncFreeTransport
+from .permute import expert_major, scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights, weighted_combine
 
-__all__ = ["LocalTransport", "AllToAllTransport"]
+__all__ = ["Transport", "LocalTransport", "AllToAllTransport", "transport_for"]
+
+
+class Transport(Protocol):
+    """Moves each routed copy to the rank of its expert and the experts' output rows back (the module table).
+
+    The arguments, as DeepEP's ``Buffer.dispatch`` / ``combine`` state theirs:
+    """
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
+                 capacity: Any = None, fp8_rows: bool = False, weights_TK: Optional[torch.Tensor] = None
+                 ) -> RoutedTokens:
+        """Send the ``K`` copies of each row to their experts; return the rows this rank's experts receive.
+
+        Args:
+            x_TD: ``(T, D)``, the layer's compute dtype (bf16 / fp32): the rows this rank routed. ``T`` may
+                be 0 and may differ between ranks; the collectives are the same on every rank whatever it is.
+            ids_TK: int64 ``(T, K)``: the global expert id (``0 <= id < E``) of each row's ``k``-th copy;
+                a row's ``K`` ids are distinct.
+            problem: this rank's problem bits of this forward (a bad input, non-finite logits) and the
+                layer's sticky flag (``spmdmoe.agreement.Problem``); carried or recorded, never dropped.
+                ``None``: no problem.
+            capacity: ``sync_free.Capacity`` (``T_max``, a host int the same on every rank of the EP
+                group, and the layer's int64 ``(4,)`` overflow buffer); required by ``SyncFreeTransport``,
+                ignored by the others.
+            fp8_rows: an offer: also the rowwise e4m3 of the rows the experts receive, quantized once per
+                token before the fan-out (``RoutedTokens.fp8_rows``). Taken by ``LocalTransport`` only.
+            weights_TK: an offer: fp32 ``(T, K)`` routing weights (differentiable) to fold into the experts
+                (``RoutedTokens.weights_R``, ``copies_TK``; the experts then sum each token's copies and
+                :meth:`combine` passes their ``y_TD`` through). Taken by ``LocalTransport`` only.
+
+        Returns: ``RoutedTokens``: ``x_RD`` ``(R, D)`` in ``x_TD``'s dtype, grouped by local expert
+        (expert 0 first; within an expert by source rank, then by the source's stable sort); int32
+        ``group_offsets`` ``(e,)`` on the device; ``capacity`` ``R`` (host int; the sync-free buffer's
+        rows, of which the device ``valid_rows`` hold data); ``group_sizes`` on the host when the
+        transport read them; the handle :meth:`combine` needs. Differentiable with respect to ``x_TD``
+        (and ``weights_TK`` when taken); the backward runs the reverse collectives.
+        """
+        ...
+
+    def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
+        """Return the experts' rows to their tokens: ``out[t] = sum_k weights_TK[t, k] * y[copy (t, k)]``.
+
+        Args:
+            y_RD: ``(R, D)``: the experts' output for ``routed.x_RD``, row for row (``(T, D)`` when
+                ``routed.copies_TK`` is set: the experts summed each token's weighted copies already).
+            routed: what :meth:`dispatch` returned in this forward.
+            weights_TK: fp32 ``(T, K)``, the routing weights given to :meth:`dispatch` (differentiable).
+
+        Returns ``(T, D)`` in ``y_RD``'s dtype (fp32 products and sum, rounded once). Backward: the
+        output gradient fanned out to the copies with the weights, the weights' gradient each copy's row
+        dotted with it; the reverse collectives.
+        """
+        ...
 
 
 def _fan_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,8 +147,8 @@ class _Exchange:
     pos_TK: torch.Tensor  # where each routed copy sits in the send buffer
     send: list[int]  # rows to each EP rank
     recv: list[int]  # rows from each EP rank
-    perm_R: torch.Tensor  # expert-major row r reads source-major row perm_R[r]
-    inv_R: torch.Tensor  # its inverse
+    read_R: torch.Tensor  # expert-major row r reads received row read_R[r] (permute.expert_major)
+    write_R: torch.Tensor  # its inverse: received row j is expert-major row write_R[j]
 
 
 class AllToAllTransport:
@@ -152,30 +198,25 @@ class AllToAllTransport:
             torch._check(sum(sizes) == sum(recv))
         x_recv = exchanged_op(x_ND, send, recv, self.axis, 0)
         R = sum(recv)
-        perm_R, offsets = _expert_major(recv_ne.to(x_ND.device), R)
-        inv_R = torch.empty_like(perm_R)
-        inv_R.scatter_(0, perm_R, torch.arange(R, device=perm_R.device))
-        x_RD = scatter_rows(x_recv, inv_R.view(R, 1))
-        return RoutedTokens(x_RD, offsets, R, sizes, _Exchange(pos_TK, send, recv, perm_R, inv_R))
+        read_R, write_R, offsets = expert_major(recv_ne.to(x_ND.device), R)
+        x_RD = scatter_rows(x_recv, write_R.view(R, 1))
+        return RoutedTokens(x_RD, offsets, R, sizes, _Exchange(pos_TK, send, recv, read_R, write_R))
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
         ex: _Exchange = routed.handle
-        y_recv = scatter_rows(y_RD, ex.perm_R.view(-1, 1))
+        y_recv = scatter_rows(y_RD, ex.read_R.view(-1, 1))
         y_ND = exchanged_op(y_recv, ex.recv, ex.send, self.axis, 0)
         return weighted_combine(y_ND, ex.pos_TK, weights_TK)
 
 
-def _expert_major(recv_ne: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From the received ``(n, e)`` counts on the device: the gather index from source-major
-    ``(src, expert)`` blocks to expert-major ``(expert, src)`` blocks (``perm_R[r]``: the received row
-    that expert-major row ``r`` reads) and the int32 group offsets. Device work only: no host sync,
-    no host-to-device copy (``R``, the received row count, is already on the host)."""
-    n, e = recv_ne.shape
-    lengths_ne = recv_ne.to(torch.int64)
-    src_start_ne = lengths_ne.reshape(-1).cumsum(0).view(n, e) - lengths_ne
-    lengths_en = lengths_ne.t().reshape(-1)
-    dst_start_en = lengths_en.cumsum(0) - lengths_en
-    shift_en = src_start_ne.t().reshape(-1) - dst_start_en
-    segment_R = torch.repeat_interleave(shift_en, lengths_en, output_size=R)
-    perm_R = torch.arange(R, device=recv_ne.device) + segment_R
-    return perm_R, lengths_ne.sum(0).cumsum(0).to(torch.int32)
+
+def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k: int,
+                  capacity_factor: Optional[float], raises: bool) -> Transport:
+    """The transport of a layer with experts split over ``ep`` (``None``: all local) in ``ep_mode``
+    (``"sync"`` or ``"sync_free"``; the module table). ``raises``: whether the sync transport raises the
+    problems its count exchange carries (its axis spans every rank the layer talks to)."""
+    if ep is None or ep.size == 1:
+        return LocalTransport(num_experts)
+    makers = {"sync": lambda: AllToAllTransport(ep, num_experts, raises=raises),
+              "sync_free": lambda: SyncFreeTransport(ep, num_experts, top_k, capacity_factor)}
+    return makers[ep_mode]()

@@ -19,7 +19,7 @@ in its count exchange or records them in the sticky flag.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -28,27 +28,18 @@ from ..agreement import BIT, Problem, ProblemFlag
 from ..types.checks import checks_enabled
 from ..types.errors import SPMDDtypeError, SPMDShapeError
 from ..types.mesh import MeshAxis
-from .routed import RoutedTokens
 from . import balance
 from .checkpoint import install_hooks
 from .config import MoEConfig
-from .dispatch import LocalTransport
+from .dispatch import LocalTransport, Transport
 from .experts import GroupedExperts, SharedExperts
 from .init import init_parameters
 from .permute import count_per_expert
 from .router import Router
 
-__all__ = ["MoE", "Transport"]
+__all__ = ["MoE"]
 
 SHARED_WEIGHTS = ("shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight")
-
-
-class Transport(Protocol):
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 capacity: Any = None, fp8_rows: bool = False, weights_TK: Optional[torch.Tensor] = None
-                 ) -> RoutedTokens: ...
-
-    def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor: ...
 
 
 class _Layer(nn.Module):

@@ -59,7 +59,7 @@ from ..meshes import product_axis
 from ..types.tensor import SPMDTensor
 from .accept import accept
 from .checkpoint import expert_layout, install_hooks
-from .dispatch import AllToAllTransport, LocalTransport
+from .dispatch import Transport, transport_for
 from .experts import GroupedExperts
 from .gather_mode import gather_input, gathered
 from .grads import GradReduction, agree_grad_set, sync_grads
@@ -215,16 +215,11 @@ class ParallelMoE(_Layer):
         back). Call it on every rank of the layer alike: the two transports issue different collectives."""
         if ep_mode not in ("sync", "sync_free"):
             raise MoEConfigError(f"ep_mode must be 'sync' or 'sync_free', found {ep_mode!r}")
-        cfg, ep = self.config, self.ep
         self.ep_mode = ep_mode
-        if ep is None or ep.size == 1:
-            self.transport: Any = LocalTransport(self.experts.num_experts)
-        elif ep_mode == "sync_free":
-            self.transport = SyncFreeTransport(ep, cfg.num_experts, cfg.top_k, self.capacity_factor)
-        else:
-            # problems raise at the count exchange only when it reaches every rank the layer talks to
-            spans = all(a == ep or a.size == 1 for a in self.load_axes)
-            self.transport = AllToAllTransport(ep, cfg.num_experts, raises=spans)
+        # problems raise at the count exchange only when it reaches every rank the layer talks to
+        spans = all(a == self.ep or a.size == 1 for a in self.load_axes)
+        self.transport: Transport = transport_for(self.ep, ep_mode, self.config.num_experts, self.config.top_k,
+                                                  self.capacity_factor, raises=spans)
 
     def _record_capacity(self) -> None:
         """Sync-free EP: read the overflow buffer (one host read) and record an overflow as a problem in the

@@ -24,8 +24,8 @@ import torch
 from ..autograd import differentiable
 from ..kernels import fan_out, fan_out_fp8, gather_sum
 
-__all__ = ["scatter_rows", "scatter_rows_fp8", "count_per_expert", "sort_by_expert", "spread_weights",
-           "weighted_combine"]
+__all__ = ["scatter_rows", "scatter_rows_fp8", "count_per_expert", "sort_by_expert", "expert_major",
+           "spread_weights", "weighted_combine"]
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -99,6 +99,53 @@ def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     pos_N = torch.empty_like(order_N)
     pos_N.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
     return pos_N.view(ids_TK.shape), count_per_expert(ids_N, num_experts)
+
+
+def expert_major(recv_ne: torch.Tensor, rows: int, slot: Optional[int] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The map between the rows an EP rank receives (source-major) and its experts' rows (expert-major).
+
+    Each of ``n`` sources sends this rank its copies for the ``e`` local experts
+    in expert order: source ``i``'s block holds ``recv_ne[i, l]`` rows for expert
+    ``l`` and starts right after source ``i - 1``'s (``slot=None``: the sync
+    transport's exact buffer) or at row ``i * slot`` (the sync-free transport's
+    fixed slots; a slot's rows past ``recv_ne[i].sum()`` are dead). The experts
+    read expert-major order: expert 0's rows from source 0, 1, ..., then expert 1's.
+
+    Args:
+        recv_ne: int ``(n, e)`` device counts, rows received from source ``i`` for local expert ``l``.
+        rows: host int, the rows of both buffers: ``recv_ne.sum()`` when ``slot`` is ``None``, else
+            ``n * slot``.
+        slot: the rows of one source's block, or ``None``: blocks packed.
+
+    Returns ``(read_R, write_R, offsets_e)``: int64 ``read_R[r]``, the received row that expert-major row
+    ``r`` reads (``rows``: none, a row past the valid ones); int64 ``write_R[j]``, its inverse, the
+    expert-major row of received row ``j`` (``rows``: a dead row); int32 ``offsets_e``, the end row of
+    each expert's group. Device work only: no host sync, no host-to-device copy.
+    """
+    n, e = recv_ne.shape
+    dev = recv_ne.device
+    lengths_ne = recv_ne.to(torch.int64)
+    if slot is None:
+        src_start_ne = lengths_ne.reshape(-1).cumsum(0).view(n, e) - lengths_ne
+    else:
+        src_start_ne = lengths_ne.cumsum(1) - lengths_ne + torch.arange(n, device=dev).unsqueeze(1) * slot
+    lengths_en = lengths_ne.t().reshape(-1)
+    ends_en = lengths_en.cumsum(0)
+    shift_en = src_start_ne.t().reshape(-1) - (ends_en - lengths_en)
+    r_R = torch.arange(rows, device=dev)
+    if slot is None:  # every row valid
+        read_R = r_R + torch.repeat_interleave(shift_en, lengths_en, output_size=rows)
+        write_R = torch.empty_like(read_R).scatter_(0, read_R, r_R)
+    else:  # one more segment, the dead tail, reads nothing; dead received rows scatter past ``rows``, dropped
+        tail = rows - ends_en[-1:]
+        read_R = r_R + torch.repeat_interleave(torch.cat([shift_en, shift_en.new_zeros(1)]),
+                                               torch.cat([lengths_en, tail]), output_size=rows)
+        live_R = r_R < ends_en[-1]
+        read_R = torch.where(live_R, read_R, rows)
+        write_R = torch.full((2 * rows,), rows, dtype=torch.int64, device=dev)
+        write_R = write_R.scatter_(0, torch.where(live_R, read_R, rows + r_R), r_R)[:rows]
+    return read_R, write_R, lengths_ne.sum(0).cumsum(0).to(torch.int32)
 
 
 class _WeightedCombine(torch.autograd.Function):

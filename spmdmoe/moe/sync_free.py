@@ -63,7 +63,7 @@ from ..host import to_host
 from ..types import layout
 from ..types.mesh import MeshAxis
 from .routed import RoutedTokens
-from .permute import scatter_rows, sort_by_expert, weighted_combine
+from .permute import expert_major, scatter_rows, sort_by_expert, weighted_combine
 from .token_exchange import exchange_tokens
 
 __all__ = ["Capacity", "SyncFreeTransport", "layer_capacity", "slot_rows"]
@@ -118,7 +118,7 @@ def layer_capacity(layer: Any, x: Any, x_TD: Optional[torch.Tensor], found: Foun
 @dataclass(frozen=True)
 class _Handle:
     send_pos_TK: torch.Tensor  # copy (t, k)'s row in the send buffer (Q: dropped)
-    perm_Q: torch.Tensor  # expert-major row r came from received row perm_Q[r] (Q: none)
+    read_Q: torch.Tensor  # expert-major row r came from received row read_Q[r] (Q: none; permute.expert_major)
     slot: int
     droppable: bool
 
@@ -177,7 +177,6 @@ class SyncFreeTransport:
         n, e, me = self.axis.size, self.local_experts, self.axis.rank
         S = slot_rows(t_max, self.top_k, e, n, self.capacity_factor)
         Q = n * S
-        dev = x_TD.device
         pos_TK, counts_E = sort_by_expert(ids_TK, self.num_experts)
         table_nne = self._count_table(counts_E).view(n, n, e)  # [source, destination, local expert]
         needed = table_nne.sum(-1).max()
@@ -195,33 +194,16 @@ class SyncFreeTransport:
         send_pos_TK = torch.where(within_TK < S, dst_TK * S + within_TK, Q)
         send_QD = scatter_rows(x_TD, send_pos_TK, Q + 1)[:Q]
         recv_QD = exchanged_op(send_QD, [S] * n, [S] * n, self.axis, 0)
-        # receiver: received row q = i*S + k is the k-th row source i sent here (in local-expert order); it goes
-        # to expert-major row dst_start[l, i] + (k - the rows of i's earlier experts), or to the dump row Q
-        recv_ne = kept_nne[:, me, :]
-        cum_ne = recv_ne.cumsum(-1)
-        k_nS = torch.arange(S, device=dev).expand(n, S).contiguous()
-        l_nS = torch.searchsorted(cum_ne.contiguous(), k_nS, right=True)  # e: past the valid rows
-        live_nS = l_nS < e
-        l_safe = l_nS.clamp(max=e - 1) if e else l_nS
-        lengths_en = recv_ne.t().reshape(-1)
-        dst_start_ne = (lengths_en.cumsum(0) - lengths_en).view(e, n).t()
-        src_i = torch.arange(n, device=dev).unsqueeze(1).expand(n, S)
-        start_in_slot = (cum_ne - recv_ne).gather(1, l_safe)
-        dest_nS = dst_start_ne[src_i, l_safe] + k_nS - start_in_slot
-        dest_Q = torch.where(live_nS, dest_nS, Q).reshape(Q, 1)
-        x_RD = scatter_rows(recv_QD, dest_Q, Q + 1)[:Q]
-        # the inverse map (unique targets: dead received rows land past Q, then dropped)
-        perm = torch.full((2 * Q,), Q, dtype=torch.int64, device=dev)
-        perm.scatter_(0, torch.where(live_nS.reshape(-1), dest_Q.view(-1), Q + torch.arange(Q, device=dev)),
-                      torch.arange(Q, device=dev))
-        offsets_e = recv_ne.sum(0).cumsum(0).to(torch.int32)
-        return RoutedTokens(x_RD, offsets_e, Q, None, _Handle(send_pos_TK, perm[:Q], S, droppable))
+        # receiver: source i's rows sit in its slot, rows [i*S, i*S + kept) by local expert; to expert-major order
+        read_Q, write_Q, offsets_e = expert_major(kept_nne[:, me, :], Q, S)
+        x_RD = scatter_rows(recv_QD, write_Q.view(Q, 1), Q + 1)[:Q]
+        return RoutedTokens(x_RD, offsets_e, Q, None, _Handle(send_pos_TK, read_Q, S, droppable))
 
     def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
         h: _Handle = routed.handle
         n = self.axis.size
         Q = n * h.slot
-        y_recv = scatter_rows(y_RD, h.perm_Q.view(-1, 1), Q + 1)[:Q]  # rows past valid: into the dump row
+        y_recv = scatter_rows(y_RD, h.read_Q.view(-1, 1), Q + 1)[:Q]  # rows past valid: into the dump row
         y_send = exchanged_op(y_recv, [h.slot] * n, [h.slot] * n, self.axis, 0)
         if h.droppable:  # a dropped copy reads this zero row
             y_send = torch.cat([y_send, y_send.new_zeros((1, y_send.shape[1]))])

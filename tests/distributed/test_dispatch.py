@@ -63,7 +63,7 @@ def test_all_to_all_transport(world, device, tokens_of, skew):
     assert routed.group_offsets.dtype == torch.int32
     assert routed.group_offsets.tolist() == torch.tensor(sizes).cumsum(0).tolist()
     ex = routed.handle
-    assert torch.equal(ex.perm_R[ex.inv_R], torch.arange(ex.perm_R.numel(), device=device))  # inverse permutations
+    assert torch.equal(ex.read_R[ex.write_R], torch.arange(ex.read_R.numel(), device=device))  # inverse permutations
 
     # combine of a row-wise "expert" (row * (global expert id + 1)) and its gradient
     expert_of_row = torch.repeat_interleave(torch.arange(e, device=device) + r * e + 1,
