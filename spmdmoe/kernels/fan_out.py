@@ -1,12 +1,12 @@
 """Fan-out of rows: ``out[index[s, j]] = w[s, j] * src[s]``, and optionally ``dots[s, j] = <src[s], other[index[s, j]]>``.
 
-Legend: ``S`` source rows, ``J`` copies per source row, ``R`` output rows
-(``R >= S*J``), ``D`` row width.
+Legend: ``M`` source rows, ``J`` copies per source row, ``R`` output rows
+(``R >= M*J``), ``D`` row width.
 
-``index_SJ`` must name ``S*J`` distinct output rows (a permutation when
-``R == S*J``): every output row is written by exactly one program, so the
+``index_MJ`` must name ``M*J`` distinct output rows (a permutation when
+``R == M*J``): every output row is written by exactly one program, so the
 kernel is deterministic with no atomics. Output rows no index names (a
-capacity-sized ``out``, ``R > S*J``) are zero. The product is taken in fp32
+capacity-sized ``out``, ``R > M*J``) are zero. The product is taken in fp32
 and rounded once to the output dtype (``src``'s); without weights the copy is
 exact. ``dots`` accumulate in fp32. (fp64 rows take the reference, in fp64.)
 
@@ -84,10 +84,10 @@ def _fan_out_kernel(
 CONFIG = {"block_d": 2048, "num_warps": 8}
 
 
-def _output(src_SD: torch.Tensor, rows: int, copies: int) -> torch.Tensor:
+def _output(src_MD: torch.Tensor, rows: int, copies: int) -> torch.Tensor:
     """The ``(rows, D)`` output: zeros where no copy lands (``rows > copies``; unknown under compile: zeros)."""
     make = torch.zeros if guard_or_true(rows > copies) else torch.empty
-    return make((rows, src_SD.shape[1]), dtype=src_SD.dtype, device=src_SD.device)
+    return make((rows, src_MD.shape[1]), dtype=src_MD.dtype, device=src_MD.device)
 
 
 def _block_d(D: int) -> int:
@@ -96,94 +96,94 @@ def _block_d(D: int) -> int:
 
 @triton_op("spmdmoe::fan_out", mutates_args=())
 def fan_out_triton(
-    src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int,
-    weights_SJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
+    src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int,
+    weights_MJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton launcher (see the module docstring); ``dots`` is empty without ``other_RD``."""
-    S, J = index_SJ.shape
-    D = src_SD.shape[1]
-    src_SD = src_SD.contiguous()
-    index_SJ = index_SJ.contiguous()
-    out_RD = _output(src_SD, rows, S * J)
-    dots_SJ = torch.empty((S, J) if other_RD is not None else (0, J), dtype=torch.float32, device=src_SD.device)
-    w = weights_SJ.contiguous() if weights_SJ is not None else index_SJ
-    other = other_RD.contiguous() if other_RD is not None else src_SD
-    if S > 0 and D > 0:
-        wrap_triton(_fan_out_kernel)[(S,)](
-            src_SD, index_SJ, w, other, out_RD, dots_SJ, out_RD, dots_SJ, D, src_SD.stride(0), other.stride(0),
-            out_RD.stride(0), J=J, HAS_W=weights_SJ is not None, HAS_DOT=other_RD is not None, QUANT=False,
+    M, J = index_MJ.shape
+    D = src_MD.shape[1]
+    src_MD = src_MD.contiguous()
+    index_MJ = index_MJ.contiguous()
+    out_RD = _output(src_MD, rows, M * J)
+    dots_MJ = torch.empty((M, J) if other_RD is not None else (0, J), dtype=torch.float32, device=src_MD.device)
+    w = weights_MJ.contiguous() if weights_MJ is not None else index_MJ
+    other = other_RD.contiguous() if other_RD is not None else src_MD
+    if M > 0 and D > 0:
+        wrap_triton(_fan_out_kernel)[(M,)](
+            src_MD, index_MJ, w, other, out_RD, dots_MJ, out_RD, dots_MJ, D, src_MD.stride(0), other.stride(0),
+            out_RD.stride(0), J=J, HAS_W=weights_MJ is not None, HAS_DOT=other_RD is not None, QUANT=False,
             COPIES=True, BLOCK_D=_block_d(D), num_warps=CONFIG["num_warps"],
         )
-    return out_RD, dots_SJ
+    return out_RD, dots_MJ
 
 
 @triton_op("spmdmoe::fan_out_fp8", mutates_args=())
-def fan_out_fp8_triton(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int, copies: bool = True
+def fan_out_fp8_triton(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, copies: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out_RD, q_RD e4m3, s_R fp32)``: the copies (no weights) and, from the same read of each source row,
     its rowwise e4m3 (:mod:`spmdmoe.kernels.fp8_rows`' rule) in the same ``J`` slots: quantized once per
     source row, bit for bit what :func:`spmdmoe.kernels.quantize_rows` makes of ``out_RD``. Rows no index
     names: ``out`` zero, ``q`` and ``s`` unspecified. ``copies=False``: the e4m3 only (``out_RD`` empty,
     ``(0, D)``), for a caller that made the bf16 copies earlier and freed them."""
-    S, J = index_SJ.shape
-    D = src_SD.shape[1]
-    src_SD = src_SD.contiguous()
-    index_SJ = index_SJ.contiguous()
-    out_RD = _output(src_SD, rows, S * J) if copies else src_SD.new_empty((0, D))
-    q_RD = torch.empty((rows, D), dtype=FP8, device=src_SD.device)
-    s_R = torch.empty((rows,), dtype=torch.float32, device=src_SD.device)
-    if S > 0 and D > 0:
-        wrap_triton(_fan_out_kernel)[(S,)](
-            src_SD, index_SJ, index_SJ, src_SD, out_RD, s_R, q_RD, s_R, D, src_SD.stride(0), src_SD.stride(0),
+    M, J = index_MJ.shape
+    D = src_MD.shape[1]
+    src_MD = src_MD.contiguous()
+    index_MJ = index_MJ.contiguous()
+    out_RD = _output(src_MD, rows, M * J) if copies else src_MD.new_empty((0, D))
+    q_RD = torch.empty((rows, D), dtype=FP8, device=src_MD.device)
+    s_R = torch.empty((rows,), dtype=torch.float32, device=src_MD.device)
+    if M > 0 and D > 0:
+        wrap_triton(_fan_out_kernel)[(M,)](
+            src_MD, index_MJ, index_MJ, src_MD, out_RD, s_R, q_RD, s_R, D, src_MD.stride(0), src_MD.stride(0),
             out_RD.stride(0), J=J, HAS_W=False, HAS_DOT=False, QUANT=True, COPIES=copies, BLOCK_D=_block_d(D),
             num_warps=CONFIG["num_warps"],
         )
     return out_RD, q_RD, s_R
 
 
-def fan_out_fp8_reference(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int, copies: bool = True
+def fan_out_fp8_reference(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, copies: bool = True
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain torch, same signature as :func:`fan_out_fp8_triton` (rows no index names: all zero)."""
-    S, J = index_SJ.shape
-    out_RD = fan_out_reference(src_SD, index_SJ, rows)[0] if copies else src_SD.new_empty((0, src_SD.shape[1]))
-    q_SD, s_S = quantize_rows_reference(src_SD)
-    flat = index_SJ.reshape(-1)
-    q_RD = torch.zeros((rows, src_SD.shape[1]), dtype=torch.uint8, device=src_SD.device)
-    q_RD.index_copy_(0, flat, q_SD.view(torch.uint8).repeat_interleave(J, dim=0))
-    s_R = s_S.new_zeros(rows).index_copy_(0, flat, s_S.repeat_interleave(J))
+    M, J = index_MJ.shape
+    out_RD = fan_out_reference(src_MD, index_MJ, rows)[0] if copies else src_MD.new_empty((0, src_MD.shape[1]))
+    q_MD, s_M = quantize_rows_reference(src_MD)
+    flat = index_MJ.reshape(-1)
+    q_RD = torch.zeros((rows, src_MD.shape[1]), dtype=torch.uint8, device=src_MD.device)
+    q_RD.index_copy_(0, flat, q_MD.view(torch.uint8).repeat_interleave(J, dim=0))
+    s_R = s_M.new_zeros(rows).index_copy_(0, flat, s_M.repeat_interleave(J))
     return out_RD, q_RD.view(FP8), s_R
 
 
-def fan_out_fp8(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int, copies: bool = True
+def fan_out_fp8(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, copies: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = fan_out_fp8_triton if use_triton("fan_out", src_SD) else fan_out_fp8_reference
-    return impl(src_SD, index_SJ, rows, copies)
+    impl = fan_out_fp8_triton if use_triton("fan_out", src_MD) else fan_out_fp8_reference
+    return impl(src_MD, index_MJ, rows, copies)
 
 
 def fan_out_reference(
-    src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int,
-    weights_SJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
+    src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int,
+    weights_MJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, same signature and semantics as :func:`fan_out_triton`."""
-    S, J = index_SJ.shape
-    D = src_SD.shape[1]
-    acc = torch.promote_types(src_SD.dtype, torch.float32)  # fp32, fp64 for fp64
-    copies = src_SD.unsqueeze(1).expand(S, J, D)
-    if weights_SJ is not None:
-        copies = (copies.to(acc) * weights_SJ.to(acc).unsqueeze(-1)).to(src_SD.dtype)
-    out_RD = _output(src_SD, rows, S * J)
-    out_RD.index_copy_(0, index_SJ.reshape(-1), copies.reshape(S * J, D))
+    M, J = index_MJ.shape
+    D = src_MD.shape[1]
+    acc = torch.promote_types(src_MD.dtype, torch.float32)  # fp32, fp64 for fp64
+    copies = src_MD.unsqueeze(1).expand(M, J, D)
+    if weights_MJ is not None:
+        copies = (copies.to(acc) * weights_MJ.to(acc).unsqueeze(-1)).to(src_MD.dtype)
+    out_RD = _output(src_MD, rows, M * J)
+    out_RD.index_copy_(0, index_MJ.reshape(-1), copies.reshape(M * J, D))
     if other_RD is None:
-        return out_RD, torch.empty((0, J), dtype=acc, device=src_SD.device)
-    picked_SJD = other_RD.index_select(0, index_SJ.reshape(-1)).view(S, J, D)
-    return out_RD, torch.bmm(picked_SJD.to(acc), src_SD.to(acc).unsqueeze(-1)).squeeze(-1)
+        return out_RD, torch.empty((0, J), dtype=acc, device=src_MD.device)
+    picked_MJD = other_RD.index_select(0, index_MJ.reshape(-1)).view(M, J, D)
+    return out_RD, torch.bmm(picked_MJD.to(acc), src_MD.to(acc).unsqueeze(-1)).squeeze(-1)
 
 
 def fan_out(
-    src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int,
-    weights_SJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
+    src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int,
+    weights_MJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = fan_out_triton if use_triton("fan_out", src_SD) else fan_out_reference
-    return impl(src_SD, index_SJ, rows, weights_SJ, other_RD)
+    impl = fan_out_triton if use_triton("fan_out", src_MD) else fan_out_reference
+    return impl(src_MD, index_MJ, rows, weights_MJ, other_RD)

@@ -1,6 +1,6 @@
 """Gather-sum of rows: ``out[s] = sum_j w[s, j] * src[index[s, j]]``, accumulated in fp32.
 
-Legend: ``S`` output rows, ``J`` rows summed into each, ``R`` source rows,
+Legend: ``M`` output rows, ``J`` rows summed into each, ``R`` source rows,
 ``D`` row width.
 
 One program per (output row, block of ``D``): it reads its ``J`` source rows,
@@ -59,37 +59,37 @@ def _block_d(D: int) -> int:
 
 
 @triton_op("spmdmoe::gather_sum", mutates_args=())
-def gather_sum_triton(src_RD: torch.Tensor, index_SJ: torch.Tensor, weights_SJ: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gather_sum_triton(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_MJ: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton launcher (see the module docstring)."""
-    S, J = index_SJ.shape
+    M, J = index_MJ.shape
     D = src_RD.shape[1]
     src_RD = src_RD.contiguous()
-    index_SJ = index_SJ.contiguous()
-    out_SD = torch.empty((S, D), dtype=src_RD.dtype, device=src_RD.device)
-    w = weights_SJ.contiguous() if weights_SJ is not None else index_SJ
-    if S > 0 and D > 0:
+    index_MJ = index_MJ.contiguous()
+    out_MD = torch.empty((M, D), dtype=src_RD.dtype, device=src_RD.device)
+    w = weights_MJ.contiguous() if weights_MJ is not None else index_MJ
+    if M > 0 and D > 0:
         block = _block_d(D)
-        wrap_triton(_gather_sum_kernel)[(S, triton.cdiv(D, block))](
-            src_RD, index_SJ, w, out_SD, D, src_RD.stride(0), out_SD.stride(0),
-            J=J, HAS_W=weights_SJ is not None, BLOCK_D=block, num_warps=CONFIG["num_warps"],
+        wrap_triton(_gather_sum_kernel)[(M, triton.cdiv(D, block))](
+            src_RD, index_MJ, w, out_MD, D, src_RD.stride(0), out_MD.stride(0),
+            J=J, HAS_W=weights_MJ is not None, BLOCK_D=block, num_warps=CONFIG["num_warps"],
         )
-    return out_SD
+    return out_MD
 
 
-def gather_sum_reference(src_RD: torch.Tensor, index_SJ: torch.Tensor, weights_SJ: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gather_sum_reference(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_MJ: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plain torch, same signature and semantics as :func:`gather_sum_triton`: a batched
     ``(1, J) @ (J, D)`` product in fp32 (fp64 for fp64 rows)."""
-    S, J = index_SJ.shape
+    M, J = index_MJ.shape
     D = src_RD.shape[1]
     acc = torch.promote_types(src_RD.dtype, torch.float32)
-    picked_SJD = src_RD.index_select(0, index_SJ.reshape(-1)).view(S, J, D).to(acc)
-    w_SJ = torch.ones((S, J), dtype=acc, device=src_RD.device) if weights_SJ is None else weights_SJ.to(acc)
+    picked_MJD = src_RD.index_select(0, index_MJ.reshape(-1)).view(M, J, D).to(acc)
+    w_MJ = torch.ones((M, J), dtype=acc, device=src_RD.device) if weights_MJ is None else weights_MJ.to(acc)
     # copy=True: a base tensor, never a view of the bmm's (callers, an MoE layer's output, may modify it in
-    # place); not bmm(out=...), which makes Dynamo on torch 2.11 specialize S
-    return torch.bmm(w_SJ.unsqueeze(1), picked_SJD).squeeze(1).to(src_RD.dtype, copy=True)
+    # place); not bmm(out=...), which makes Dynamo on torch 2.11 specialize M
+    return torch.bmm(w_MJ.unsqueeze(1), picked_MJD).squeeze(1).to(src_RD.dtype, copy=True)
 
 
-def gather_sum(src_RD: torch.Tensor, index_SJ: torch.Tensor, weights_SJ: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gather_sum(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_MJ: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
     impl = gather_sum_triton if use_triton("gather_sum", src_RD) else gather_sum_reference
-    return impl(src_RD, index_SJ, weights_SJ)
+    return impl(src_RD, index_MJ, weights_MJ)

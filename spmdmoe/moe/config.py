@@ -1,7 +1,7 @@
 """``MoEConfig``: the shape and routing options of one MoE layer, validated once.
 
 Legend: ``D`` model dim, ``F`` expert hidden dim, ``E`` experts, ``K`` top-k,
-``S`` shared experts (their FFN has hidden dim ``S * F``).
+``H = num_shared_experts * F`` the shared experts' hidden dim.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class MoEConfig:
         hidden_dim: expert hidden dim ``F``.
         num_experts: routed experts ``E``.
         top_k: experts per token ``K`` (``1 <= K <= E``).
-        num_shared_experts: ``S``; a dense SwiGLU FFN of hidden ``S * F`` added to every token.
+        num_shared_experts: a dense SwiGLU FFN of hidden ``H = num_shared_experts * F`` added to every token.
         score_func: ``"softmax"`` or ``"sigmoid"`` of the gate logits, in fp32.
         route_norm: divide the chosen scores by their sum.
         route_scale: multiply the routing weights by this.

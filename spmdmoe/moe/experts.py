@@ -2,7 +2,8 @@
 
 Legend: ``R`` routed rows received by this rank's experts, ``T`` local tokens,
 ``D`` model dim, ``F`` expert hidden dim (this rank's slice of it under
-tensor-parallel experts), ``E`` experts, ``e`` local experts, ``S`` shared experts.
+tensor-parallel experts), ``E`` experts, ``e`` local experts, ``H`` the shared experts'
+hidden dim (``num_shared_experts * F``).
 
 Expert math (torchtitan's): ``y = w2 @ (silu(w1 @ x) * (w3 @ x))``. The routed
 experts read their own parameters inside ``forward`` (so FSDP2 can shard them
@@ -122,7 +123,7 @@ class GroupedExperts(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    """A dense SwiGLU FFN: ``w1.weight`` (S·F, D), ``w2.weight`` (D, S·F), ``w3.weight`` (S·F, D)."""
+    """A dense SwiGLU FFN: ``w1.weight`` (H, D), ``w2.weight`` (D, H), ``w3.weight`` (H, D)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()

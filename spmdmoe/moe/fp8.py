@@ -2,7 +2,9 @@
 
 Legend: ``R`` routed rows in the buffer, ``D`` model dim, ``F`` expert hidden
 dim (this rank's slice), ``e`` local experts, ``P`` rows of the 16-aligned
-wgrad layout (:func:`spmdmoe.kernels.fp8_cols.padded_rows`).
+wgrad layout (:func:`spmdmoe.kernels.fp8_cols.padded_rows`), ``M`` rows of a GEMM, ``I`` / ``O`` a
+projection's input (reduced) and output width (as in ``gemm.py``), ``A`` / ``B`` the widths of a weight
+gradient's two operands.
 
 The experts' forward and input-gradient GEMMs run in e4m3 with fp32 scales
 (``torch._scaled_grouped_mm``, fast accumulation, bf16 out), their weight-gradient
@@ -150,17 +152,17 @@ def quantize_weights(w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.T
         return Fp8Weights(*quantize_weight_pair(up), *quantize_weight_pair(w2_eDF))
 
 
-def _mm_rows(q_MK: torch.Tensor, s_M: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor,
+def _mm_rows(q_MI: torch.Tensor, s_M: torch.Tensor, w_eOI: torch.Tensor, s_eO: torch.Tensor,
              offsets_e: torch.Tensor, out_dtype: torch.dtype, native: bool, kind: str) -> torch.Tensor:
     """``y[rows of g] = (q * s)[rows] @ (w[g] * s[g])^T`` (2-D x 3-D, any group sizes); ``kind``: "forward" or
     "dgrad" (:data:`FAST_ACCUM`)."""
     if native:
-        y = _scaled(q_MK, w_eNK.transpose(1, 2), s_M, s_eN, offs=offsets_e, out_dtype=torch.bfloat16,
+        y = _scaled(q_MI, w_eOI.transpose(1, 2), s_M, s_eO, offs=offsets_e, out_dtype=torch.bfloat16,
                     use_fast_accum=FAST_ACCUM[kind])
         return y.to(out_dtype)
-    dt = _emulation_dtype(q_MK, out_dtype)
-    x = (q_MK.to(torch.float32) * s_M[:, None]).to(dt)
-    w = (w_eNK.to(torch.float32) * s_eN[:, :, None]).to(dt)
+    dt = _emulation_dtype(q_MI, out_dtype)
+    x = (q_MI.to(torch.float32) * s_M[:, None]).to(dt)
+    w = (w_eOI.to(torch.float32) * s_eO[:, :, None]).to(dt)
     return grouped_mm(x, w, offsets_e).to(out_dtype)
 
 
@@ -236,7 +238,7 @@ def _wgrad_bf16(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor,
 
 
 @torch.library.custom_op("spmdmoe::fp8_mm_rows", mutates_args=())
-def _fp8_mm(q_RK: torch.Tensor, s_R: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, offsets_e: torch.Tensor,
+def _fp8_mm(q_RI: torch.Tensor, s_R: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, offsets_e: torch.Tensor,
             out_dtype: torch.dtype, dims: list[int], kind: str, after: Optional[torch.Tensor]) -> torch.Tensor:
     """``q @ w[g]^T`` per group ``g`` on rowwise e4m3 ``(q, s)`` and a weight layout of :class:`Fp8Weights`
     (``kind``: ``"forward"``, the up projection, or ``"dgrad"``, an input gradient; :data:`FAST_ACCUM`);
@@ -244,12 +246,12 @@ def _fp8_mm(q_RK: torch.Tensor, s_R: torch.Tensor, w: torch.Tensor, w_s: torch.T
     ``after``: a tensor that must be made first, not read (the weight cache's refresh token before the up
     projection; the weight gradient before ``dh``, so a compiled graph frees the bf16 operands first, as
     eager runs do), or ``None``."""
-    return _mm_rows(q_RK, s_R, w, w_s, offsets_e, out_dtype, fp8_native(q_RK, *dims), kind)
+    return _mm_rows(q_RI, s_R, w, w_s, offsets_e, out_dtype, fp8_native(q_RI, *dims), kind)
 
 
 @_fp8_mm.register_fake
-def _(q_RK, s_R, w, w_s, offsets_e, out_dtype, dims, kind, after):  # type: ignore[no-untyped-def]
-    return q_RK.new_empty((q_RK.shape[0], w.shape[1]), dtype=out_dtype)
+def _(q_RI, s_R, w, w_s, offsets_e, out_dtype, dims, kind, after):  # type: ignore[no-untyped-def]
+    return q_RI.new_empty((q_RI.shape[0], w.shape[1]), dtype=out_dtype)
 
 
 # The experts past the up projection are ONE autograd node whose backward frees each saved activation as soon as

@@ -2,7 +2,7 @@
 
 Legend: ``T`` tokens (valid rows only), ``D`` model dim, ``F`` expert hidden
 dim, ``E`` experts, ``e`` local experts, ``K`` top-k, ``R`` rows received by
-the local experts, ``S`` shared experts.
+the local experts, ``H`` the shared experts' hidden dim (``num_shared_experts * F``).
 
 Pipeline (``docs/design.md``, MoE data flow): route the valid rows -> count
 load (training only) -> dispatch (``RoutedTokens``) -> grouped SwiGLU experts
@@ -181,7 +181,7 @@ class MoE(_Layer):
     Output = sum_k weight_k * expert_k(x) + shared(x). Parameters:
     ``router.gate.weight`` (E, D); ``experts.w1`` (E, F, D), ``experts.w2``
     (E, D, F), ``experts.w3`` (E, F, D); with shared experts
-    ``shared_experts.w{1,2,3}.weight`` ((S·F, D), (D, S·F), (S·F, D)). Buffers:
+    ``shared_experts.w{1,2,3}.weight`` ((H, D), (D, H), (H, D), ``H = num_shared_experts * F``). Buffers:
     ``expert_bias`` (E,) (saved), ``tokens_per_expert`` (E,) (not saved).
     ``load_state_dict`` also takes torchtitan names and DTensors (see
     ``spmdmoe.moe.checkpoint``). ``expert_bias`` stays fp32 under ``.to()``.

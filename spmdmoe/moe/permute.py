@@ -1,10 +1,10 @@
 """Row moves of the MoE data flow: fan-out into expert-major copies, and the weighted gather-sum back.
 
 Legend: ``T`` tokens, ``K`` top-k, ``N = T*K`` routed copies, ``D`` model dim,
-``R`` rows of a buffer (``R >= N``; more for a capacity-sized one), ``S`` / ``J``
+``R`` rows of a buffer (``R >= N``; more for a capacity-sized one), ``M`` / ``J``
 source rows and copies per source row of a generic move.
 
-Both moves are described by one map, ``index_SJ[s, j]``: the row where the
+Both moves are described by one map, ``index_MJ[s, j]``: the row where the
 ``j``-th copy of source row ``s`` sits (for the dispatch, ``pos_TK``). The
 fan-out writes each source row into its ``J`` slots; its backward sums the
 ``J`` slots back (fp32). The combine sums a token's ``K`` slots with the
@@ -30,34 +30,34 @@ __all__ = ["scatter_rows", "scatter_rows_fp8", "count_per_expert", "sort_by_expe
 
 class _ScatterRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(index_SJ)
-        return fan_out(src_SD, index_SJ, rows)[0]
+    def forward(ctx: Any, src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index_MJ)
+        return fan_out(src_MD, index_MJ, rows)[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_RD: torch.Tensor) -> Any:  # type: ignore[override]
-        (index_SJ,) = ctx.saved_tensors
-        return gather_sum(grad_RD.contiguous(), index_SJ), None, None
+        (index_MJ,) = ctx.saved_tensors
+        return gather_sum(grad_RD.contiguous(), index_MJ), None, None
 
 
-_scatter = differentiable(_ScatterRows, lambda src_SD, index_SJ, rows: fan_out(src_SD, index_SJ, rows)[0])
+_scatter = differentiable(_ScatterRows, lambda src_MD, index_MJ, rows: fan_out(src_MD, index_MJ, rows)[0])
 
 
-def scatter_rows(src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
-    """``out[index_SJ[s, j]] = src[s]``: each source row into its ``J`` slots of ``rows`` output rows.
+def scatter_rows(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
+    """``out[index_MJ[s, j]] = src[s]``: each source row into its ``J`` slots of ``rows`` output rows.
 
-    ``rows`` defaults to ``S*J`` (a permutation when ``J = 1``); slots no index
+    ``rows`` defaults to ``M*J`` (a permutation when ``J = 1``); slots no index
     names are zero. The backward sums each row's ``J`` slots in fp32.
     """
-    return _scatter(src_SD, index_SJ, index_SJ.numel() if rows is None else rows)
+    return _scatter(src_MD, index_MJ, index_MJ.numel() if rows is None else rows)
 
 
 class _ScatterRowsFp8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, src_SD: torch.Tensor, index_SJ: torch.Tensor, rows: int) -> Any:  # type: ignore[override]
-        ctx.save_for_backward(index_SJ)
-        out_RD, q_RD, s_R = fan_out_fp8(src_SD, index_SJ, rows)
+    def forward(ctx: Any, src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int) -> Any:  # type: ignore[override]
+        ctx.save_for_backward(index_MJ)
+        out_RD, q_RD, s_R = fan_out_fp8(src_MD, index_MJ, rows)
         ctx.mark_non_differentiable(q_RD, s_R)
         ctx.set_materialize_grads(False)  # no zero-filled gradients for the e4m3 rows (measured: 0.06 ms at 16k)
         return out_RD, q_RD, s_R
@@ -65,18 +65,18 @@ class _ScatterRowsFp8(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_RD: torch.Tensor, _gq: Any, _gs: Any) -> Any:  # type: ignore[override]
-        (index_SJ,) = ctx.saved_tensors
-        return (gather_sum(grad_RD.contiguous(), index_SJ) if grad_RD is not None else None), None, None
+        (index_MJ,) = ctx.saved_tensors
+        return (gather_sum(grad_RD.contiguous(), index_MJ) if grad_RD is not None else None), None, None
 
 
-def scatter_rows_fp8(src_SD: torch.Tensor, index_SJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`scatter_rows` (``rows = S*J``) plus the rowwise e4m3 of every copy and its fp32 scale, quantized
+def scatter_rows_fp8(src_MD: torch.Tensor, index_MJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`scatter_rows` (``rows = M*J``) plus the rowwise e4m3 of every copy and its fp32 scale, quantized
     once per source row in the same pass (:func:`spmdmoe.kernels.fan_out_fp8`): ``(out, q, s)``, bit for bit
     ``out`` and ``quantize_rows(out)``. Only ``out`` has a gradient."""
-    rows = index_SJ.numel()
-    if src_SD.requires_grad and torch.is_grad_enabled():
-        return _ScatterRowsFp8.apply(src_SD, index_SJ, rows)
-    return fan_out_fp8(src_SD, index_SJ, rows)
+    rows = index_MJ.numel()
+    if src_MD.requires_grad and torch.is_grad_enabled():
+        return _ScatterRowsFp8.apply(src_MD, index_MJ, rows)
+    return fan_out_fp8(src_MD, index_MJ, rows)
 
 
 def count_per_expert(ids_TK: torch.Tensor, num_experts: int, keep_T: Optional[torch.Tensor] = None) -> torch.Tensor:
