@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor import Shard as DShard
 
 from ..agreement import Field, Found, agree, exchange_rows
+from ..types import layout
 from ..types.errors import SPMDLayoutError
 from ..types.layout import contiguous_strides
 from ..types.mesh import MeshAxis
@@ -118,6 +119,19 @@ def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:
     mesh = DeviceMesh.from_group([ep.group, sp.group], ep.device_type, mesh=grid, mesh_dim_names=("ep", "sp"))
     _GRIDS.setdefault(ep.group, weakref.WeakKeyDictionary())[sp.group] = mesh
     return mesh
+
+
+def expert_shard(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str) -> tuple[slice, slice]:
+    """``(experts, hidden)``: the global experts this rank holds (its EP block of ``E / ep``) and the hidden
+    units of each (gather mode: its chunk of ``F`` over SP by the chunk rule, possibly empty; else all)."""
+    n_ep, r_ep = (1, 0) if ep is None else (ep.size, ep.rank)
+    e = cfg.num_experts // n_ep
+    hidden = slice(0, cfg.hidden_dim)
+    if sp_mode == "gather":
+        assert sp is not None
+        f0 = layout.chunk_offset(cfg.hidden_dim, sp.size, sp.rank)
+        hidden = slice(f0, f0 + layout.local_tokens(cfg.hidden_dim, sp.size, sp.rank))
+    return slice(r_ep * e, (r_ep + 1) * e), hidden
 
 
 def expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,

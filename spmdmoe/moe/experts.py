@@ -122,6 +122,22 @@ class GroupedExperts(nn.Module):
         return y_RD if routed.copies_TK is None else weighted_combine(y_RD, routed.copies_TK, None)
 
 
+def experts_block(src: GroupedExperts, experts: slice, hidden: slice, precision: str, fp8_wgrad: str
+                  ) -> GroupedExperts:
+    """A copy of ``src``'s block: experts ``experts``, hidden units ``hidden`` of each, on ``src``'s device and
+    dtype, in ``precision`` (a meta ``src`` gives meta shards, uninitialised: nothing is allocated here)."""
+    with torch.device("meta" if src.w1.is_meta else "cpu"):
+        block = GroupedExperts(experts.stop - experts.start, src.w1.shape[2], hidden.stop - hidden.start,
+                               precision, fp8_wgrad)
+    block = block.to(device=src.w1.device, dtype=src.w1.dtype)
+    if not src.w1.is_meta:
+        with torch.no_grad():
+            block.w1.copy_(src.w1[experts, hidden])
+            block.w2.copy_(src.w2[experts, :, hidden])
+            block.w3.copy_(src.w3[experts, hidden])
+    return block
+
+
 class SharedExperts(nn.Module):
     """A dense SwiGLU FFN: ``w1.weight`` (H, D), ``w2.weight`` (D, H), ``w3.weight`` (H, D)."""
 

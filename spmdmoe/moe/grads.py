@@ -31,13 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._dist import all_reduce
 from ..agreement import BIT, Field, Found, ProblemFlag, agree
 from ..collective_check import check_collective
+from ..meshes import product_axis
 from ..types.checks import checks_mode
 from ..types.errors import SPMDLayoutError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from .flat import by_dtype, split_as
 from .overlap import Join, active_join, call_joined
 
-__all__ = ["sync_grads", "agree_grad_set", "replicate_grads", "GradReduction"]
+__all__ = ["sync_grads", "agree_grad_set", "replicate_grads", "GradReduction", "batch_reductions"]
 
 
 class _SyncGrads(torch.autograd.Function):
@@ -251,3 +252,21 @@ class GradReduction(NamedTuple):
     @property
     def mesh(self) -> Optional[DeviceMesh]:
         return None if self.axis is None else self.axis.device_mesh()
+
+
+def batch_reductions(batches: tuple[MeshAxis, ...], ep: Optional[MeshAxis]) -> tuple[GradReduction, GradReduction]:
+    """``(dense, experts)`` of a layer whose ranks on ``batches`` hold other batches (its ``batch_axes``).
+
+    Dense parameters are replicated over every batch axis; the experts
+    already hold every EP batch's contribution, so they need only the batch
+    axes other than ``ep``. Both divide by the number of batches one step sees
+    (the product of the batch axes' sizes), which turns the summed gradient
+    into that of the mean of the per-batch losses. A collective over the world
+    when the product group is new (:func:`spmdmoe.product_axis`).
+    """
+    factor = 1
+    for a in batches:
+        factor *= a.size
+    expert_batches = tuple(a for a in batches if a != ep)
+    return (GradReduction(product_axis(*batches), factor, batches),
+            GradReduction(product_axis(*expert_batches), factor, expert_batches))

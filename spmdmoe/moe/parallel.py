@@ -44,30 +44,28 @@ weight ever sees the bad step). Only a process that is the whole job raises at o
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 
-from ..agreement import BIT, Found, Problem, alone, check_errors, raise_problems
+from ..agreement import Found, Problem, alone, check_errors, raise_problems
 from ..collective_check import check_collective
 from ..stand_in import stand_in
-from ..types import layout
 from ..types.checks import checks_enabled, checks_mode
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshAxis, MeshLike
-from ..meshes import product_axis
 from ..types.tensor import SPMDTensor
 from .accept import accept
-from .checkpoint import expert_layout, install_hooks
+from .checkpoint import expert_layout, expert_shard, install_hooks
 from .dispatch import Transport, transport_for
-from .experts import GroupedExperts
+from .experts import experts_block
 from .gather_mode import gather_input, gathered
-from .grads import GradReduction, agree_grad_set, sync_grads
+from .grads import GradReduction, agree_grad_set, batch_reductions, sync_grads
 from .layer import MoE, _Layer
 from .overlap import call_joined, inside_fsdp_unit
 from .plan import agree_plan
 from .ride import Ride
-from .sync_free import Capacity, SyncFreeTransport, layer_capacity
+from .sync_free import Capacity, layer_capacity, record_overflow
 from .token_exchange import exchange_tokens
 
 __all__ = ["parallelize_moe", "ParallelMoE"]
@@ -167,24 +165,8 @@ class ParallelMoE(_Layer):
         cfg = moe.config
         self.sp, self.ep, self.dp, self.sp_mode = sp, ep, dp, sp_mode
         self.agree_over = agree_over  # the group the layer's one-off agreements run over (None: the world)
-        n_ep, r_ep = (1, 0) if ep is None else (ep.size, ep.rank)
-        e = cfg.num_experts // n_ep
-        experts_slice = slice(r_ep * e, (r_ep + 1) * e)
-        if sp_mode == "gather":
-            assert sp is not None
-            f0 = layout.chunk_offset(cfg.hidden_dim, sp.size, sp.rank)
-            hidden = slice(f0, f0 + layout.local_tokens(cfg.hidden_dim, sp.size, sp.rank))
-        else:
-            hidden = slice(0, cfg.hidden_dim)
-        src = moe.experts
-        with torch.device("meta" if src.w1.is_meta else "cpu"):  # a meta layer's shards: never allocated here
-            experts = GroupedExperts(e, cfg.dim, hidden.stop - hidden.start, cfg.expert_precision, cfg.fp8_wgrad)
-        experts = experts.to(device=src.w1.device, dtype=src.w1.dtype)
-        if not src.w1.is_meta:
-            with torch.no_grad():
-                experts.w1.copy_(src.w1[experts_slice, hidden])
-                experts.w2.copy_(src.w2[experts_slice, :, hidden])
-                experts.w3.copy_(src.w3[experts_slice, hidden])
+        experts_slice, hidden = expert_shard(cfg, sp, ep, sp_mode)
+        experts = experts_block(moe.experts, experts_slice, hidden, cfg.expert_precision, cfg.fp8_wgrad)
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
         self.expert_slice, self.hidden_slice = experts_slice, hidden
         self.load_axes = _distinct(sp, ep, dp)
@@ -221,28 +203,19 @@ class ParallelMoE(_Layer):
         self.transport: Transport = transport_for(self.ep, ep_mode, self.config.num_experts, self.config.top_k,
                                                   self.capacity_factor, raises=spans)
 
-    def _record_capacity(self) -> None:
-        """Sync-free EP: read the overflow buffer (one host read) and record an overflow as a problem in the
-        sticky flag, for the next step-boundary collective to raise on every rank."""
-        if isinstance(self.transport, SyncFreeTransport):
-            message = self.transport.overflow_message(self.capacity_overflow, f"MoE layer (sync-free EP over "
-                                                                              f"{self.ep})")
-            if message is not None:
-                self.problems.record(BIT["capacity"], self.capacity_overflow.device, [message])
-
     def check_capacity(self) -> None:
         """Raise ``SPMDCapacityError`` on every rank of the layer if a sync-free EP slot overflowed anywhere
         since the last check (and whatever else a rank recorded: it is :func:`spmdmoe.check_errors` over the
         layer's ``agree_over`` group, the world by default); a no-op in sync mode. A collective: call it on
         every rank, e.g. once per step (``update_expert_bias`` makes the same check)."""
-        self._record_capacity()
+        record_overflow(self)
         check_errors(self.agree_over)
 
     def update_expert_bias(self) -> torch.Tensor:
         """:meth:`MoE.update_expert_bias`; in sync-free mode it first records an overflow of the capacity since
         the last step (one more host read), which its collective then raises on every rank as
         ``SPMDCapacityError`` (dropping the step's load counts, as for any problem)."""
-        self._record_capacity()
+        record_overflow(self)
         return super().update_expert_bias()
 
     @property
@@ -252,25 +225,10 @@ class ParallelMoE(_Layer):
         return tuple(a for a in axes if a is not None and a.size > 1)
 
     def batch_reductions(self) -> tuple[GradReduction, GradReduction]:
-        """``(dense, experts)``: what a dense parameter's and an expert's gradient still need.
-
-        Dense parameters are replicated over every batch axis; the experts
-        already hold every EP batch's contribution, so they need only the
-        batch axes other than EP. Both divide by the number of batches one step
-        sees (the product of the batch axes' sizes), which turns the summed
-        gradient into that of the mean of the per-batch losses. A collective
-        over the world on the first call (it may create the product group,
-        see :func:`spmdmoe.product_axis`); cached.
-        """
+        """``(dense, experts)``: what a dense parameter's and an expert's gradient still need
+        (:func:`spmdmoe.moe.grads.batch_reductions`; a collective on the first call, then cached)."""
         if self._reductions is None:
-            batches = self.batch_axes
-            factor = 1
-            for a in batches:
-                factor *= a.size
-            expert_batches = tuple(a for a in batches if a != self.ep)
-            dense = GradReduction(product_axis(*batches), factor, batches)
-            experts = GradReduction(product_axis(*expert_batches), factor, expert_batches)
-            self._reductions = (dense, experts)
+            self._reductions = batch_reductions(self.batch_axes, self.ep)
         return self._reductions
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_gather_single, all_reduce
-from ..agreement import Found, Problem, global_rank
+from ..agreement import BIT, Found, Problem, global_rank
 from ..collectives.alltoall import exchanged_op
 from ..host import to_host
 from ..types import layout
@@ -66,7 +66,7 @@ from .routed import RoutedTokens
 from .permute import expert_major, scatter_rows, sort_by_expert, weighted_combine
 from .token_exchange import exchange_tokens
 
-__all__ = ["Capacity", "SyncFreeTransport", "layer_capacity", "slot_rows"]
+__all__ = ["Capacity", "SyncFreeTransport", "layer_capacity", "record_overflow", "slot_rows"]
 
 
 class Capacity(NamedTuple):
@@ -113,6 +113,17 @@ def layer_capacity(layer: Any, x: Any, x_TD: Optional[torch.Tensor], found: Foun
     most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
     all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
     return Capacity(int(to_host(most)[0]), layer.capacity_overflow)
+
+
+def record_overflow(layer: Any) -> None:
+    """A sync-free EP layer: read its overflow buffer (one host read) and record an overflow since the last
+    check as a ``capacity`` problem in its sticky flag, for the next step-boundary collective to raise on
+    every rank; any other layer: nothing."""
+    transport = layer.transport
+    if isinstance(transport, SyncFreeTransport):
+        message = transport.overflow_message(layer.capacity_overflow, f"MoE layer (sync-free EP over {layer.ep})")
+        if message is not None:
+            layer.problems.record(BIT["capacity"], layer.capacity_overflow.device, [message])
 
 
 @dataclass(frozen=True)
