@@ -8,7 +8,7 @@ agreement mechanism.
 
 from . import types
 from . import agreement, collectives, dtensor, moe, testing
-from .agreement import check_errors
+from .sticky import check_errors
 from .collectives import all_gather, all_reduce, all_to_all, exchange_counts, redistribute, reduce_scatter
 from .construct import from_local, padded_empty, shard
 from .meshes import init_mesh, product_axis

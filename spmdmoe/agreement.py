@@ -22,17 +22,17 @@ mode        how the row travels                             used by
             dict; each forward compares its input with the  ``exchange_counts``' width, host count lists,
             agreed layer, locally, free), or per call where ``spmdmoe.testing`` (``check_layout`` ...)
             the call syncs anyway
-(c) sticky  :class:`ProblemFlag` (one per MoE layer)     MoE layers without an exchange that spans
+(c) sticky  ``sticky.ProblemFlag`` (one per MoE layer)  MoE layers without an exchange that spans
             records this rank's bits on the device (no      them (single device, SP modes, EP with dp):
             sync); the flag rides the layer's bias-update   input problems, non-finite logits
-            count all-reduce, or :func:`check_errors`
+            count all-reduce, or ``sticky.check_errors``
             exchanges every flag (one all-reduce of
             ``world_size`` int64 and one host read); both
             raise on every rank
 ==========  ==============================================  ==========================================
 
 Cost of (c): nothing per forward but a few tiny device ops; the read costs one
-host sync, once per :func:`check_errors` call and once per
+host sync, once per ``check_errors`` call and once per
 ``update_expert_bias`` call. With checks off (:func:`spmdmoe.set_checks`), the
 layers record nothing, but every exchange above still runs with the same
 payload (its problem slots zero): a rank-local setting never decides whether a
@@ -45,14 +45,13 @@ layer, ``parallelize_moe``, ``load_state_dict`` and the sticky flags.
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from ._dist import all_gather_single, all_reduce
+from ._dist import all_gather_single
 from .host import to_host
 from .types.errors import (
     MoEConfigError,
@@ -66,7 +65,7 @@ from .types.errors import (
     SPMDShapeError,
     SPMDTokenCountError,
 )
-from .types.mesh import MeshAxis, MeshLike, mesh_axis
+from .types.mesh import MeshAxis, mesh_axis
 
 __all__ = [
     "KINDS",
@@ -76,10 +75,6 @@ __all__ = [
     "agree",
     "exchange_rows",
     "problems_error",
-    "ProblemFlag",
-    "Problem",
-    "check_errors",
-    "clear_all",
     "world_axis",
     "raise_problems",
     "alone",
@@ -284,142 +279,3 @@ def agree(
     if error is not None:
         raise error
     return table
-
-
-# ------------------------------------------------------------------ mode (c): sticky flags
-def _world() -> tuple[int, int]:
-    return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-
-
-class ProblemFlag:
-    """Mode (c): this rank's sticky problem bits, recorded without a sync, raised at an exchange.
-
-    Each MoE layer owns one (so its ``update_expert_bias`` raises exactly the
-    problems of the ranks it exchanges with); :func:`check_errors` exchanges
-    every flag of the process over the world. ``on_clear`` runs whenever the
-    flag is cleared after a raise (a layer drops the step's load counts).
-    """
-
-    def __init__(self, on_clear: Optional[Callable[[], object]] = None,
-                 home: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> None:
-        self._bits: dict[torch.device, torch.Tensor] = {}  # one int64 scalar per other device used
-        self.details: list[str] = []
-        self.on_clear = on_clear
-        self.home = home  # the owner's int64 scalar buffer (moves with it): recorded into with no new tensor
-        self.generation = 0  # how often it was cleared: a delayed read of older bits is stale after a clear
-        _flags.add(self)
-
-    def _home(self) -> Optional[torch.Tensor]:
-        return self.home() if self.home is not None else None
-
-    def _tensors(self) -> list[torch.Tensor]:
-        """The flag's storage; a meta layer's (a plan without data, nothing to read) is left out."""
-        home = self._home()
-        return [t for t in ([home] if home is not None else []) + list(self._bits.values()) if not t.is_meta]
-
-    def record(self, bits: Union[int, torch.Tensor], device: torch.device, details: Sequence[str] = ()) -> None:
-        """OR ``bits`` (a host int, or a device int64 scalar: no sync) into this rank's flag."""
-        if isinstance(bits, int) and not bits:
-            return
-        device = torch.device(device)
-        home = self._home()
-        # the home buffer first: a compiled forward records into it with no side effect on this object
-        own = home if home is not None and home.device == device else self._bits.get(device)
-        if own is None:
-            own = self._bits[device] = torch.zeros((), dtype=torch.int64, device=device)
-        own.bitwise_or_(bits)
-        self.details.extend(details)
-
-    def bits_into(self, out: torch.Tensor) -> None:
-        """OR this rank's bits into ``out`` (a device int64 tensor of one element): no sync."""
-        for own in self._tensors():
-            out.bitwise_or_(own.to(out.device))
-
-    def slots(self, device: torch.device) -> torch.Tensor:
-        """A ``(world_size,)`` int64 vector: this rank's bits in its own slot, zeros elsewhere.
-
-        Summed over any set of orthogonal axes, it gives every rank of their
-        product the bits of every rank of it (each slot has one contributor).
-        """
-        world, me = _world()
-        slots = torch.zeros(world, dtype=torch.int64, device=device)
-        self.bits_into(slots[me])
-        return slots
-
-    def raise_slots(self, op: str, slots: Sequence[int]) -> None:
-        """Raise the verdict of exchanged ``slots`` (host ints, one per global rank), clearing the flag first."""
-        _raise_and_clear(op, slots, [self])
-
-    def clear(self) -> None:
-        for own in self._tensors():
-            own.zero_()
-        self.details.clear()
-        self.generation += 1
-        if self.on_clear is not None:
-            self.on_clear()
-
-
-@dataclass
-class Problem:
-    """This rank's problem bits for one forward and the details only it can write.
-
-    ``bits`` is a host int, or a device int64 scalar once a device-side check
-    (non-finite logits) joined: reading it would sync, so only the transports
-    move it (into an exchange or the sticky flag).
-    """
-
-    bits: Union[int, torch.Tensor] = 0
-    details: list[str] = field(default_factory=list)
-    flag: Optional[ProblemFlag] = None  # where the bits are recorded when they are not raised at once
-
-    def record(self, bits: Union[int, torch.Tensor], device: torch.device) -> None:
-        if self.flag is not None:
-            self.flag.record(bits, device, self.details)
-
-
-_flags: "weakref.WeakSet[ProblemFlag]" = weakref.WeakSet()
-
-
-def _raise_and_clear(op: str, slots: Sequence[int], flags: Sequence[ProblemFlag]) -> None:
-    error = problems_error(op, slots, [d for flag in flags for d in flag.details])
-    if error is not None:
-        for flag in flags:
-            flag.clear()
-        raise error
-
-
-def check_errors(mesh: Optional[MeshLike] = None) -> None:
-    """Raise, on every rank at once, the problems any rank recorded since the last check.
-
-    A collective over ``mesh`` (default: the world): one all-reduce of
-    ``world_size`` int64 (every flag of this process OR-ed into this rank's
-    slot) and one host read (a sync). Call it where a step should fail if any
-    rank saw a problem its peers could not see, e.g. once per step before
-    ``optimizer.step()`` (each MoE layer's ``update_expert_bias`` does the
-    same for its own problems over its own axes), and at the end of an
-    evaluation pass. Without an initialised process group it reads this
-    process' flags. What was recorded is raised once, then cleared, and every
-    layer drops the load counts of the failed step.
-
-    >>> import spmdmoe
-    >>> spmdmoe.check_errors()   # nothing recorded: returns
-    """
-    if dist.is_initialized():
-        axis = world_axis() if mesh is None else mesh_axis(mesh)
-        device = axis.metadata_device()
-    else:
-        axis, device = None, torch.device("cpu")
-    flags = list(_flags)
-    world, _ = _world()
-    slots = torch.zeros(world, dtype=torch.int64, device=device)
-    for flag in flags:
-        slots.bitwise_or_(flag.slots(device))
-    if axis is not None:
-        all_reduce(slots, group=axis.group)
-    _raise_and_clear("check_errors", to_host(slots), flags)
-
-
-def clear_all() -> None:
-    """Forget every recorded problem of this process (tests use it to start clean)."""
-    for flag in list(_flags):
-        flag.clear()

@@ -5,7 +5,8 @@ import torch
 
 import spmdmoe
 from spmdmoe import MoEConfigError, SPMDDeviceError, SPMDLayoutError, SPMDShapeError, SPMDTokenCountError
-from spmdmoe.agreement import BIT, KINDS, Field, Found, ProblemFlag, agree, dtype_code, dtype_name, problems_error
+from spmdmoe.agreement import BIT, KINDS, Field, Found, agree, dtype_code, dtype_name, problems_error
+from spmdmoe.sticky import ProblemFlag
 from spmdmoe.host import host_sync_count
 from spmdmoe.testing import sync_error_mode
 

@@ -60,7 +60,7 @@ from typing import Any, Literal, Optional
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 try:
     from torchtitan.models.common.feed_forward import FeedForward as _TTFeedForward
@@ -74,7 +74,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "spmdmoe.integrations.torchtitan needs torchtitan 0.3.0 (Python >= 3.11): "
         'pip install "spmdmoe[torchtitan]"') from e
 
-from .. import agreement
+from ..sticky import check_errors
 from .._dist import all_reduce
 from ..moe import MoE, MoEConfig, ParallelMoE, parallelize_moe
 from ..moe.checkpoint import expert_layout
@@ -438,7 +438,7 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         _STEPPER[:] = [weakref.ref(optimizer)]
     elif stepper is not optimizer:
         return
-    agreement.check_errors()
+    check_errors()
     for layer in _live():
         sp = getattr(layer.layer, "sp", None)
         if sp is not None and sp.size > 1:

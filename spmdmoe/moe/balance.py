@@ -45,7 +45,8 @@ from typing import Any, Sequence
 import torch
 
 from .._dist import all_reduce
-from ..agreement import ProblemFlag, alone
+from ..agreement import alone
+from ..sticky import ProblemFlag
 from ..autograd import GRAD_LEAF
 from ..host import to_host
 from ..types.checks import checks_enabled

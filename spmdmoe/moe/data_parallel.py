@@ -38,7 +38,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._dist import all_gather_single, all_reduce
-from ..agreement import BIT, ProblemFlag
+from ..agreement import BIT
+from ..sticky import ProblemFlag
 from ..types.errors import SPMDLayoutError, SPMDMeshError
 from ..types.mesh import MeshAxis
 from .flat import flatten, split_as

@@ -35,7 +35,8 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from ..agreement import GRAD_OFF, Problem, grad_mode_codes, raise_problems
+from ..agreement import GRAD_OFF, grad_mode_codes, raise_problems
+from ..sticky import Problem
 from ..collectives.alltoall import exchange_split_sizes, exchanged_op
 from ..types.mesh import MeshAxis
 from .routed import RoutedTokens
@@ -62,7 +63,7 @@ class Transport(Protocol):
             ids_TK: int64 ``(T, K)``: the global expert id (``0 <= id < E``) of each row's ``k``-th copy;
                 a row's ``K`` ids are distinct.
             problem: this rank's problem bits of this forward (a bad input, non-finite logits) and the
-                layer's sticky flag (``spmdmoe.agreement.Problem``); carried or recorded, never dropped.
+                layer's sticky flag (``spmdmoe.sticky.Problem``); carried or recorded, never dropped.
                 ``None``: no problem.
             capacity: ``sync_free.Capacity`` (``T_max``, a host int the same on every rank of the EP
                 group, and the layer's int64 ``(4,)`` overflow buffer); required by ``SyncFreeTransport``,
@@ -108,7 +109,7 @@ def _fan_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tupl
 class LocalTransport:
     """Every expert lives on this rank: sort, group, and un-sort. No communication, no sync.
 
-    ``problem`` bits are recorded in the layer's sticky flag (``spmdmoe.agreement.ProblemFlag``).
+    ``problem`` bits are recorded in the layer's sticky flag (``spmdmoe.sticky.ProblemFlag``).
     """
 
     def __init__(self, num_experts: int):

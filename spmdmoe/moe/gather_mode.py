@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..agreement import Found, Problem
+from ..agreement import Found
+from ..sticky import Problem
 from ..collectives import all_gather, reduce_scatter
 from ..types import layout
 from ..types.placement import Partial, Shard

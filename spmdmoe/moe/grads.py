@@ -29,7 +29,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._dist import all_reduce
-from ..agreement import BIT, Field, Found, ProblemFlag, agree
+from ..agreement import BIT, Field, Found, agree
+from ..sticky import ProblemFlag
 from ..collective_check import check_collective
 from ..meshes import product_axis
 from ..types.checks import checks_mode

@@ -24,7 +24,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..agreement import BIT, Problem, ProblemFlag
+from ..agreement import BIT
+from ..sticky import Problem, ProblemFlag
 from ..types.checks import checks_enabled
 from ..types.errors import SPMDDtypeError, SPMDShapeError
 from ..types.mesh import MeshAxis

@@ -48,7 +48,8 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from ..agreement import Found, Problem, alone, check_errors, raise_problems
+from ..agreement import Found, alone, raise_problems
+from ..sticky import Problem, check_errors
 from ..collective_check import check_collective
 from ..stand_in import stand_in
 from ..types.checks import checks_enabled, checks_mode

@@ -43,7 +43,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..agreement import BIT, GRAD_OFF, ProblemFlag, grad_mode_codes, problems_error
+from ..agreement import BIT, GRAD_OFF, grad_mode_codes, problems_error
+from ..sticky import ProblemFlag
 from ..host import DelayedRead, tracing
 from ..types.mesh import MeshAxis
 

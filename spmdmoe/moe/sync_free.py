@@ -57,7 +57,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_gather_single, all_reduce
-from ..agreement import BIT, Found, Problem, global_rank
+from ..agreement import BIT, Found, global_rank
+from ..sticky import Problem
 from ..collectives.alltoall import exchanged_op
 from ..host import to_host
 from ..types import layout

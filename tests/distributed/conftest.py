@@ -91,7 +91,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _no_recorded_problems():
     """Every test starts with no recorded problems (spmdmoe.agreement's sticky flags are per process)."""
-    from spmdmoe.agreement import clear_all
+    from spmdmoe.sticky import clear_all
 
     clear_all()
 

@@ -338,7 +338,7 @@ def test_check_layout_catches_local_constructors(world, device):
 @pytest.mark.timeout(60)
 def test_check_errors_is_collective_and_clears(world, device):
     """Mode (c) on its own: a problem recorded on one rank, raised by check_errors on every rank."""
-    from spmdmoe.agreement import ProblemFlag
+    from spmdmoe.sticky import ProblemFlag
 
     flag = ProblemFlag()
     if dist.get_rank() == 1 % world.size():

@@ -11,7 +11,8 @@ import torch
 
 import spmdmoe
 from spmdmoe import SPMDShapeError
-from spmdmoe.agreement import BIT, Problem, ProblemFlag
+from spmdmoe.agreement import BIT
+from spmdmoe.sticky import Problem, ProblemFlag
 from spmdmoe.moe import AllToAllTransport, LocalTransport
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
 
