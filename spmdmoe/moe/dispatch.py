@@ -36,8 +36,8 @@ from typing import Any, Optional, Protocol
 import torch
 
 from ..agreement import GRAD_OFF, grad_mode_codes, raise_problems
-from ..sticky import Problem
 from ..collectives.alltoall import exchange_split_sizes, exchanged_op
+from ..sticky import Problem
 from ..types.mesh import MeshAxis
 from .routed import RoutedTokens
 from .sync_free import SyncFreeTransport

@@ -30,9 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._dist import all_reduce
 from ..agreement import BIT, Field, Found, agree
-from ..sticky import ProblemFlag
 from ..collective_check import check_collective
 from ..meshes import product_axis
+from ..sticky import ProblemFlag
 from ..types.checks import checks_mode
 from ..types.errors import SPMDLayoutError
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis

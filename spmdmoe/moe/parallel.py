@@ -49,9 +49,9 @@ from typing import Literal, Optional, Union
 import torch
 
 from ..agreement import Found, alone, raise_problems
-from ..sticky import Problem, check_errors
 from ..collective_check import check_collective
 from ..stand_in import stand_in
+from ..sticky import Problem, check_errors
 from ..types.checks import checks_enabled, checks_mode
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshAxis, MeshLike
