@@ -74,7 +74,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "spmdmoe.integrations.torchtitan needs torchtitan 0.3.0 (Python >= 3.11): "
         'pip install "spmdmoe[torchtitan]"') from e
 
-from ..sticky import check_errors
 from .._dist import all_reduce
 from ..moe import MoE, MoEConfig, ParallelMoE, parallelize_moe
 from ..moe.checkpoint import expert_layout
@@ -82,6 +81,7 @@ from ..moe.experts import GroupedExperts, SharedExperts
 from ..moe.layer import _Layer
 from ..moe.router import Router
 from ..construct import from_local
+from ..sticky import check_errors
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshLike
 from ..types.tensor import SPMDTensor
