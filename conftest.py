@@ -8,4 +8,5 @@ import importlib.util
 
 collect_ignore = []
 if importlib.util.find_spec("torchtitan") is None:
-    collect_ignore += ["spmdmoe/integrations/torchtitan.py", "tests/torchtitan_parallelize.py"]
+    collect_ignore += ["spmdmoe/integrations/torchtitan.py", "spmdmoe/integrations/torchtitan_modules.py",
+                       "tests/torchtitan_parallelize.py"]
