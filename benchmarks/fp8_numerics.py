@@ -2,7 +2,8 @@
 
     python benchmarks/fp8_numerics.py [--out FILE] [--smoke]
 
-Legend: ``M`` rows per expert, ``e`` experts, ``D`` model dim, ``F`` expert hidden dim, ``R = e * M`` rows.
+Legend: ``M`` rows per expert, ``e`` experts, ``D`` model dim, ``F`` expert hidden dim, ``R = e * M`` rows;
+a GEMM's ``I`` / ``O`` input and output width, ``A`` / ``B`` a weight gradient's operand widths.
 
 Hopper's FP8 tensor cores keep partial sums in reduced precision unless the GEMM promotes them to fp32 at
 intervals (``use_fast_accum=False``); the error of fast accumulation grows with the reduction length: the
@@ -74,8 +75,8 @@ def gemm_study(D: int, F: int, M: int, e: int, dev: str) -> list[tuple]:
     o = operands(D, F, [M] * e, dev, seed=M + D)
     q, R = o.q, e * M
 
-    def per_group(a_RK: torch.Tensor, w_eNK: torch.Tensor) -> torch.Tensor:  # fp64 a @ w[g]^T per group
-        return torch.bmm(a_RK.double().view(e, M, -1), w_eNK.double().transpose(1, 2)).reshape(R, -1)
+    def per_group(a_RI: torch.Tensor, w_eOI: torch.Tensor) -> torch.Tensor:  # fp64 a @ w[g]^T per group
+        return torch.bmm(a_RI.double().view(e, M, -1), w_eOI.double().transpose(1, 2)).reshape(R, -1)
 
     def t_bmm(a_RA: torch.Tensor, b_RB: torch.Tensor) -> torch.Tensor:  # fp64 a[g]^T @ b[g] per group
         return torch.bmm(a_RA.double().view(e, M, -1).transpose(1, 2), b_RB.double().view(e, M, -1))

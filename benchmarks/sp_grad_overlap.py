@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 benchmarks/sp_grad_overlap.py --smoke           # CPU/gloo, tiny, no timing
     torchrun --nproc-per-node 2 benchmarks/sp_grad_overlap.py --same-gpu        # gloo, every rank on cuda:0
 
-``--same-gpu`` checks the CUDA stream handling of the anchors with one GPU: the dense blocks only
+``--same-gpu`` checks the CUDA stream handling of the joins with one GPU: the dense blocks only
 (gloo carries CUDA all-reduces, not the MoE layer's collectives), fp32, D=1024, 4096 rows per rank;
 a sum read before its copy back from gloo would give different gradients.
 
@@ -17,13 +17,13 @@ ranks, one fwd+bwd step each:
 * ``no SP sums``: the same compute with every SP sum switched off (wrong gradients): the floor;
 * ``wait at use``: ``grad_overlap = False``, ``replicate_grads(overlap=False)``: each sum blocks the
   backward where it is made (before this work);
-* ``layer anchor``: the default: each MoE layer's sums wait at the layer's input;
-* ``block anchor``: ``overlap_grads`` on every block: they wait at the block's input, behind the
+* ``layer join``: the default: each MoE layer's sums wait at the layer's input;
+* ``block join``: ``overlap_grads`` on every block: they wait at the block's input, behind the
   dense stand-in's backward.
 
 Exposed communication = step - floor; the all-reduce of the same bytes alone is timed too, so
 ``hidden = 1 - exposed / alone``. Before the timing, the three real candidates' gradients are
-compared: within ``1e-5`` (fp32) or ``3e-2`` (bf16) of the largest, as an anchor's join changes the
+compared: within ``1e-5`` (fp32) or ``3e-2`` (bf16) of the largest, as a join changes the
 order in which autograd adds up an input's gradient (the SP sums themselves are the same ``a + b``).
 """
 
@@ -43,7 +43,7 @@ import torch.nn as nn
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, overlap_grads, parallelize_moe, replicate_grads
 
-MODES = ("no SP sums", "wait at use", "layer anchor", "block anchor")
+MODES = ("no SP sums", "wait at use", "layer join", "block join")
 
 
 class Block(nn.Module):
@@ -76,7 +76,7 @@ def build(cfg: MoEConfig, layers: int, mode: str, dtype: torch.dtype, device: to
             if mode == "no SP sums":
                 moe.sp_synced, moe.experts.grad_axis = (), None
             moe.grad_overlap = mode != "wait at use"
-        blocks.append(overlap_grads(block) if mode == "block anchor" else block)
+        blocks.append(overlap_grads(block) if mode == "block join" else block)
     return nn.ModuleList(blocks)
 
 
@@ -150,7 +150,7 @@ def main() -> None:
     floor = t["no SP sums"]
     lines = [f"device: {n}x {torch.cuda.get_device_name()}, torch {torch.__version__}, SP={n} (local, no EP), "
              f"D={D} F={F} E={E} K={K}, T/rank={T}, {L} blocks, bf16; SP sums {numel * 2 / 2**30:.2f} GiB per step, "
-             f"all-reduced alone {alone:.3f} ms; gradients equal across anchorings: {ok} (bitwise {bitwise})",
+             f"all-reduced alone {alone:.3f} ms; gradients equal across the three waits: {ok} (bitwise {bitwise})",
              "", "| candidate | step ms | exposed comm ms | hidden |", "|---|---|---|---|"]
     for mode, ms in t.items():
         exposed = ms - floor

@@ -12,6 +12,7 @@ from .sticky import check_errors
 from .collectives import all_gather, all_reduce, all_to_all, exchange_counts, redistribute, reduce_scatter
 from .construct import from_local, padded_empty, shard
 from .meshes import init_mesh, product_axis
+from .moe.routed import RoutedTokens
 from .shutdown import shutdown
 from .types import *  # noqa: F401,F403
 from .types import __all__ as _types_all
@@ -38,5 +39,6 @@ __all__ = [
     "shard",
     "init_mesh",
     "product_axis",
+    "RoutedTokens",
     *_types_all,
 ]

@@ -18,10 +18,9 @@ per rank).
 
 from __future__ import annotations
 
-import contextlib
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, Type
+from typing import Any, Callable, Optional, Sequence, Type
 
 import torch
 import torch.distributed as dist
@@ -144,14 +143,6 @@ def assert_raises_everywhere(
         )
     assert caught is not None
     return caught
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Fork the CPU RNG with a fixed seed (same values on every rank)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 def sync_error_mode(fn: Callable[[], Any]) -> Any:

@@ -1,7 +1,8 @@
 """Per-group columnwise FP8 quantization of the two wgrad operands into a 16-row-aligned layout; hot groups split.
 
 Legend: ``R`` rows in the buffer (expert-major, a capacity), ``A`` / ``B`` the
-columns of the two operands, ``e`` groups (local experts), ``P`` padded rows.
+columns of the two operands (``C``: either one's, in the reference), ``e`` groups (local experts), ``P``
+padded rows.
 
 The weight gradient of an expert is ``a[g]^T @ b[g]`` over the rows of its
 group ``g`` (``rows [offsets[g-1], offsets[g])``): ``(grad_out, x)`` of the

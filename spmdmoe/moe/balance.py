@@ -23,7 +23,7 @@ syncs twice on CUDA).
   (``expert_bias`` stays fp32 whatever the module's dtype). The summed counts
   are the same integers on every rank, so ``expert_bias`` stays bitwise
   identical everywhere. The all-reduce also carries every rank's sticky
-  problem flag (``spmdmoe.agreement``, mode (c)); the update reads it back
+  problem flag (``spmdmoe.sticky``, mode (c)); the update reads it back
   (one host sync per call) and raises on every rank if any rank recorded a
   problem during the step, before touching the bias.
 * aux loss ``coeff * E * sum_e f_e * P_e``, per batch (the layer's "aux

@@ -10,7 +10,7 @@ DTensor over the axes it is split on, with its global shape (``w1``/``w3``
 both on a 2-D mesh for both. ``torch.distributed.checkpoint`` then writes every
 expert once (plain local tensors under global names would be deduplicated to
 one rank's copy). Dense weights are replicated and stay plain tensors. Under
-FSDP2 (``data_parallel.fully_shard_moe``) the experts' DP shards are gathered
+FSDP2 (``fsdp.fully_shard_moe``) the experts' DP shards are gathered
 first (one all-gather over the DP group per weight: the checkpoint is the same
 as without FSDP); dense weights stay FSDP's DTensors, which DCP reads natively.
 

@@ -2,7 +2,7 @@
 
 Legend: ``T`` tokens routed here, ``D`` model dim, ``K`` top-k, ``N = T*K``
 routed copies, ``E`` experts, ``e`` local experts, ``n`` EP ranks, ``R`` rows
-received by this rank's experts.
+received by this rank's experts, ``S`` rows of one sync-free (source, destination) slot.
 
 =====================  ============================  ====================================  ==========
 transport              a layer with                  collectives per forward (over EP)     host syncs
@@ -19,7 +19,7 @@ expert (``permute.sort_by_expert``); the EP ones turn the rows they receive
 (source-major) into the experts' order (expert-major) with one index builder,
 ``permute.expert_major``. Backward: the same moves reversed, on every rank alike.
 
-``problem`` (``spmdmoe.agreement``): ``AllToAllTransport`` carries the bits in
+``problem`` (``spmdmoe.sticky``): ``AllToAllTransport`` carries the bits in
 its count exchange (mode (a)): when its EP axis spans every rank the layer
 talks to, every rank raises right there; otherwise each rank records its own
 bits in the sticky flag (mode (c)) and the step goes on, so that no rank
@@ -49,7 +49,8 @@ __all__ = ["Transport", "LocalTransport", "AllToAllTransport", "transport_for"]
 class Transport(Protocol):
     """Moves each routed copy to the rank of its expert and the experts' output rows back (the module table).
 
-    The arguments, as DeepEP's ``Buffer.dispatch`` / ``combine`` state theirs:
+    Each method's docstring states every argument's shape, dtype and meaning, as DeepEP's ``Buffer.dispatch``
+    / ``combine`` do.
     """
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
@@ -208,7 +209,6 @@ class AllToAllTransport:
         y_recv = scatter_rows(y_RD, ex.read_R.view(-1, 1))
         y_ND = exchanged_op(y_recv, ex.recv, ex.send, self.axis, 0)
         return weighted_combine(y_ND, ex.pos_TK, weights_TK)
-
 
 
 def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k: int,

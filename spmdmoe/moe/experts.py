@@ -2,7 +2,7 @@
 
 Legend: ``R`` routed rows received by this rank's experts, ``T`` local tokens,
 ``D`` model dim, ``F`` expert hidden dim (this rank's slice of it under
-tensor-parallel experts), ``E`` experts, ``e`` local experts, ``H`` the shared experts'
+tensor-parallel experts), ``E`` experts, ``e`` local experts, ``K`` top-k, ``H`` the shared experts'
 hidden dim (``num_shared_experts * F``).
 
 Expert math (torchtitan's): ``y = w2 @ (silu(w1 @ x) * (w3 @ x))``. The routed

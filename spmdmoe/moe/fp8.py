@@ -1,6 +1,6 @@
 """FP8 rowwise routed experts (``MoEConfig(expert_precision="fp8_rowwise")``).
 
-Legend: ``R`` routed rows in the buffer, ``D`` model dim, ``F`` expert hidden
+Legend: ``T`` tokens, ``K`` top-k, ``R`` routed rows in the buffer, ``D`` model dim, ``F`` expert hidden
 dim (this rank's slice), ``e`` local experts, ``P`` rows of the 16-aligned
 wgrad layout (:func:`spmdmoe.kernels.fp8_cols.padded_rows`), ``M`` rows of a GEMM, ``I`` / ``O`` a
 projection's input (reduced) and output width (as in ``gemm.py``), ``A`` / ``B`` the widths of a weight

@@ -2,8 +2,8 @@
 slice of every expert's hidden units (tensor-parallel experts), then the partial outputs are summed back
 onto each rank's own rows.
 
-Legend: ``T`` global tokens of the SP input, ``D`` model dim, ``F`` expert hidden dim (split over SP by the
-chunk rule).
+Legend: ``T`` tokens (the SP input's global rows once gathered; after the reduce-scatter, this rank's own),
+``D`` model dim, ``F`` expert hidden dim (split over SP by the chunk rule).
 
 Per forward: the token exchange (``token_exchange.py``: the agreed ``T``), an all-gather of the ``T`` rows
 (``Shard -> Replicate``), the layer's pipeline (route, dispatch, experts, combine) on all of them with the

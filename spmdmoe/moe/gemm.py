@@ -1,7 +1,7 @@
 """The grouped GEMM seam: ``y[rows of group g] = x[rows] @ w[g].T``.
 
-Legend: ``M`` rows, ``I`` input (reduction) dim, ``O`` output dim, ``e`` groups
-(not ``K``/``N``: in MoE code those are top-k and routed copies).
+Legend: ``M`` rows, ``I`` input (reduction) dim, ``O`` output dim, ``e`` groups, ``F`` the experts'
+hidden dim (``h13`` is ``2F`` wide) (not ``K``/``N``: in MoE code those are top-k and routed copies).
 
 On aligned shapes this is ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``
 on torch 2.11) with the device-resident group offsets: no host sync, no

@@ -94,7 +94,7 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
     train leaves them waiting in backward, unless the layer around the call
     carries it (``spmdmoe.moe.ride``, the EP count exchange); the collective-checking mode
     (``spmdmoe.set_checks("collectives")``) compares it and the set on every
-    call. Inside an
+    call. Inside a
     joined call covering ``tensors`` (``spmdmoe.moe.overlap``) the sum is
     launched asynchronously and waited for at the call's input.
 

@@ -64,7 +64,7 @@ class _Layer(nn.Module):
         counts = torch.zeros(config.num_experts, dtype=torch.int64, device=expert_bias.device)
         self.register_buffer("tokens_per_expert", counts, persistent=False)
         self.aux_loss: Optional[torch.Tensor] = None
-        # problems recorded for the step boundary (spmdmoe.agreement); a failed step's load counts are dropped
+        # problems recorded for the step boundary (spmdmoe.sticky); a failed step's load counts are dropped
         self.register_buffer("problem_bits", torch.zeros((), dtype=torch.int64, device=expert_bias.device),
                              persistent=False)  # the sticky flag's storage on the layer's device
         counter = weakref.ref(self)
@@ -122,7 +122,7 @@ class _Layer(nn.Module):
         hook), on every rank of the layer's load axes, before the optimizer
         step. Without ``load_balance_coeff`` it only sums and resets the
         counts. It also raises, on every rank, any problem a rank recorded
-        during the step (``spmdmoe.agreement``: one host sync per call).
+        during the step (``spmdmoe.sticky``: one host sync per call).
         """
         coeff = self.config.load_balance_coeff
         return balance.update_expert_bias(self.expert_bias, self.tokens_per_expert, coeff or 0.0, self.load_axes,

@@ -12,12 +12,12 @@ Only then do the parameters receive their sums, through autograd
 in the same backward:
 
 ====================  ===============================================================
-forward               ``x' , token = Join(x, *params)`` at the call's start; every
+forward               ``x' , token = _JoinNode(x, *params)`` at the call's start; every
                       ``sync_grads`` inside takes ``token`` as an input
 backward, at a use    ``sync_grads`` node: its fresh gradients, one buffer per dtype
                       (the bucket), all-reduced with ``async_op=True``; nothing
                       returned to the parameters
-backward, at ``x``    ``Join`` (runs after every use: each depends on ``token``):
+backward, at ``x``    ``_JoinNode`` (runs after every use: each depends on ``token``):
                       waits, returns ``dx`` and each parameter's sum, cast to its dtype
 ====================  ===============================================================
 
@@ -185,7 +185,7 @@ def inside_fsdp_unit(root: nn.Module, name: str) -> bool:
 
 
 def call_joined(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  params: Callable[[], Sequence[torch.Tensor]]) -> Any:
+                params: Callable[[], Sequence[torch.Tensor]]) -> Any:
     """``fn(*args, **kwargs)`` as a joined call on its first tensor (or ``SPMDTensor``) argument,
     deferring the reductions of ``params()`` (not called under ``torch.compile``)."""
     i = next((i for i, a in enumerate(args) if isinstance(a, (torch.Tensor, SPMDTensor))), None)

@@ -2,7 +2,7 @@
 
 Legend: ``T`` local valid tokens, ``D`` model dim, ``F`` expert hidden dim,
 ``E`` experts, ``e = E / ep`` local experts, ``K`` top-k, ``R`` rows received
-by the local experts.
+by the local experts, ``n`` EP ranks, ``S`` rows of one sync-free slot.
 
 =====================  =========================================  ============================
 plan                   forward                                    parameters
@@ -257,18 +257,24 @@ class ParallelMoE(_Layer):
     _spmdmoe_sync_params = sp_sync_params  # what overlap.sync_params asks
 
     def forward(self, x: Input) -> Input:
-        """One MoE call, stage by stage: (1) accept this rank's input (``accept.py``; a bad one is found, never
-        raised alone); (2) in gather mode, agree on ``T`` and all-gather the rows (``gather_mode.py``), else
-        size the sync-free capacity (``sync_free.layer_capacity``); (3) route, dispatch, experts, combine
-        (``_Layer._pipeline``: ``router.py``, the transport of ``dispatch.py`` / ``sync_free.py``,
-        ``experts.py``), joined so that the SP gradient sums overlap the backward (``overlap.py``); (4) in
-        gather mode reduce-scatter, then add the shared experts; (5) return the rows in the input's layout, or
-        on a rank whose input was bad the stand-in (``spmdmoe.stand_in``)."""
+        """One MoE call; each numbered stage below is a call into the file that owns it.
+
+        1. Accept this rank's input (``accept.py``): a bad one is found here, never raised alone.
+        2. Tokens in. Gather mode: the SP axis agrees on ``T`` (``gather_mode.gather_input``). Local mode:
+           the sync-free capacity is sized (``sync_free.layer_capacity``), and a layer without EP whose ``T``
+           exchange only carries the ride runs it (``token_exchange.py``).
+        3. Route -> dispatch -> experts -> combine (``layer.py:_Layer._pipeline``: ``router.py``, the
+           transport of ``dispatch.py`` / ``sync_free.py``, ``experts.py``), plus the shared experts; in
+           gather mode between an all-gather and a reduce-scatter (``gather_mode.gathered``). Joined, so the
+           SP gradient sums overlap the backward (``overlap.call_joined``).
+        4. Output: the rows in the input's layout, or on a rank whose input was bad the stand-in
+           (``spmdmoe.stand_in``)."""
         axis = self.sp if self.sp is not None else self.ep
         if axis is not None and checks_mode() == "collectives":  # train / eval and grad mode decide collectives
             check_collective("MoE layer", axis, None, None, {"training": self.training})
         if self._ride is not None:
             self._ride.surface()
+        # 1. accept
         found = Found()
         x_TD = (accept(x, found, sp=self.sp, ep=self.ep, dim=self.config.dim, dtype=self.compute_dtype(),
                        device=self.expert_bias.device) if checks_enabled()
@@ -276,18 +282,22 @@ class ParallelMoE(_Layer):
         if found and alone():  # the only process of the job: nobody to leave waiting
             raise_problems("MoE layer", [found.bits], found.details)
         if self.sp is not None and self.sp_mode == "gather":
+            # 2. tokens in; 3. all-gather, pipeline, reduce-scatter, shared experts
             problem = Problem(found.bits, found.details)
             h, T = gather_input(self, x, found)
             out_TD = call_joined(lambda h: gathered(self, h, T, problem), (h,), {}, self.sp_sync_params)
         else:
+            # 2. tokens in
             if self._ride is not None and self.ep is None:  # the exchange only carries the ride (T not needed)
                 exchange_tokens(x, found, self.sp, self._ride)
             capacity = layer_capacity(self, x, None if found else x_TD, found)
             problem = Problem(found.bits, found.details)
             if found:  # stand in zero rows: the same collectives as the peers, nothing routed
                 x_TD = self._zero_rows(0)
+            # 3. pipeline, shared experts
             out_TD = call_joined(lambda x_TD: self._local(x_TD, problem, capacity), (x_TD,), {},
-                                   self.sp_sync_params)
+                                 self.sp_sync_params)
+        # 4. output
         if self._ride is not None:
             out_TD = self._ride.on_backward(out_TD)
         if found:

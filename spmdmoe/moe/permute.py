@@ -2,7 +2,8 @@
 
 Legend: ``T`` tokens, ``K`` top-k, ``N = T*K`` routed copies, ``D`` model dim,
 ``R`` rows of a buffer (``R >= N``; more for a capacity-sized one), ``M`` / ``J``
-source rows and copies per source row of a generic move.
+source rows and copies per source row of a generic move, ``E`` experts, ``e`` local experts, ``n`` EP
+ranks (the sources of received rows), ``S`` rows of one sync-free slot.
 
 Both moves are described by one map, ``index_MJ[s, j]``: the row where the
 ``j``-th copy of source row ``s`` sits (for the dispatch, ``pos_TK``). The
@@ -10,7 +11,8 @@ fan-out writes each source row into its ``J`` slots; its backward sums the
 ``J`` slots back (fp32). The combine sums a token's ``K`` slots with the
 routing weights (fp32); its backward fans the gradient out with the weights
 and dots it with the rows for the weights' gradient. Every output row is
-written by exactly one program: no scatter-add, no atomics, deterministic.
+written by exactly one program: no floating-point scatter-add, no atomics, deterministic (the
+integer counts of ``count_per_expert`` and the index maps use ``scatter_``).
 The work is done by :mod:`spmdmoe.kernels` (Triton on CUDA, the plain-torch
 references elsewhere).
 """

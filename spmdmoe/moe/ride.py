@@ -35,6 +35,8 @@ stale (``ProblemFlag.generation``). Only for a layer whose SP axis is the
 whole job (no dp; no EP or EP on the SP axis): a verdict over SP alone would
 leave other replicas waiting. Eager only (no host read under ``torch.compile``
 or CUDA graph capture; the exchange itself still runs).
+
+Legend: ``T`` this rank's tokens, ``D`` model dim.
 """
 
 from __future__ import annotations

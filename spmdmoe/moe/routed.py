@@ -1,7 +1,7 @@
 """``RoutedTokens``: the dispatcher's output, rows grouped by local expert.
 
-Legend: ``R`` rows in the buffer (routed copies received by this rank's
-experts), ``D`` model dim, ``e`` local experts.
+Legend: ``T`` tokens routed here, ``K`` top-k, ``R`` rows in the buffer (routed copies received by this
+rank's experts), ``D`` model dim, ``e`` local experts.
 
 A transport (``spmdmoe.moe.dispatch``, ``spmdmoe.moe.sync_free``) turns ``(x_TD, ids_TK)`` into a
 ``RoutedTokens`` and ``combine`` turns the experts' output rows back into the

@@ -3,7 +3,7 @@
 Legend: ``T`` tokens routed here, ``D`` model dim, ``K`` top-k, ``E`` experts,
 ``e`` local experts, ``n`` EP ranks, ``S`` rows of one (source, destination)
 slot, ``Q = n*S`` rows of a send or receive buffer and of the experts'
-capacity buffer.
+capacity buffer, ``R`` the experts' rows (``RoutedTokens.x_RD``: here ``R = Q``).
 
 The sync transport (``AllToAllTransport``) reads the split sizes on the host
 once per forward. This one never does: every size is a host int fixed before

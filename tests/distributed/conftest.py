@@ -90,7 +90,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _no_recorded_problems():
-    """Every test starts with no recorded problems (spmdmoe.agreement's sticky flags are per process)."""
+    """Every test starts with no recorded problems (spmdmoe.sticky's flags are per process)."""
     from spmdmoe.sticky import clear_all
 
     clear_all()
