@@ -1,6 +1,6 @@
 """The SP layer's token exchange: the global token count ``T`` every SP rank agrees on, in one all-gather.
 
-Legend: ``T`` global tokens of the SP input, ``n`` SP ranks.
+Legend: ``T`` global tokens of the SP input.
 
 Made by gather mode (it gathers ``T`` rows), by sync-free EP on the SP axis (its capacity is sized from
 ``T``) and by a layer that carries the ride (``ride.py``: deferred problems and grad mode ride the same
