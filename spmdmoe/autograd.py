@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["GRAD_LEAF", "differentiable", "collective_op", "always_recorded"]
+__all__ = ["GRAD_LEAF", "differentiable", "collective_op", "always_recorded", "written"]
 
 GRAD_LEAF = torch.zeros(0, requires_grad=True)
 
@@ -79,3 +79,16 @@ def always_recorded(local: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (local.is_floating_point() or local.is_complex()):
         return _AlwaysRecorded.apply(local, GRAD_LEAF)
     return local
+
+
+def written(t: torch.Tensor) -> torch.Tensor:
+    """``t``, a tensor an op allocated and then wrote in place (a collective's output), as the op returns it:
+    itself eagerly, a view of it while tracing.
+
+    An ``autograd.Function`` forward that returns a tensor it wrote in place returns the very tensor of the
+    pre-write intermediate, and torch 2.11's Dynamo records that intermediate as a second output of the
+    forward; both are one tensor, so autograd routes the function's gradient to the wrong output and the
+    inputs get zeros (pytorch/pytorch#180642, fixed in torch 2.12 by pytorch/pytorch#180921). A view is a tensor
+    of its own. ``tests/distributed/test_compile_moe.py`` checks every plan's gradients on the torch in use.
+    """
+    return t.view_as(t) if torch.compiler.is_compiling() else t

@@ -56,12 +56,6 @@ def _run(block: nn.Module, fn, total: int, seed: int):
     return [y.detach(), x.grad, block.moe.aux_loss.detach()] + [p.grad for p in block.parameters()]
 
 
-OLD_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
-
-
-@pytest.mark.skipif(OLD_TORCH, reason="torch < 2.13: on the GPU host's torch 2.11 the CPU fp32 input gradient of "
-                    "the eager and the compiled block differ by up to 2e-3 relative (cause not established); "
-                    "the CUDA test below covers that host")
 @pytest.mark.parametrize("backend,dynamic,checkpointed", [
     ("aot_eager", True, False), ("inductor", True, False), ("aot_eager", None, False), ("aot_eager", True, True),
 ])

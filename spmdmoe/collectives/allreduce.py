@@ -10,7 +10,7 @@ from .._dist import all_reduce as _dist_all_reduce
 from ..types.mesh import MeshAxis, MeshLike
 from ..types.placement import Partial, Replicate
 from ..types.tensor import SPMDTensor
-from ..autograd import collective_op
+from ..autograd import collective_op, written
 from ._common import expect, result
 
 
@@ -19,7 +19,7 @@ def summed(local: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
     out = local.clone(memory_format=torch.contiguous_format)
     if out.numel():
         _dist_all_reduce(out, group=axis.group)
-    return out
+    return written(out)
 
 
 class _AllReduce(torch.autograd.Function):

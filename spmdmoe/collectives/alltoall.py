@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_to_all_single
 from ..agreement import BIT, Field, Found, agree, raise_problems
-from ..autograd import always_recorded, collective_op
+from ..autograd import always_recorded, collective_op, written
 from ..host import to_host
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Varying
@@ -35,7 +35,7 @@ def exchanged(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshA
     rows = rows_view(local, dim)
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
     all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send, group=axis.group)
-    return restore_dim(out, dim)
+    return restore_dim(written(out), dim)
 
 
 class _AllToAll(torch.autograd.Function):

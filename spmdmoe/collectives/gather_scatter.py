@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from .._dist import all_gather_single, reduce_scatter_list, reduce_scatter_single
-from ..autograd import collective_op
+from ..autograd import collective_op, written
 from ..types import layout
 from ..types.mesh import MeshAxis, MeshLike
 from ..types.placement import Partial, Replicate, Shard
@@ -58,7 +58,7 @@ def gather_padded(local: torch.Tensor, buffer: Optional[torch.Tensor], axis: Mes
         else:
             send = padded_rows(rows, p)
         all_gather_single(out, send, group=axis.group)
-    return restore_dim(out, dim)
+    return restore_dim(written(out), dim)
 
 
 def scatter_block(local: torch.Tensor, axis: MeshAxis, total: int, dim: int) -> torch.Tensor:
@@ -82,7 +82,7 @@ def scatter_block(local: torch.Tensor, axis: MeshAxis, total: int, dim: int) -> 
     else:
         counts = layout.chunk_counts(total, n)
         reduce_scatter_list(block[: counts[axis.rank]], list(rows.split(counts)), group=axis.group)
-    return restore_dim(block, dim)
+    return restore_dim(written(block), dim)
 
 
 class _AllGather(torch.autograd.Function):

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["set_kernel_backend", "kernel_backend", "use_triton", "COMPILED"]
+__all__ = ["set_kernel_backend", "kernel_backend", "use_triton", "cast", "COMPILED"]
 
 Backend = Literal["auto", "triton", "torch"]
 _backend: list[Backend] = ["auto"]
@@ -58,3 +58,15 @@ def use_triton(kernel: str, t: torch.Tensor) -> bool:
     if _backend[0] == "triton" or not torch.compiler.is_compiling():
         return True
     return COMPILED[kernel] == "triton"
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without a node when ``t`` has that dtype already: ``t`` itself, not a no-op ``to``.
+
+    Every reference that an ``autograd.Function`` forward may run ends with this, never ``.to``. A no-op
+    ``.to`` returns the very tensor of the intermediate before it, and torch 2.11's Dynamo then records that
+    intermediate as a second output of the function's forward; both are one tensor, so autograd routes the
+    function's gradient to the wrong output and the inputs get zeros (pytorch/pytorch#180642, fixed in 2.12
+    by pytorch/pytorch#180921). In-place ops on a forward's fresh result are the same hazard
+    (``tests/test_compile_moe.py`` checks every pipeline gradient on the torch in use)."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op, wrap_triton
 
-from .backend import use_triton
+from .backend import cast, use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
 
@@ -108,7 +108,7 @@ def fan_out_triton(
     dots_MJ = torch.empty((M, J) if other_RD is not None else (0, J), dtype=torch.float32, device=src_MD.device)
     w = weights_MJ.contiguous() if weights_MJ is not None else index_MJ
     other = other_RD.contiguous() if other_RD is not None else src_MD
-    if M > 0 and D > 0:
+    if guard_or_true(M > 0) and D > 0:  # M: data-dependent under compile (EP); an empty grid launches nothing
         wrap_triton(_fan_out_kernel)[(M,)](
             src_MD, index_MJ, w, other, out_RD, dots_MJ, out_RD, dots_MJ, D, src_MD.stride(0), other.stride(0),
             out_RD.stride(0), J=J, HAS_W=weights_MJ is not None, HAS_DOT=other_RD is not None, QUANT=False,
@@ -132,7 +132,7 @@ def fan_out_fp8_triton(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, 
     out_RD = _output(src_MD, rows, M * J) if copies else src_MD.new_empty((0, D))
     q_RD = torch.empty((rows, D), dtype=FP8, device=src_MD.device)
     s_R = torch.empty((rows,), dtype=torch.float32, device=src_MD.device)
-    if M > 0 and D > 0:
+    if guard_or_true(M > 0) and D > 0:  # M: data-dependent under compile (EP); an empty grid launches nothing
         wrap_triton(_fan_out_kernel)[(M,)](
             src_MD, index_MJ, index_MJ, src_MD, out_RD, s_R, q_RD, s_R, D, src_MD.stride(0), src_MD.stride(0),
             out_RD.stride(0), J=J, HAS_W=False, HAS_DOT=False, QUANT=True, COPIES=copies, BLOCK_D=_block_d(D),
@@ -148,9 +148,9 @@ def fan_out_fp8_reference(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: in
     out_RD = fan_out_reference(src_MD, index_MJ, rows)[0] if copies else src_MD.new_empty((0, src_MD.shape[1]))
     q_MD, s_M = quantize_rows_reference(src_MD)
     flat = index_MJ.reshape(-1)
-    q_RD = torch.zeros((rows, src_MD.shape[1]), dtype=torch.uint8, device=src_MD.device)
-    q_RD.index_copy_(0, flat, q_MD.view(torch.uint8).repeat_interleave(J, dim=0))
-    s_R = s_M.new_zeros(rows).index_copy_(0, flat, s_M.repeat_interleave(J))
+    q_RD = torch.zeros((rows, src_MD.shape[1]), dtype=torch.uint8, device=src_MD.device).index_copy(
+        0, flat, q_MD.view(torch.uint8).repeat_interleave(J, dim=0))  # out of place, as fan_out_reference
+    s_R = s_M.new_zeros(rows).index_copy(0, flat, s_M.repeat_interleave(J))
     return out_RD, q_RD.view(FP8), s_R
 
 
@@ -171,9 +171,9 @@ def fan_out_reference(
     acc = torch.promote_types(src_MD.dtype, torch.float32)  # fp32, fp64 for fp64
     copies = src_MD.unsqueeze(1).expand(M, J, D)
     if weights_MJ is not None:
-        copies = (copies.to(acc) * weights_MJ.to(acc).unsqueeze(-1)).to(src_MD.dtype)
-    out_RD = _output(src_MD, rows, M * J)
-    out_RD.index_copy_(0, index_MJ.reshape(-1), copies.reshape(M * J, D))
+        copies = cast(copies.to(acc) * weights_MJ.to(acc).unsqueeze(-1), src_MD.dtype)
+    # out of place (index_copy, not index_copy_): an autograd.Function's forward runs this (backend.cast)
+    out_RD = _output(src_MD, rows, M * J).index_copy(0, index_MJ.reshape(-1), copies.reshape(M * J, D))
     if other_RD is None:
         return out_RD, torch.empty((0, J), dtype=acc, device=src_MD.device)
     picked_MJD = other_RD.index_select(0, index_MJ.reshape(-1)).view(M, J, D)

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
@@ -77,7 +78,7 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, valid_ptr, R, C, HAS_VALID: tl.constexpr,
 def _launch(x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
     """``_rows_kernel`` over ``x_RC`` (inside the ``triton_op``: ``wrap_triton``)."""
     R, C = x_RC.shape
-    if R > 0 and C > 0:
+    if guard_or_true(R > 0) and C > 0:  # R: data-dependent under compile (EP); an empty grid launches nothing
         block_c = min(triton.next_power_of_2(C), CONFIG["max_block_c"])
         grid = (triton.cdiv(R, CONFIG["block_r"]),)
         wrap_triton(_rows_kernel)[grid](

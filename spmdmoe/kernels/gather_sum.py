@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
@@ -67,7 +68,7 @@ def gather_sum_triton(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_MJ: 
     index_MJ = index_MJ.contiguous()
     out_MD = torch.empty((M, D), dtype=src_RD.dtype, device=src_RD.device)
     w = weights_MJ.contiguous() if weights_MJ is not None else index_MJ
-    if M > 0 and D > 0:
+    if guard_or_true(M > 0) and D > 0:  # M: data-dependent under compile (EP); an empty grid launches nothing
         block = _block_d(D)
         wrap_triton(_gather_sum_kernel)[(M, triton.cdiv(D, block))](
             src_RD, index_MJ, w, out_MD, D, src_RD.stride(0), out_MD.stride(0),

@@ -29,9 +29,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op, wrap_triton
 
-from .backend import use_triton
+from .backend import cast, use_triton
 
 __all__ = [
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
@@ -132,7 +133,7 @@ def swiglu_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optio
     h13_R2F = h13_R2F.contiguous()
     R, F = h13_R2F.shape[0], h13_R2F.shape[1] // 2
     out_RF = h13_R2F.new_empty((R, F))
-    if R > 0 and F > 0:
+    if guard_or_true(R > 0) and F > 0:  # R: data-dependent under compile (EP); an empty grid launches nothing
         wrap_triton(_swiglu_fwd_kernel)[_grid(R, F)](
             h13_R2F, out_RF, valid, w_R if w_R is not None else valid, F, HAS_W=w_R is not None,
             BLOCK_R=CONFIG["block_r"], BLOCK_F=CONFIG["block_f"], num_warps=CONFIG["num_warps"])
@@ -149,7 +150,7 @@ def swiglu_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: tor
     d13_R2F = torch.empty_like(h13_R2F)
     blocks = triton.cdiv(F, CONFIG["block_f"]) if F > 0 else 0
     parts = torch.empty((R if w_R is not None else 0, blocks), dtype=torch.float32, device=g_RF.device)
-    if R > 0 and F > 0:
+    if guard_or_true(R > 0) and F > 0:  # R: data-dependent under compile (EP); an empty grid launches nothing
         wrap_triton(_swiglu_bwd_kernel)[_grid(R, F)](
             g_RF, h13_R2F, d13_R2F, valid, w_R if w_R is not None else valid, parts, F, HAS_W=w_R is not None,
             BLOCK_R=CONFIG["block_r"], BLOCK_F=CONFIG["block_f"], num_warps=CONFIG["num_warps"])
@@ -170,7 +171,7 @@ def swiglu_forward_reference(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Op
     h = torch.nn.functional.silu(a) * b
     if w_R is not None:
         h = h * w_R.to(acc)[:, None]
-    return torch.where(_valid_mask(h13_R2F, valid), h, 0.0).to(h13_R2F.dtype)
+    return cast(torch.where(_valid_mask(h13_R2F, valid), h, 0.0), h13_R2F.dtype)
 
 
 def swiglu_backward_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
@@ -186,7 +187,7 @@ def swiglu_backward_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: 
         dw = torch.where(live[:, 0], (g * (a * sig * b)).sum(dim=1), 0.0)
         g = g * w_R.to(acc)[:, None]
     d13 = torch.cat([g * b * sig * (1 + a * (1 - sig)), g * a * sig], dim=1)
-    return torch.where(live, d13, 0.0).to(h13_R2F.dtype), dw
+    return cast(torch.where(live, d13, 0.0), h13_R2F.dtype), dw
 
 
 def swiglu_forward(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import triton_op, wrap_triton
 
 from .backend import use_triton
@@ -187,7 +188,7 @@ def swiglu_quant_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R:
     h_RF = h13_R2F.new_empty((R, F))
     q_RF = torch.empty((R, F), dtype=FP8, device=h13_R2F.device)
     s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
-    if R > 0 and F > 0:
+    if guard_or_true(R > 0) and F > 0:  # R: data-dependent under compile (EP); an empty grid launches nothing
         grid, meta = _launch(R, F, CONFIG)
         wrap_triton(_fwd_kernel)[grid](h13_R2F, h_RF, q_RF, s_R, valid, w_R if w_R is not None else s_R, F,
                                        HAS_W=w_R is not None, **meta)
@@ -238,7 +239,7 @@ def _bwd_launch(g_RF: torch.Tensor, h13_R2F: torch.Tensor, q_R2F: torch.Tensor, 
     d13_R2F = torch.empty_like(h13_R2F)
     s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
     dw_R = torch.empty((R if w_R is not None else 0,), dtype=torch.float32, device=h13_R2F.device)
-    if R > 0 and F > 0:
+    if guard_or_true(R > 0) and F > 0:  # R: data-dependent under compile (EP); an empty grid launches nothing
         grid, meta = _launch(R, F, {**BWD_CONFIG, "reload": reload})
         wrap_triton(_bwd_kernel)[grid](g_RF, h13_R2F, d13_R2F, q_R2F, s_R, dw_R, valid,
                                        w_R if w_R is not None else s_R, F, HAS_W=w_R is not None, **meta)

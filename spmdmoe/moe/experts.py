@@ -37,7 +37,8 @@ class GroupedExperts(nn.Module):
     """Parameters ``w1`` (E, F, D), ``w2`` (E, D, F), ``w3`` (E, F, D).
 
     ``grad_axis``: an SP axis the parameters are replicated along (set by
-    ``parallelize_moe``); their fresh gradients are summed over it.
+    ``parallelize_moe``, with ``grad_set``, which of them need a gradient as the ranks agreed then); their
+    fresh gradients are summed over it.
     ``precision``: ``"bf16"`` (the activations' dtype) or ``"fp8_rowwise"`` (``spmdmoe.moe.fp8``; its weight
     gradients in FP8 or not by ``fp8_wgrad``, ``spmdmoe.moe.fp8.fp8_wgrad``; the
     quantized weights are kept in ``fp8_cache`` until the weights' bytes change, checked on the device
@@ -46,6 +47,7 @@ class GroupedExperts(nn.Module):
     """
 
     grad_axis: Optional[MeshAxis] = None
+    grad_set: Optional[tuple[bool, ...]] = None  # which of w1, w2, w3 need a gradient, as agreed over grad_axis
     packing: bool = True  # keep w1 and w3 packed side by side (see pack)
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, precision: str = "bf16", fp8_wgrad: str = "auto"):
@@ -111,7 +113,7 @@ class GroupedExperts(nn.Module):
         it (``routed.copies_TK``: the FP8 experts fuse that sum into their down-projection's node)."""
         weights = self.read_weights()
         if self.grad_axis is not None:
-            weights = sync_grads(weights, self.grad_axis)
+            weights = sync_grads(weights, self.grad_axis, agreed=self.grad_set)
         if self.precision == "fp8_rowwise" and weights[0].shape[1] > 0:
             quantized = (self.fp8_cache.get(*weights) if self.fp8_cache is not None
                          else quantize_weights(*weights))

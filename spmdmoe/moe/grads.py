@@ -70,7 +70,8 @@ class _SyncGrads(torch.autograd.Function):
 
 
 def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
-               dtypes: Optional[Sequence[torch.dtype]] = None) -> list[torch.Tensor]:
+               dtypes: Optional[Sequence[torch.dtype]] = None, *,
+               agreed: Optional[Sequence[bool]] = None) -> list[torch.Tensor]:
     """Views of ``tensors`` whose backward sums their fresh gradients over ``mesh``.
 
     Use the returned views in place of the parameters in the forward; every
@@ -80,11 +81,16 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
     that dtype and rounded once. A 1-rank axis, or grad mode off, returns
     the tensors (cast) without a reduction.
 
-    Which tensors need a gradient is agreed once per call site (these tensors
-    on this axis), by :func:`agree_grad_set` (``parallelize_moe`` and
-    ``replicate_grads`` call it when they wrap) or else at the first call, in
-    any grad mode: one small all-gather and a host read; ranks that differ
-    raise the same ``SPMDLayoutError`` on every rank. When none needs one, every rank skips the reduction. Later calls
+    Which tensors need a gradient is agreed once, eagerly: ``agreed`` is the
+    set :func:`agree_grad_set` returned for these tensors on this axis
+    (``parallelize_moe`` and ``replicate_grads`` agree when they wrap and keep
+    it as a plain attribute, so a compiled forward reads a constant and
+    consults no cache). Without ``agreed`` an eager call agrees at its call
+    site's first call (these tensors on this axis), in any grad mode: one
+    small all-gather and a host read; ranks that differ raise the same
+    ``SPMDLayoutError`` on every rank. Under ``torch.compile`` nothing is
+    exchanged nor looked up: a call without ``agreed`` uses this rank's own
+    set. When none needs one, every rank skips the reduction. Later calls
     follow the agreed set whatever this rank's flags say now (a rank that
     froze all of them still records the node, so its peers' all-reduce finds
     it); a set that differs from the agreed one is recorded and raised on
@@ -113,7 +119,14 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
         check_collective("sync_grads", axis, None, None, {"needs_grad": [i for i, m in enumerate(mask) if m]})
     if axis.size == 1:
         return [t if d == t.dtype else t.to(d) for t, d in zip(tensors, dtypes)]
-    agreed = _agreed_set(axis, tensors, mask)  # in any grad mode: grad mode must not decide that it runs
+    if agreed is None:  # in any grad mode: grad mode must not decide that it runs
+        agreed = mask if torch.compiler.is_compiling() else _agreed_at_call_site(axis, tensors, mask)
+    agreed = tuple(agreed)
+    if len(agreed) != len(mask):
+        raise ValueError(f"rank {axis.rank}: sync_grads got {len(mask)} tensors but an agreed set of "
+                         f"{len(agreed)}; pass the set agree_grad_set returned for these tensors")
+    if mask != agreed and torch.is_grad_enabled():
+        _record_changed_set(axis, tensors, mask, agreed)
     if not torch.is_grad_enabled() or not any(agreed):
         return [t if d == t.dtype else t.to(d) for t, d in zip(tensors, dtypes)]
     join = None if torch.compiler.is_compiling() else active_join()
@@ -125,52 +138,61 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
     return list(_SyncGrads.apply(axis, join, dtypes, token, *tensors))
 
 
-# the requires-grad set each sync_grads call site agreed on at its first call: (group, tensors) -> (refs, set)
+# the requires-grad set each eager sync_grads call without ``agreed`` agreed on at its first call:
+# (group, tensors) -> (refs, set). Never consulted while tracing.
 _AGREED: dict[tuple[int, tuple[int, ...]], tuple[list["weakref.ref[torch.Tensor]"], tuple[bool, ...]]] = {}
 _SYNC_SET = ProblemFlag()  # a forward whose set differs from the agreed one; raised by check_errors
 _SET = Field("set of tensors that need a gradient", show=lambda v: f"#{v:x}",
              fix="freeze (requires_grad_(False)) the same parameters on every rank")
 
 
-def agree_grad_set(tensors: Sequence[torch.Tensor], mesh: MeshLike) -> None:
-    """Agree now, eagerly, on which of ``tensors`` need a gradient, for the :func:`sync_grads` calls over these
-    tensors and ``mesh`` (``replicate_grads`` and ``parallelize_moe`` do it when they wrap, so a first forward
-    under ``torch.compile`` on some ranks only finds the set agreed). Every rank must call it alike; ranks
-    whose sets differ raise the same ``SPMDLayoutError``."""
+def agree_grad_set(tensors: Sequence[torch.Tensor], mesh: MeshLike) -> tuple[bool, ...]:
+    """Agree now, eagerly, on which of ``tensors`` need a gradient; returns the agreed set (one bool per
+    tensor) for the :func:`sync_grads` calls over these tensors and ``mesh`` to pass as ``agreed``
+    (``replicate_grads`` and ``parallelize_moe`` do it when they wrap and keep the set as a plain attribute,
+    so a forward under ``torch.compile`` reads a constant). Every rank must call it alike; ranks whose sets
+    differ raise the same ``SPMDLayoutError``: one small all-gather and a host read (none on a 1-rank axis).
+
+    >>> import torch, spmdmoe
+    >>> pg = spmdmoe.testing.single_process_group()
+    >>> spmdmoe.moe.agree_grad_set([torch.nn.Parameter(torch.ones(2)), torch.ones(2)], pg)
+    (True, False)
+    """
+    if torch.compiler.is_compiling():
+        raise RuntimeError("agree_grad_set exchanges and reads on the host: call it eagerly, outside "
+                           "torch.compile (e.g. where the module is wrapped), and pass its set to sync_grads")
     axis = mesh_axis(mesh)
-    tensors = list(tensors)
-    if axis.size > 1 and tensors:
-        _agreed_set(axis, tensors, tuple(t.requires_grad for t in tensors))
+    mask = tuple(t.requires_grad for t in tensors)
+    if axis.size > 1 and mask:
+        agree("sync_grads", axis, Found(), [(_SET, zlib.crc32(bytes(mask)))])
+    return mask
 
 
-def _agreed_set(axis: MeshAxis, tensors: list[torch.Tensor], mask: tuple[bool, ...]) -> tuple[bool, ...]:
-    """Which of ``tensors`` need a gradient, as every rank of ``axis`` agreed at this call site's first
-    call, in any grad mode (one agreement exchange, mode (b), with a host read; every rank raises if the
-    sets differ). Later calls compare locally, free: with grad on, a set that differs is recorded (no
-    sync) and raised by :func:`spmdmoe.check_errors`, while this rank follows the agreed set, so the
-    collectives still match.
-    Under ``torch.compile`` a call site not agreed yet uses its own set (nothing is exchanged while tracing)."""
+def _agreed_at_call_site(axis: MeshAxis, tensors: list[torch.Tensor], mask: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Eager only: the set agreed at this call site's (these tensors on ``axis``) first call, agreeing now
+    (:func:`agree_grad_set`) if it is the first."""
     key = (id(axis.group), tuple(id(t) for t in tensors))
     entry = _AGREED.get(key)
     if entry is not None and all(ref() is t for ref, t in zip(entry[0], tensors)):
-        agreed = entry[1]
-    elif torch.compiler.is_compiling():
-        return mask
-    else:
-        agree("sync_grads", axis, Found(), [(_SET, zlib.crc32(bytes(mask)))])
-        if len(_AGREED) > 4096:  # call sites whose tensors are gone
-            for k in [k for k, (refs, _) in _AGREED.items() if any(r() is None for r in refs)]:
-                del _AGREED[k]
-        _AGREED[key] = ([weakref.ref(t) for t in tensors], mask)
-        agreed = mask
-    if mask != agreed and torch.is_grad_enabled():
-        changed = [i for i, (a, b) in enumerate(zip(mask, agreed)) if a != b]
-        detail = (f"rank {axis.rank} of {axis}: sync_grads over tensors {changed} (of {len(mask)}) that "
-                  f"{'need' if mask[changed[0]] else 'no longer need'} a gradient here, unlike the set the ranks "
-                  "agreed on; freeze or unfreeze parameters before parallelize_moe / replicate_grads wrap them, "
-                  "on every rank")
-        _SYNC_SET.record(BIT["grad_set"], tensors[0].device, [] if detail in _SYNC_SET.details else [detail])
+        return entry[1]
+    agreed = agree_grad_set(tensors, axis)
+    if len(_AGREED) > 4096:  # call sites whose tensors are gone
+        for k in [k for k, (refs, _) in _AGREED.items() if any(r() is None for r in refs)]:
+            del _AGREED[k]
+    _AGREED[key] = ([weakref.ref(t) for t in tensors], agreed)
     return agreed
+
+
+def _record_changed_set(axis: MeshAxis, tensors: list[torch.Tensor], mask: tuple[bool, ...],
+                        agreed: tuple[bool, ...]) -> None:
+    """A forward with grad on whose set differs from the agreed one: recorded (no sync) and raised by
+    :func:`spmdmoe.check_errors`; this rank follows the agreed set, so the collectives still match."""
+    changed = [i for i, (a, b) in enumerate(zip(mask, agreed)) if a != b]
+    detail = (f"rank {axis.rank} of {axis}: sync_grads over tensors {changed} (of {len(mask)}) that "
+              f"{'need' if mask[changed[0]] else 'no longer need'} a gradient here, unlike the set the ranks "
+              "agreed on; freeze or unfreeze parameters before parallelize_moe / replicate_grads wrap them, "
+              "on every rank")
+    _SYNC_SET.record(BIT["grad_set"], tensors[0].device, [] if detail in _SYNC_SET.details else [detail])
 
 
 def replicate_grads(
@@ -200,8 +222,8 @@ def replicate_grads(
             "applying it twice would reduce its gradients twice"
         )
     names = [n for n, p in module.named_parameters() if p.requires_grad and (include is None or include(n))]
-    agree_grad_set([module.get_parameter(n) for n in names], axis)  # a parameter frozen on one rank: raised here
-    object.__setattr__(module, "_spmdmoe_replicated", (axis, names, overlap))
+    agreed = agree_grad_set([module.get_parameter(n) for n in names], axis)  # one rank's frozen parameter: raised
+    object.__setattr__(module, "_spmdmoe_replicated", (axis, names, overlap, agreed))
     object.__setattr__(module, "_spmdmoe_replicate_inner", module.forward)
     object.__setattr__(module, "forward", types.MethodType(_replicated_forward, module))
     object.__setattr__(module, "_spmdmoe_sync_params", types.MethodType(_replicated_params, module))
@@ -211,18 +233,18 @@ def replicate_grads(
 def _replicated_params(self: nn.Module) -> list[torch.Tensor]:
     """The parameters a joined call defers the sums of (``overlap.sync_params``): none with
     ``overlap=False`` or a 1-rank axis."""
-    axis, names, overlap = self._spmdmoe_replicated
+    axis, names, overlap, _ = self._spmdmoe_replicated
     return [self.get_parameter(n) for n in names] if axis.size > 1 and overlap else []
 
 
 def _replicated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``replicate_grads``' forward: a method bound to the module (``deepcopy`` rebinds it to the copy)."""
-    axis, names, overlap = self._spmdmoe_replicated
+    axis, names, overlap, agreed = self._spmdmoe_replicated
     entries = [(self.get_submodule(owner), leaf) for owner, _, leaf in (n.rpartition(".") for n in names)]
 
     def body(*args: Any, **kwargs: Any) -> Any:
         params = [owner._parameters[leaf] for owner, leaf in entries]
-        views = sync_grads(params, axis)  # type: ignore[arg-type]
+        views = sync_grads(params, axis, agreed=agreed)  # type: ignore[arg-type]
         for (owner, leaf), view in zip(entries, views):
             owner._parameters[leaf] = view  # type: ignore[assignment]
         try:

@@ -180,12 +180,13 @@ class ParallelMoE(_Layer):
         install_hooks(self, expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden), agree_over)
         if sp is not None and sp.size > 1:
             self.sp_synced = tuple(_Layer.weights(self))  # dense weights; the experts sync their own
-            agree_grad_set([self.get_parameter(n) for n in self.sp_synced], sp)  # now, eagerly (grads.py)
+            # agreed now, eagerly (grads.py); the forward reads these plain attributes
+            self.sp_grad_set = agree_grad_set([self.get_parameter(n) for n in self.sp_synced], sp)
             if sp_mode == "local" and sp != ep:
                 self.experts.grad_axis = sp
-                agree_grad_set([self.experts.w1, self.experts.w2, self.experts.w3], sp)
+                self.experts.grad_set = agree_grad_set(self.experts.read_weights(), sp)
         else:
-            self.sp_synced = ()
+            self.sp_synced, self.sp_grad_set = (), ()
         # SP over the whole job, without EP or with EP on the SP axis: the T exchange (made for gather mode, the
         # sync-free capacity, or for the ride alone without EP) carries the deferred problems and the grad mode
         rides = sp is not None and ep in (None, sp) and dp is None and 1 < sp.size == torch.distributed.get_world_size()
@@ -237,7 +238,8 @@ class ParallelMoE(_Layer):
             return super().weights()
         w = self.dense_params()
         synced = [w[n] for n in self.sp_synced]
-        views = sync_grads(synced, self.sp, [self.read_dtype(n, p) for n, p in zip(self.sp_synced, synced)])
+        views = sync_grads(synced, self.sp, [self.read_dtype(n, p) for n, p in zip(self.sp_synced, synced)],
+                           agreed=self.sp_grad_set)
         w.update(zip(self.sp_synced, views))
         return w
 
