@@ -11,7 +11,11 @@ library source (real text, shipped with every Python). The sequence length
 split exactly. Every rank holds its chunk of each sequence; attention
 all-gathers keys and values over SP; each MoE block is ``parallelize_moe``'d;
 the dense weights (attention, norms, embeddings) get their SP-partial
-gradients summed by ``spmdmoe.moe.replicate_grads``. After training, rank 0
+gradients summed by ``spmdmoe.moe.replicate_grads``. Each step clips the
+gradients to ``--max-grad-norm`` (default 1.0; 0: off) by their global norm,
+``spmdmoe.clip_grad_norm_``: each EP block and each replica counted once, the
+same coefficient on every rank (the reference clips with torch's own
+``clip_grad_norm_``). After training, rank 0
 trains the same model in one process on the same data and prints both loss
 curves: every step must agree within 1e-4 relative (fp32). With
 ``--expert-precision fp8_rowwise`` the parallel run's routed experts run in FP8
@@ -20,7 +24,7 @@ shows how closely FP8 training tracks it: the tolerance is then 1e-3 relative
 (over the default 20 steps 1.2e-4 was measured on CPU, 6.4e-5 on one H200).
 ``--tolerance`` overrides either.
 
-Only the public API is used: ``spmdmoe.shard``, ``all_gather``, ``with_local``,
+Only the public API is used: ``spmdmoe.shard``, ``all_gather``, ``with_local``, ``clip_grad_norm_``,
 ``spmdmoe.moe.{MoE, MoEConfig, parallelize_moe, replicate_grads}``.
 """
 
@@ -171,6 +175,7 @@ def train_parallel(args, data, device, log) -> list[float]:
         for name, p in model.named_parameters():  # the DP wrapper's job: sum over the dp replicas
             if dp > 1 and not (experts_span_dp and ".experts." in name):
                 dist.all_reduce(p.grad, group=dp_mesh.get_group())
+        norm = spmdmoe.clip_grad_norm_(model, args.max_grad_norm) if args.max_grad_norm > 0 else None
         opt.step()
         opt.zero_grad(set_to_none=False)
         load = expert_load(model, [dp_mesh.get_group()] if dp > 1 and not experts_span_dp else [])
@@ -179,7 +184,8 @@ def train_parallel(args, data, device, log) -> list[float]:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         losses.append(loss_sum.item() / total)
-        log(f"step {step + 1:3d}/{args.steps} | loss {losses[-1]:.4f} | {total / dt:8,.0f} tok/s | "
+        clipped = "" if norm is None else f"grad norm {float(norm):.3f} | "
+        log(f"step {step + 1:3d}/{args.steps} | loss {losses[-1]:.4f} | {total / dt:8,.0f} tok/s | {clipped}"
             f"expert load max {int(load.max())} min {int(load.min())} (of {total * args.top_k * args.layers // args.experts} even)")
     return losses
 
@@ -195,6 +201,8 @@ def train_single(args, data, device) -> list[float]:
             ce = F.cross_entropy(model(seq[:-1]), seq[1:], reduction="sum")
             (ce / total).backward()
             loss_sum += ce.item()
+        if args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=False)
         expert_load(model, [])
@@ -221,6 +229,8 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-grad-norm", type=float, default=1.0,
+                    help="clip the gradients to this global norm (spmdmoe.clip_grad_norm_; 0: no clipping)")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="largest relative loss difference per step (default 1e-4; 1e-3 with FP8 experts)")
     ap.add_argument("--expert-precision", choices=["bf16", "fp8_rowwise"], default="bf16",

@@ -9,6 +9,7 @@ agreement mechanism.
 from . import types
 from . import agreement, collectives, dtensor, moe, testing
 from .sticky import check_errors
+from .moe.clip import clip_grad_norm_
 from .collectives import all_gather, all_reduce, all_to_all, exchange_counts, redistribute, reduce_scatter
 from .construct import from_local, padded_empty, shard
 from .meshes import init_mesh, product_axis
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "agreement",
     "check_errors",
+    "clip_grad_norm_",
     "collectives",
     "dtensor",
     "moe",

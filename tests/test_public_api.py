@@ -14,6 +14,8 @@ PUBLIC = {
     # collectives and construction across ranks
     "all_gather", "all_reduce", "all_to_all", "exchange_counts", "redistribute", "reduce_scatter",
     "from_local", "padded_empty", "shard", "init_mesh", "product_axis", "check_errors", "shutdown",
+    # training: gradient clipping by the global norm
+    "clip_grad_norm_",
     # the vocabulary (spmdmoe.types) and the dispatcher's output
     "Layout", "MeshAxis", "MeshLike", "Partial", "Placement", "Replicate", "Shard", "Varying", "SPMDTensor",
     "RoutedTokens", "assert_layout", "checks", "checks_enabled", "checks_mode", "layout_checked", "set_checks",
@@ -38,6 +40,7 @@ def test_each_name_is_its_defining_object():
     ``spmdmoe.sticky.check_errors`` and ``spmdmoe.RoutedTokens`` is ``spmdmoe.moe.routed.RoutedTokens``."""
     homes = {"check_errors": "spmdmoe.sticky", "RoutedTokens": "spmdmoe.moe.routed", "from_local": "spmdmoe.construct",
              "shard": "spmdmoe.construct", "padded_empty": "spmdmoe.construct", "init_mesh": "spmdmoe.meshes",
-             "product_axis": "spmdmoe.meshes", "SPMDTensor": "spmdmoe.types.tensor"}
+             "product_axis": "spmdmoe.meshes", "SPMDTensor": "spmdmoe.types.tensor",
+             "clip_grad_norm_": "spmdmoe.moe.clip"}
     for name, home in homes.items():
         assert getattr(spmdmoe, name) is getattr(importlib.import_module(home), name), name

@@ -14,12 +14,15 @@
 ``grad_reductions``        per parameter: the group and divide factor its
                            gradient still needs across batches (DP)
 ``reduce_grads``           apply them by hand after ``backward``
+``clip_grad_norm_``        clip by the global norm over every axis (one
+                           all-reduce, the same coefficient on every rank)
 ``ddp``                    ``DistributedDataParallel`` applying them (comm hook)
 ``fully_shard_moe``        FSDP2 units on the right groups, torchtitan-style
 ``register_spmd_hooks``    let FSDP2 see a unit's ``SPMDTensor`` inputs/outputs
 =========================  =====================================================
 """
 
+from .clip import clip_grad_norm_
 from .config import MoEConfig
 from .dispatch import AllToAllTransport, LocalTransport
 from .data_parallel import ddp, grad_reductions, reduce_grads
@@ -43,6 +46,7 @@ __all__ = [
     "GradReduction",
     "grad_reductions",
     "reduce_grads",
+    "clip_grad_norm_",
     "ddp",
     "fully_shard_moe",
     "register_spmd_hooks",
