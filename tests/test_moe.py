@@ -55,9 +55,11 @@ def _loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tokens", [0, 1, 7, 50])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"E{c['num_experts']}k{c['top_k']}D{c['dim']}")
 def test_matches_per_token_loop(cfg, tokens):
-    moe = _moe(MoEConfig(**cfg))
-    x = torch.randn(tokens, cfg["dim"], requires_grad=True)
-    g = torch.randn(tokens, cfg["dim"])
+    """In fp64, to 1e-10: a sum of 50 tokens' fp32 gradients in another order differs from the loop's by more
+    than fp32's 1e-6 on some CPUs, while a wrong index or weight is off by O(1) in any dtype."""
+    moe = _moe(MoEConfig(**cfg), dtype=torch.float64)
+    x = torch.randn(tokens, cfg["dim"], dtype=torch.float64, requires_grad=True)
+    g = torch.randn(tokens, cfg["dim"], dtype=torch.float64)
     y = moe(x)
     (y * g).sum().backward()
     grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
@@ -69,11 +71,13 @@ def test_matches_per_token_loop(cfg, tokens):
         (ref * g).sum().backward()
     else:
         x.grad = torch.zeros_like(x)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(xg, x.grad, rtol=1e-5, atol=1e-6)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(xg, x.grad, rtol=1e-10, atol=1e-12)
     for n, p in moe.named_parameters():
         assert grads[n] is not None
-        torch.testing.assert_close(grads[n], p.grad if p.grad is not None else torch.zeros_like(p), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grads[n], p.grad if p.grad is not None else torch.zeros_like(p), rtol=1e-10,
+                                   atol=1e-12)
 
 
 def test_leading_dims_are_tokens_and_dim_is_checked():
