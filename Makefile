@@ -13,6 +13,14 @@ TORCH_INDEX ?=
 # with its dependencies; it runs on CPU).
 TORCH_NEW ?= torch==2.15.0
 VENV_NEW  ?= .venv-torch-new
+# The oldest supported torch, the GPU hosts' (`make test-torch-old`, CI's third leg): PyPI's build (CUDA, about 3 GB
+# with its dependencies; it runs on CPU), with torchtitan; it runs the tests that trace (compile, single and
+# 4-process) and the torchtitan tests, where torch versions differ most.
+TORCH_OLD ?= torch==2.11.0
+VENV_OLD  ?= .venv-torch-old
+OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchtitan.py tests/test_docs_torchtitan.py
+OLD_DIST   ?= tests/distributed/test_compile_moe.py tests/distributed/test_grad_overlap.py \
+	tests/distributed/test_torchtitan.py
 # torchtitan for the swap tests (tests/test_torchtitan.py; Python >= 3.11), without its training-only dependencies
 TORCHTITAN ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.0
 TORCHTITAN_INSTALL = if $(VENV)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
@@ -21,7 +29,7 @@ PY       := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 PYTEST   := -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-single test-dist test-torch-new clean
+.PHONY: demo test test-single test-dist test-torch-new test-torch-old clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,5 +54,11 @@ test-dist: $(VENV)/.installed
 test-torch-new:
 	$(MAKE) test-single VENV=$(VENV_NEW) TORCH="$(TORCH_NEW)" TORCHTITAN=
 
+# The tests that trace, and the torchtitan tests, on the oldest supported torch, in its own venv.
+test-torch-old:
+	$(MAKE) $(VENV_OLD)/.installed VENV=$(VENV_OLD) TORCH="$(TORCH_OLD)"
+	$(VENV_OLD)/bin/python $(PYTEST) $(OLD_SINGLE)
+	$(VENV_OLD)/bin/torchrun --nproc-per-node 4 $(PYTEST) $(OLD_DIST)
+
 clean:
-	rm -rf $(VENV) $(VENV_NEW) build *.egg-info
+	rm -rf $(VENV) $(VENV_NEW) $(VENV_OLD) build *.egg-info
