@@ -73,6 +73,7 @@ __all__ = [
     "Found",
     "Field",
     "agree",
+    "verdict",
     "exchange_rows",
     "problems_error",
     "world_axis",
@@ -270,12 +271,17 @@ def agree(
     """
     row = [found.bits, *(value for _, value in fields), *extra]
     table = exchange_rows(axis, row)
-    ranks = None
-    if global_ranks and dist.is_initialized():
-        ranks = (world_axis() if axis is None else axis).ranks
-    error = problems_error(op, [r[0] for r in table], found.details, ranks) or disagreement_error(
-        op, [f for f, _ in fields], table, 1
-    )
+    error = verdict(op, axis, table, found, [f for f, _ in fields], global_ranks)
     if error is not None:
         raise error
     return table
+
+
+def verdict(op: str, axis: Optional[MeshAxis], table: Sequence[Sequence[int]], found: Found,
+            fields: Sequence[Field] = (), global_ranks: bool = False) -> Optional[Exception]:
+    """:func:`agree`'s error for an exchanged ``table`` of ``[bits, *fields, ...]`` rows (``None``: all agree), for
+    a caller that decides from the table whether to raise now or to agree again over more ranks."""
+    ranks = None
+    if global_ranks and dist.is_initialized():
+        ranks = (world_axis() if axis is None else axis).ranks
+    return problems_error(op, [r[0] for r in table], found.details, ranks) or disagreement_error(op, fields, table, 1)

@@ -20,12 +20,18 @@ group's store:
 * for a ``Replicate`` input, a checksum of its content (ranks holding different
   "replicated" data is what this mode exists to find);
 * this rank's own problem with its input, if the local checks found one (it is
-  then raised on every rank, not on this one alone).
+  then raised on every rank, not on this one alone); ``redistribute`` also
+  compares its target placement;
+* a local constructor that rejected its input on this rank (``SPMDTensor(...)``,
+  ``from_buffer``, ``with_local``, ``shard``, ``padded_empty``: :func:`announce`)
+  raises at once there, and its record, with the problem, stands in for this
+  rank's in the axis' next check, so the peers raise the same error type there
+  instead of waiting for a rank that never comes.
 
 Every rank that arrives raises the same error: the local problem's type, or per
 field :class:`~spmdmoe.SPMDLayoutError` (placement, token counts),
 :class:`~spmdmoe.SPMDDtypeError`, :class:`~spmdmoe.SPMDShapeError`, or
-:class:`~spmdmoe.SPMDCollectiveError` (another collective, different replicated
+:class:`~spmdmoe.SPMDCollectiveError` (another collective or ``redistribute`` target, different replicated
 content, a rank that did not arrive within ``SPMDMOE_CHECK_TIMEOUT`` seconds,
 default 60). The message names the ranks (axis ranks and global ranks) and the
 values each one holds. After such an error the process group is not usable.
@@ -51,15 +57,17 @@ import torch.distributed as dist
 
 from .host import tracing
 from .types import errors
+from .types.checks import checks_mode
 from .types.errors import SPMDCollectiveError, SPMDDtypeError, SPMDLayoutError, SPMDShapeError
 from .types.mesh import MeshAxis
 from .types.placement import Replicate
-from .types.tensor import SPMDTensor
+from .types.tensor import LOCAL_ERROR_HOOKS, SPMDTensor
 
-__all__ = ["check_collective", "timeout_s"]
+__all__ = ["check_collective", "announce", "timeout_s"]
 
 # the fields every rank must hold equal, in the order they are reported, and the error each one raises
-FIELDS = (("op", SPMDCollectiveError), ("grad_enabled", SPMDCollectiveError), ("training", SPMDCollectiveError),
+FIELDS = (("op", SPMDCollectiveError), ("target", SPMDCollectiveError), ("grad_enabled", SPMDCollectiveError),
+          ("training", SPMDCollectiveError),
           ("needs_grad", SPMDLayoutError),
           ("placement", SPMDLayoutError), ("global_tokens", SPMDLayoutError),
           ("token_dim", SPMDLayoutError), ("dtype", SPMDDtypeError), ("features", SPMDShapeError),
@@ -69,6 +77,7 @@ _HINTS = {
     "checksum": "the replicated content differs between ranks: build it from the same data (same seed), or use "
                 "Shard / Varying if it is per-rank data",
     "op": "every rank must call the same collectives in the same order",
+    "target": "every rank must redistribute to the same placement (a different target runs another collective)",
     "grad_enabled": "run the step under the same grad mode on every rank (torch.no_grad() on some ranks only leaves "
                     "the others waiting in the backward's collectives)",
     "needs_grad": "freeze the same parameters on every rank",
@@ -101,9 +110,8 @@ def _record(op: str, x: Any, problem: Optional[BaseException]) -> dict[str, Any]
     return rec
 
 
-def _exchange(axis: MeshAxis, payload: bytes) -> list[bytes]:
-    """Every member's payload, in axis-rank order, through the default store; a member that does not arrive
-    within :func:`timeout_s` raises :class:`SPMDCollectiveError` on every rank that did."""
+def _post(axis: MeshAxis, payload: bytes) -> tuple[Any, int, list[str]]:
+    """Write this rank's record of the axis' next check: ``(store, its sequence number, every member's key)``."""
     store = dist.distributed_c10d._get_default_store()
     group = str(getattr(axis.group, "group_name", axis.ranks))  # the same on every member
     seq = _sequence.get(group, 0)
@@ -111,9 +119,13 @@ def _exchange(axis: MeshAxis, payload: bytes) -> list[bytes]:
     prefix = "spmdmoe/collective_check/" + hashlib.sha1(group.encode()).hexdigest()[:12]
     keys = [f"{prefix}/{seq}/{r}" for r in range(axis.size)]
     store.set(keys[axis.rank], payload)
-    if seq >= 2:  # every member has read call seq - 2's records: each wrote seq - 1's after reading them
-        with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without deletes keeps them
-            store.delete_key(f"{prefix}/{seq - 2}/{axis.rank}")
+    return store, seq, keys
+
+
+def _exchange(axis: MeshAxis, payload: bytes) -> list[bytes]:
+    """Every member's payload, in axis-rank order, through the default store; a member that does not arrive
+    within :func:`timeout_s` raises :class:`SPMDCollectiveError` on every rank that did."""
+    store, seq, keys = _post(axis, payload)
     try:
         store.wait(keys, timedelta(seconds=timeout_s()))
     except RuntimeError:
@@ -123,7 +135,29 @@ def _exchange(axis: MeshAxis, payload: bytes) -> list[bytes]:
             f"{[axis.ranks[r] for r in missing]}) did not arrive within {timeout_s():g} s; they run another "
             f"number of collectives than this rank (a collective skipped or added on some ranks), or are stuck "
             f"elsewhere. Raise SPMDMOE_CHECK_TIMEOUT if they are only slow") from None
-    return [store.get(k) for k in keys]
+    records = [store.get(k) for k in keys]
+    if seq >= 1:  # every member wrote call seq's record, so none still reads call seq - 1's (nor waits on it)
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without deletes keeps them
+            store.delete_key(keys[axis.rank].rsplit("/", 2)[0] + f"/{seq - 1}/{axis.rank}")
+    return records
+
+
+def announce(op: str, axis: MeshAxis, error: BaseException) -> None:
+    """The collective-checking mode only: a local check of ``op`` (a constructor that talks to no rank:
+    ``SPMDTensor(...)``, ``from_buffer``, ``with_local``, ``shard``, ``padded_empty``) is about to raise ``error``
+    on this rank alone. Its record, with the problem, becomes this rank's entry in the axis' next collective
+    check, so the peers that go on into that collective raise the same error type instead of waiting for this
+    rank. No wait: this rank raises ``error`` at once."""
+    if _announcing() and not tracing():
+        payload = {"op": op, "problem": [type(error).__name__, f"{op}: {error}"]}
+        _post(axis, json.dumps(payload).encode())
+
+
+def _announcing() -> bool:
+    return checks_mode() == "collectives" and dist.is_initialized()
+
+
+LOCAL_ERROR_HOOKS.append(announce)
 
 
 def _verdict(axis: MeshAxis, recs: list[dict[str, Any]]) -> Optional[BaseException]:
@@ -134,7 +168,8 @@ def _verdict(axis: MeshAxis, recs: list[dict[str, Any]]) -> Optional[BaseExcepti
     if bad:
         error = getattr(errors, recs[bad[0]]["problem"][0], SPMDLayoutError)
         details = "; ".join(f"axis rank {r}: {recs[r]['problem'][1]}" for r in bad)
-        return error(f"{recs[0]['op']} rejected the input on {who(bad)}: {details}")
+        op = next((rec["op"] for rec in recs if "problem" not in rec), recs[0]["op"])  # announced: its own op
+        return error(f"{op} rejected the input on {who(bad)}: {details}")
     for field, error in FIELDS:
         values = [rec.get(field) for rec in recs]
         if any(v != values[0] for v in values):

@@ -19,7 +19,8 @@ from .types import layout
 from .types.errors import SPMDLayoutError
 from .types.mesh import MeshAxis, MeshLike, mesh_axis
 from .types.placement import Partial, Placement, Replicate, Shard, Varying
-from .types.tensor import SPMDTensor, _bad_rows_message, _buffer_rows, _check_token_dim, _check_total, count_message, parse_count
+from .types.tensor import (SPMDTensor, _bad_rows_message, _buffer_rows, _check_token_dim, _check_total, count_message,
+                           parse_count, rejected)
 
 __all__ = ["shard", "from_local", "padded_empty"]
 
@@ -52,11 +53,15 @@ def shard(x: torch.Tensor, mesh: MeshLike, *, dim: int = 0, strict: bool = False
     5
     """
     axis = mesh_axis(mesh)
-    d = _check_token_dim(x, Shard(dim), 0, axis)
-    axis.check_device(x, "shard(x)")
-    total = x.shape[d]
-    if strict and (problem := _strict_problem(total, axis)) is not None:
-        raise SPMDLayoutError(problem)
+    try:
+        d = _check_token_dim(x, Shard(dim), 0, axis)
+        axis.check_device(x, "shard(x)")
+        total = x.shape[d]
+        if strict and (problem := _strict_problem(total, axis)) is not None:
+            raise SPMDLayoutError(problem)
+    except SPMDLayoutError as e:  # collective-checking mode: the axis' next collective check raises it everywhere
+        rejected("shard", axis, e)
+        raise
     start = layout.chunk_offset(total, axis.size, axis.rank)
     rows = layout.local_tokens(total, axis.size, axis.rank)
     return SPMDTensor._new(x.narrow(d, start, rows), axis, Shard(d), total, d)
@@ -84,9 +89,13 @@ def padded_empty(
     (torch.Size([3, 4]), torch.Size([3, 4]))
     """
     axis = mesh_axis(mesh)
-    total = _check_total(global_tokens, axis)
-    if isinstance(placement, Varying):
-        raise SPMDLayoutError("Varying tensors have no padded layout: allocate them with torch.empty")
+    try:
+        total = _check_total(global_tokens, axis)
+        if isinstance(placement, Varying):
+            raise SPMDLayoutError("Varying tensors have no padded layout: allocate them with torch.empty")
+    except SPMDLayoutError as e:  # collective-checking mode: the axis' next collective check raises it everywhere
+        rejected("padded_empty", axis, e)
+        raise
     rows = _buffer_rows(placement, total, axis)
     buf = torch.empty((rows, *row_shape), dtype=dtype, device=device)
     return SPMDTensor.from_buffer(buf, axis, placement, global_tokens=total)
@@ -167,8 +176,17 @@ def from_local(
     >>> spmdmoe.from_local(torch.zeros(7, 4), pg).global_tokens
     7
     """
+    return _from_local(local, mesh, placement, global_tokens, strict, token_dim)
+
+
+def _from_local(local: Any, mesh: MeshLike, placement: Any, global_tokens: Any, strict: bool, token_dim: int,
+                problem: Optional[tuple[str, str]] = None) -> SPMDTensor:
+    """:func:`from_local`; ``problem``: ``(kind, detail)`` a caller found on this rank before (``from_dtensor``),
+    added to this rank's findings so that it is raised on every rank in the same exchange."""
     axis = mesh_axis(mesh)
     found, (kind, dim, declared, dtype, features, rows) = _local_findings(local, axis, placement, global_tokens, token_dim)
+    if problem is not None:
+        found.add(*problem)
     table = agree(
         "from_local", axis, found,
         [(_PLACEMENT, kind), (_TOKEN_DIM, dim), (_STRICT, int(bool(strict))), (_DECLARED, declared),

@@ -26,9 +26,10 @@ host transfer, and every rank raises together. A DTensor made by
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -36,7 +37,7 @@ from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
-from .construct import from_local
+from .construct import _from_local, from_local
 from .types.errors import SPMDLayoutError
 from .types.layout import contiguous_strides
 from .types.mesh import mesh_axis
@@ -64,16 +65,19 @@ class _ReplicaGradAsSummand(torch.autograd.Function):
         return (grad if ctx.rank == 0 else torch.zeros_like(grad)), None
 
 
+def _unsupported(dt: DTensor) -> Optional[str]:
+    """Why ``dt``'s placements cannot map to spmdmoe's (``None``: they can)."""
+    for p in dt.placements:
+        if type(p) not in (DShard, DReplicate, DPartial) or (type(p) is DPartial and p.reduce_op != "sum"):
+            return (f"from_dtensor supports Shard, Replicate and Partial('sum') placements, found {p!r}; "
+                    "redistribute the DTensor to one of them first")
+    return None
+
+
 def _axis_and_placement(dt: DTensor) -> tuple[Any, Any]:
     """The (mesh, DTensor placement) of the one mesh dim that is not Replicate (or a 1-D mesh)."""
     mesh: DeviceMesh = dt.device_mesh
     placements = list(dt.placements)
-    for p in placements:
-        if type(p) not in (DShard, DReplicate, DPartial) or (type(p) is DPartial and p.reduce_op != "sum"):
-            raise SPMDLayoutError(
-                f"from_dtensor supports Shard, Replicate and Partial('sum') placements, found {p!r}; "
-                "redistribute the DTensor to one of them first"
-            )
     active = [i for i, p in enumerate(placements) if type(p) is not DReplicate]
     if mesh.ndim == 1:
         return mesh, placements[0]
@@ -104,6 +108,15 @@ def from_dtensor(dt: DTensor, *, token_dim: int = 0, check: bool = True) -> SPMD
         raise SPMDLayoutError(f"from_dtensor takes a DTensor, found {type(dt).__name__}")
     known = getattr(dt, _VERIFIED, False)
     mesh, dplace = _axis_and_placement(dt)
+    unsupported = _unsupported(dt)
+    if unsupported is not None:  # raised on every rank of the axis, in from_local's exchange (its peers are there)
+        if known or not check:
+            raise SPMDLayoutError(unsupported)
+        local = dt.to_local()
+        total = dt.shape[token_dim] if -dt.dim() <= token_dim < dt.dim() else None
+        _from_local(local, mesh, Replicate(), total, False, token_dim,
+                    ("placement", f"rank {dist.get_rank()}: {unsupported}"))
+        raise SPMDLayoutError(unsupported)  # not reached: the exchange raised this rank's problem
     if type(dplace) is DShard:
         placement: Placement = Shard(dplace.dim)
         grad_placements = list(dt.placements)
@@ -120,10 +133,10 @@ def from_dtensor(dt: DTensor, *, token_dim: int = 0, check: bool = True) -> SPMD
     try:
         return from_local(local, mesh, placement=placement, global_tokens=total, token_dim=token_dim)
     except SPMDLayoutError as e:  # raised on every rank together: add what DTensor assumed
-        raise SPMDLayoutError(
-            f"from_dtensor: the DTensor says global size {total} along dim {dim} with placement {dplace}, "
-            f"but its shards do not form that chunk layout. DTensor.from_local without shape= infers "
-            f"global = local x world (wrong when the split is uneven); build it with shape= and stride= "
+        raise type(e)(
+            f"from_dtensor: the DTensor says global size {total} along dim {dim} with placement {dplace}; "
+            f"where its shards do not form that chunk layout, note that DTensor.from_local without shape= infers "
+            f"global = local x world (wrong when the split is uneven): build it with shape= and stride= "
             f"of the real global tensor, or make it with spmdmoe.to_dtensor.\n{e}"
         ) from None
 

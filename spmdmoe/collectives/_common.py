@@ -7,7 +7,7 @@ and a contiguous input that move is free; otherwise it costs one copy.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -48,18 +48,20 @@ def padded_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
     return send
 
 
-def expect(x: SPMDTensor, op: str, allowed: tuple[type, ...], mesh: Optional[MeshLike]) -> None:
-    """Check the input type of a collective (local checks on the type, no communication). In the
-    collective-checking mode (:mod:`spmdmoe.collective_check`) the ranks first compare the input, so a problem
-    found here on one rank is raised on every rank."""
-    problem = _input_problem(x, op, allowed, mesh)
+def expect(x: SPMDTensor, op: str, allowed: tuple[type, ...], mesh: Optional[MeshLike],
+           problem: Optional[Exception] = None, fields: Optional[dict[str, Any]] = None) -> None:
+    """Check the input type of a collective (local checks on the type, no communication); ``problem``: one the
+    caller found in its other arguments (raised after the input's own), ``fields``: more values the
+    collective-checking mode compares. In that mode (:mod:`spmdmoe.collective_check`) the ranks first compare
+    the input, so a problem found here on one rank is raised on every rank."""
+    problem = _input_problem(x, op, allowed, mesh) or problem
     if checks_mode() == "collectives":
         if problem is None:  # also the rows this rank holds against its declared layout
             found = _layout_problem(x, x.placement, None, None)
             problem = None if found is None else SPMDLayoutError(f"{op}: {found}")
         axis = x.axis if isinstance(x, SPMDTensor) else mesh_axis(mesh) if mesh is not None else None
         if axis is not None:
-            check_collective(op, axis, x, problem)
+            check_collective(op, axis, x, problem, fields)
             return
     if problem is not None:
         raise problem

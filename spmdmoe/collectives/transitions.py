@@ -97,16 +97,26 @@ def redistribute(x: SPMDTensor, placement: Placement, *, mesh: Optional[MeshLike
     >>> spmdmoe.redistribute(x, spmdmoe.Replicate()).placement
     Replicate()
     """
-    expect(x, "redistribute", (Shard, Replicate, Partial, Varying), mesh)
-    step = TRANSITIONS.get((type(x.placement), type(placement)))
+    # the target's problems go into the input check, so the collective-checking mode raises them on every rank
+    # (the peers would otherwise go on into the transition's collective); the target itself is compared there
+    step = TRANSITIONS.get((type(x.placement), type(placement))) if isinstance(x, SPMDTensor) else None
+    expect(x, "redistribute", (Shard, Replicate, Partial, Varying), mesh, _target_problem(x, placement, step),
+           {"target": repr(placement)})
+    assert step is not None
+    return step(x, placement)
+
+
+def _target_problem(x: Any, placement: Placement, step: Optional[Transition]) -> Optional[SPMDLayoutError]:
+    if not isinstance(x, SPMDTensor):
+        return None  # the input check names it
     if step is None:
-        raise SPMDLayoutError(
+        return SPMDLayoutError(
             f"rank {x.axis.rank}: no transition from {x.placement} to {placement}: Varying tensors have no "
             "global tensor (use all_to_all), and the others move among Shard/Replicate/Partial"
         )
     if isinstance(placement, Shard) and placement.dim % max(x.local.dim(), 1) != x.token_dim:
-        raise SPMDLayoutError(
+        return SPMDLayoutError(
             f"rank {x.axis.rank}: redistribute to {placement} but the token dim of {x.placement} is "
             f"{x.token_dim}; shard along the token dim (Shard({x.token_dim})), or move dims with with_local"
         )
-    return step(x, placement)
+    return None

@@ -31,10 +31,14 @@ torchtitan's current one. The oldest torchtitan layout (``w1``/``w3``
 ``orientation="EDF"``; a tensor of the transposed shape is refused with that fix.
 
 A parallel layer's load first agrees (``spmdmoe.agreement``, one exchange over
-the world) on what every rank was given: a missing or misshapen entry, or an
-entry that is a DTensor on one rank and a plain tensor on another, raises the
-same error on every rank before any rank starts the gathers that loading a
-DTensor of another layout needs.
+its ``agree_over`` group, the world by default) on what every rank was given: a
+missing or misshapen entry, or an entry that is a DTensor on one rank and a
+plain tensor on another, raises the same error on every rank before any rank
+starts the gathers that loading a DTensor of another layout needs. Those gathers
+span the DTensor's own mesh: when some rank's expert DTensors reach ranks
+outside the group, the verdict is agreed once more, over the world, so no group
+raises while another waits in them. A single-device layer whose expert DTensors
+live on a mesh of other ranks agrees over that mesh before it gathers them.
 """
 
 from __future__ import annotations
@@ -48,11 +52,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor import Shard as DShard
 
-from ..agreement import Field, Found, agree, exchange_rows
+from ..agreement import Field, Found, agree, exchange_rows, verdict, world_axis
 from ..types import layout
 from ..types.errors import SPMDLayoutError
 from ..types.layout import contiguous_strides
-from ..types.mesh import MeshAxis
+from ..types.mesh import MeshAxis, mesh_axis
 
 __all__ = ["to_torchtitan", "from_torchtitan", "install_hooks", "ExpertLayout", "expert_layout", "grid_mesh"]
 
@@ -234,6 +238,8 @@ def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout], agree_ov
             state_dict[prefix + "expert_bias"] = module.expert_bias.detach().clone()
         if layout is not None:  # in every checking mode: the setting never decides whether a collective runs
             _agree_on_entries(module, state_dict, prefix, layout, strict, agree_over)
+        elif (axis := _dtensor_axis(state_dict, prefix)) is not None:  # a single-device layer gathering DTensors
+            _agree_on_entries(module, state_dict, prefix, None, strict, axis)
         for name in HIDDEN_DIM:
             key = prefix + name
             if key in state_dict:
@@ -249,18 +255,40 @@ def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout], agree_ov
 _KIND = {0: "missing", 1: "a plain tensor", 2: "a DTensor in this layer's layout", 3: "a DTensor in another layout"}
 
 
-def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layout: ExpertLayout, strict: bool,
-                      agree_over: Optional[MeshAxis]) -> None:
+def _dtensor_axis(state_dict: dict[str, Any], prefix: str) -> Optional[MeshAxis]:
+    """A single-device layer: the axis to agree over before gathering the expert DTensors of ``state_dict`` whose
+    mesh holds other ranks (``None``: no such DTensor, nothing to agree on): the mesh of the first one when it
+    is 1-D and holds the others' ranks, else the world."""
+    meshes = [v.device_mesh for n in HIDDEN_DIM if isinstance(v := state_dict.get(prefix + n), DTensor)]
+    ranks = {r for m in meshes for r in m.mesh.flatten().tolist()}
+    if not dist.is_initialized() or not ranks - {dist.get_rank()}:
+        return None
+    first = meshes[0]
+    if first.ndim == 1 and ranks <= set(first.mesh.flatten().tolist()):
+        return mesh_axis(first)
+    return world_axis()
+
+
+def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layout: Optional[ExpertLayout],
+                      strict: bool, agree_over: Optional[MeshAxis]) -> None:
     """One agreement exchange over ``agree_over`` (the world by default) before any gather: every rank
-    raises if one rank's entries are missing (strict), misshapen, or of another kind than its peers'."""
+    raises if one rank's entries are missing (strict), misshapen, or of another kind than its peers'.
+
+    A DTensor's gathers span its own mesh, not the layer's group: when some rank of ``agree_over`` holds an
+    expert DTensor whose load talks to ranks outside it (a mesh wider than the group), the verdict is not
+    raised there (the other groups would go on into those gathers and wait) but agreed again over the world,
+    which every rank that such a gather involves takes part in. ``layout`` ``None``: a single-device layer,
+    agreeing over the mesh of its DTensors (``_dtensor_axis``)."""
     found, kinds = Found(), []
     rank = dist.get_rank()
+    reach: set[int] = set()  # the global ranks this rank's expert DTensors will gather or redistribute over
     expected = [*module.named_parameters(), ("expert_bias", module.expert_bias)]
     for name, param in expected:
         value = state_dict.get(prefix + name)
         if name in HIDDEN_DIM:
-            own = isinstance(value, DTensor) and layout.mesh is not None and value.device_mesh == layout.mesh \
-                and list(value.placements) == layout.placements(name)
+            reach |= _reach(name, value, layout)
+            own = isinstance(value, DTensor) and layout is not None and layout.mesh is not None \
+                and value.device_mesh == layout.mesh and list(value.placements) == layout.placements(name)
             kinds.append((Field(f"kind of entry {prefix + name}", show=lambda v: _KIND[v]),
                           0 if value is None else 2 if own else 3 if isinstance(value, DTensor) else 1))
             want: Any = _global_shape(name, module.config)
@@ -273,7 +301,28 @@ def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layo
             found.add("state_dict", f"rank {rank}: {prefix + name} is a {type(value).__name__}, not a tensor")
         elif tuple(value.shape) != want:
             found.add("state_dict", f"rank {rank}: {prefix + name}: {_shape_problem(name, tuple(value.shape), want)}")
-    agree("load_state_dict", agree_over, found, kinds, global_ranks=True)
+    if agree_over is None or agree_over.size == dist.get_world_size():
+        agree("load_state_dict", agree_over, found, kinds, global_ranks=True)
+        return
+    wider = bool(reach - set(agree_over.ranks))
+    table = exchange_rows(agree_over, [found.bits, *(v for _, v in kinds), int(wider)])
+    if any(row[-1] for row in table):  # some rank's gathers reach past the group: every rank of theirs agrees
+        agree("load_state_dict", None, found, kinds, global_ranks=True)
+        return
+    error = verdict("load_state_dict", agree_over, table, found, [f for f, _ in kinds], global_ranks=True)
+    if error is not None:
+        raise error
+
+
+def _reach(name: str, value: Any, layout: Optional[ExpertLayout]) -> set[int]:
+    """The global ranks that loading ``value`` (``_local_value``) communicates with: none for a plain tensor or
+    a DTensor in this layer's own layout, else every rank of the DTensor's mesh."""
+    if not isinstance(value, DTensor):
+        return set()
+    if layout is not None and layout.mesh is not None and value.device_mesh == layout.mesh and \
+            list(value.placements) == [p if p is not None else Replicate() for p in layout.placements(name)]:
+        return set()
+    return set(value.device_mesh.mesh.flatten().tolist())
 
 
 def _global_shape(name: str, config: Any) -> tuple[int, int, int]:

@@ -29,12 +29,15 @@ makes that check (one small all-gather), and
 :func:`spmdmoe.testing.check_layout` makes it on any ``SPMDTensor`` (for
 tests). Collectives trust the type and never re-check; the MoE layers check
 their input against the layer every rank agreed on (``spmdmoe.agreement``).
+A local check that fails raises on this rank alone; in the collective-checking
+mode it first hands the error to the axis' next collective check
+(:data:`LOCAL_ERROR_HOOKS`), so the peers raise it there too.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -47,6 +50,18 @@ from .placement import Partial, Placement, Replicate, Shard, Varying
 __all__ = ["SPMDTensor"]
 
 _SLOTS = ("_local", "_axis", "_placement", "_global_tokens", "_token_dim", "_buffer")
+
+# Called as ``hook(op, axis, error)`` just before a local constructor raises ``error`` on this rank alone. The
+# collective-checking mode (``spmdmoe.collective_check``, which registers one) hands the error to the axis' next
+# collective check, so the peers that go on into that collective raise it too instead of waiting there for this
+# rank. This module itself talks to no rank.
+LOCAL_ERROR_HOOKS: list[Callable[[str, "MeshAxis", Exception], None]] = []
+
+
+def rejected(op: str, axis: "MeshAxis", error: Exception) -> None:
+    """Tell :data:`LOCAL_ERROR_HOOKS` that ``op`` on ``axis`` is about to raise ``error`` on this rank only."""
+    for hook in LOCAL_ERROR_HOOKS:
+        hook(op, axis, error)
 
 
 def _rows_expected(placement: Placement, total: int, axis: MeshAxis) -> int:
@@ -111,15 +126,19 @@ class SPMDTensor:
         token_dim: int = 0,
     ) -> None:
         axis = mesh_axis(mesh)
-        dim = _check_token_dim(local, placement, token_dim, axis)
-        rows = local.shape[dim]
-        if not isinstance(placement, Varying):
-            total = _check_total(global_tokens, axis)
-            expected = _rows_expected(placement, total, axis)
-            if rows != expected:
-                raise SPMDLayoutError(_bad_rows_message(placement, total, axis, rows, dim))
-        else:
-            total = None
+        try:
+            dim = _check_token_dim(local, placement, token_dim, axis)
+            rows = local.shape[dim]
+            if not isinstance(placement, Varying):
+                total = _check_total(global_tokens, axis)
+                expected = _rows_expected(placement, total, axis)
+                if rows != expected:
+                    raise SPMDLayoutError(_bad_rows_message(placement, total, axis, rows, dim))
+            else:
+                total = None
+        except SPMDLayoutError as e:
+            rejected("SPMDTensor(...)", axis, e)
+            raise
         _init(self, local, axis, _normalised(placement, dim), total, dim, None)
 
     # ------------------------------------------------------------------ builders
@@ -157,23 +176,28 @@ class SPMDTensor:
         checks only (row count, contiguity); nothing across ranks.
         """
         axis = mesh_axis(mesh)
-        if isinstance(placement, Varying):
-            raise SPMDLayoutError("Varying tensors have no padded layout; build them with SPMDTensor(...)")
-        dim = _check_token_dim(buffer, placement, token_dim, axis)
-        total = _check_total(global_tokens, axis)
-        want = _buffer_rows(placement, total, axis)
-        if buffer.shape[dim] != want:
-            raise SPMDLayoutError(
-                f"rank {axis.rank}: a {placement} buffer for global_tokens={total} on {axis.size} "
-                f"ranks must have {want} rows along dim {dim}, found {buffer.shape[dim]}; "
-                f"allocate it with spmdmoe.padded_empty(...)"
-            )
-        if not buffer.is_contiguous():
-            raise SPMDLayoutError(
-                f"rank {axis.rank}: a padded buffer must be contiguous so a collective can send it "
-                f"without a copy, found strides {buffer.stride()} for shape {tuple(buffer.shape)}; "
-                "allocate it with spmdmoe.padded_empty(...)"
-            )
+        try:
+            if isinstance(placement, Varying):
+                raise SPMDLayoutError(f"rank {axis.rank}: Varying tensors have no padded layout; build them with "
+                                      "SPMDTensor(...)")
+            dim = _check_token_dim(buffer, placement, token_dim, axis)
+            total = _check_total(global_tokens, axis)
+            want = _buffer_rows(placement, total, axis)
+            if buffer.shape[dim] != want:
+                raise SPMDLayoutError(
+                    f"rank {axis.rank}: a {placement} buffer for global_tokens={total} on {axis.size} "
+                    f"ranks must have {want} rows along dim {dim}, found {buffer.shape[dim]}; "
+                    f"allocate it with spmdmoe.padded_empty(...)"
+                )
+            if not buffer.is_contiguous():
+                raise SPMDLayoutError(
+                    f"rank {axis.rank}: a padded buffer must be contiguous so a collective can send it "
+                    f"without a copy, found strides {buffer.stride()} for shape {tuple(buffer.shape)}; "
+                    "allocate it with spmdmoe.padded_empty(...)"
+                )
+        except SPMDLayoutError as e:
+            rejected("SPMDTensor.from_buffer", axis, e)
+            raise
         local = buffer.narrow(dim, 0, _rows_expected(placement, total, axis))
         return cls._new(local, axis, _normalised(placement, dim), total, dim, buffer)
 
@@ -189,12 +213,14 @@ class SPMDTensor:
         """
         dim = self._token_dim
         if local.dim() <= dim or local.shape[dim] != self._local.shape[dim]:
-            raise SPMDLayoutError(
+            error = SPMDLayoutError(
                 f"rank {self._axis.rank}: with_local must keep the token dimension {dim}: expected "
                 f"{self._local.shape[dim]} rows (layout {self._placement}, global_tokens="
                 f"{self._global_tokens}), found shape {tuple(local.shape)}; apply row-wise ops "
                 "to .local, or rebuild the layout with spmdmoe.from_local"
             )
+            rejected("SPMDTensor.with_local", self._axis, error)
+            raise error
         return SPMDTensor._new(local, self._axis, self._placement, self._global_tokens, dim)
 
     # ------------------------------------------------------------------ attributes

@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import Shard as DShard
 
 from moe_plans import build_plan, expert_grad_slice, reference_moe
-from spmdmoe.moe import MoEConfig
+from spmdmoe import SPMDLayoutError
+from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.moe.checkpoint import from_torchtitan, to_torchtitan
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere
 
@@ -166,3 +167,51 @@ def test_grid_mesh_is_an_exchange_within_the_ep_group_made_once():
         if rank == 1:
             assert grid_mesh(ep, sp) is grid
     dist.barrier()
+
+
+@pytest.mark.world4
+@pytest.mark.one_rank_bad
+@pytest.mark.parametrize("bad", ["missing", "plain"])
+def test_bad_entry_on_one_rank_with_dtensors_wider_than_the_layers_group(world, device, mesh2x2, bad):
+    """The experts are DTensors sharded over the whole world; the layer's EP group (and its agree_over) is one
+    axis of a 2x2 mesh. Before: the bad rank's group agreed and raised, while the other group went on into the
+    DTensors' own gathers over the world and waited there. The load now agrees over the world whenever some
+    rank's DTensors span ranks outside the layer's group (it asks its group first), so every rank raises."""
+    ref = reference_moe(CFG, 9, device)
+    sd = {k: (distribute_tensor(v.detach(), world, [DShard(0)]) if k.startswith("experts.") else v.detach().clone())
+          for k, v in ref.state_dict().items()}
+    ep = mesh2x2["sp"]
+    layer = parallelize_moe(reference_moe(CFG, 10, device), ep_mesh=ep, agree_over=ep)
+    last = world.size() - 1
+    if dist.get_rank() == last:
+        if bad == "missing":
+            del sd["experts.w2"]
+        else:  # no DTensor at all on this rank: it learns from its group that the load reaches past it
+            sd.update({k: v.detach().clone() for k, v in ref.state_dict().items() if k.startswith("experts.")})
+    match = rf"\(rank {last}: state dict entry cannot be loaded\)" if bad == "missing" else \
+        "disagree on the kind of entry experts.w1"
+    err = assert_raises_everywhere(SPMDLayoutError, lambda: layer.load_state_dict(sd), match=match)
+    assert type(err) is SPMDLayoutError, f"{type(err).__name__}: {err}"
+
+
+@pytest.mark.one_rank_bad
+@pytest.mark.parametrize("bad", ["missing", "shape"])
+def test_single_device_layer_loading_dtensors_with_a_bad_entry_on_one_rank(world, device, bad):
+    """A single-device MoE on every rank of a job loads a state dict of DTensors sharded over the world (each rank
+    gathers the full experts). It agreed on nothing: a rank missing an expert (or holding a misshapen one) skipped
+    that gather, and its peers waited in it. A rank whose experts are DTensors on a mesh of other ranks now agrees
+    over those ranks first, so every rank raises."""
+    ref = reference_moe(CFG, 9, device)
+    sd = {k: (distribute_tensor(v.detach(), world, [DShard(0)]) if k.startswith("experts.") else v.detach().clone())
+          for k, v in ref.state_dict().items()}
+    layer = reference_moe(CFG, 10, device)
+    last = world.size() - 1
+    if dist.get_rank() == last:
+        if bad == "missing":
+            del sd["experts.w2"]
+        else:
+            sd["experts.w2"] = distribute_tensor(torch.zeros(CFG.num_experts, CFG.dim, 3, device=device), world, [DShard(0)],
+                                                 src_data_rank=None)
+    err = assert_raises_everywhere(SPMDLayoutError, lambda: layer.load_state_dict(sd),
+                                   match=rf"\(rank {last}: state dict entry cannot be loaded\)")
+    assert type(err) is SPMDLayoutError, f"{type(err).__name__}: {err}"

@@ -96,3 +96,46 @@ def test_one_rank_skips_a_collective(fresh):
                 problem = str(e)
     assert not all_ranks_agree(not problem), problem
 
+
+
+@pytest.mark.one_rank_bad
+@pytest.mark.parametrize("how", ["from_buffer", "constructor", "with_local", "padded_empty", "shard"])
+def test_local_constructor_rejects_on_one_rank_before_a_collective(fresh, how):
+    """Before: a local constructor raised on the bad rank alone (here from_buffer given the wrong row count), and its
+    peers waited in the next collective (reduce_scatter) for a rank that never came. Now the bad rank hands its
+    problem to the axis' next collective check before it raises, and every rank raises the same error type."""
+    n, bad = dist.get_world_size(), dist.get_rank() == _bad_rank()
+    rows = -(-5 // n) * n  # a Partial buffer for T=5: the padded global rows
+    error = {"padded_empty": spmdmoe.SPMDTokenCountError, "shard": spmdmoe.SPMDLayoutError}.get(how, SPMDLayoutError)
+
+    def step():
+        if how == "from_buffer":
+            p = SPMDTensor.from_buffer(torch.zeros(rows + (1 if bad else 0), 2), fresh, Partial(), global_tokens=5)
+        elif how == "constructor":
+            p = SPMDTensor(torch.zeros(6 if bad else 5, 2), fresh, Partial(), global_tokens=5)
+        elif how == "with_local":
+            p = SPMDTensor(torch.zeros(5, 2), fresh, Partial(), global_tokens=5)
+            p = p.with_local(torch.zeros(4 if bad else 5, 2))
+        elif how == "padded_empty":
+            p = spmdmoe.padded_empty(fresh, Partial(), -1 if bad else 5, (2,))
+        else:  # a token dim out of range on one rank
+            p = spmdmoe.redistribute(spmdmoe.shard(torch.zeros(5, 2), fresh, dim=2 if bad else 0), Partial())
+        return spmdmoe.reduce_scatter(p)
+
+    err = assert_raises_everywhere(error, step, match=r"rank 1\b")
+    assert type(err) is error, f"expected exactly {error.__name__}, found {type(err).__name__}: {err}"
+
+
+@pytest.mark.one_rank_bad
+@pytest.mark.parametrize("target,error,match", [
+    ("Shard(1)", SPMDLayoutError, r"redistribute rejected the input on axis rank\(s\) \[1\].*token dim"),
+    ("Partial()", SPMDCollectiveError, r"target is .*Partial.* on axis rank\(s\) \[1\]"),
+])
+def test_redistribute_to_another_target_on_one_rank(fresh, target, error, match):
+    """Before: the input check passed on every rank, then the bad rank raised on its own (a Shard target off the
+    token dim) or zero-extended locally (Partial) while its peers waited in the all-gather of Shard -> Replicate.
+    The target's problems and the target itself are now part of the check: every rank raises the same error."""
+    x = spmdmoe.shard(torch.zeros(5, 2), fresh)
+    dst = {"Shard(1)": Shard(1), "Partial()": Partial()}[target] if dist.get_rank() == _bad_rank() else Replicate()
+    err = assert_raises_everywhere(error, lambda: spmdmoe.redistribute(x, dst), match=match)
+    assert type(err) is error, f"expected exactly {error.__name__}, found {type(err).__name__}: {err}"

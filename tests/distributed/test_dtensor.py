@@ -143,3 +143,18 @@ def test_module_adapter_runs_a_parallel_moe_on_dtensor_activations(world, device
     assert_close_everywhere(out.full_tensor(), ref_y.detach(), **tol, name="adapter output")
     assert_close_everywhere(leaf.grad, ref_x.grad[rows], rtol=1e-5, atol=1e-5 * float(ref_x.grad.abs().max()), name="adapter input grad")
     assert [n for n, _ in block.named_parameters()][0].startswith("layer.")
+
+
+@pytest.mark.one_rank_bad
+def test_unsupported_placement_on_one_rank_raises_everywhere(world, device):
+    """Before: the rank whose DTensor had an unsupported placement (Partial('max')) raised on its own, and its
+    peers waited in from_local's exchange. Its problem now rides that exchange: every rank raises."""
+    total, bad = 5, world.size() - 1
+    rows = _rows(world, total)
+    full = reference_tensor((total, 3), 1, device=device)
+    if world.get_local_rank() == bad:
+        dt = DTensor.from_local(full, world, [DPartial("max")], run_check=False, shape=(total, 3), stride=(3, 1))
+    else:
+        dt = DTensor.from_local(full[rows], world, [DShard(0)], run_check=False, shape=(total, 3), stride=(3, 1))
+    err = assert_raises_everywhere(SPMDLayoutError, lambda: from_dtensor(dt), match=rf"rank {bad}: unknown placement")
+    assert world.get_local_rank() != bad or "Partial('sum')" in str(err), str(err)

@@ -185,3 +185,38 @@ def test_other_placement_on_one_rank_with_sp_and_ep(plan_name, world, device, re
         spmdmoe.check_errors()
 
     assert_raises_everywhere(SPMDLayoutError, step, match=rf"rank {last}: input is not in the layer's layout")
+
+
+@pytest.mark.parametrize("mode", ["on", "collectives"])
+@pytest.mark.parametrize("ep_mode", ["sync", "sync_free"])
+def test_replicate_of_every_row_on_one_rank_of_an_sp_ep_layer(world, device, request, monkeypatch, mode, ep_mode):
+    """The sp_ep plan (SP = EP = world); the last rank passes a Replicate tensor of all T rows (a valid layout on its
+    own: built locally, with no cross-rank check), the others their Shard(0) rows. Every rank raises the layer's
+    input error (SPMDLayoutError naming that rank), in the default and in the collective-checking mode, in the
+    forward (sync EP raises at its count exchange) or at the step boundary (sync-free EP), and the next step,
+    with good inputs everywhere, runs clean. (Reported to hang every rank; it does not on this tree: the bad rank
+    stands in zero rows, the token exchange reads T only from a Shard input on the layer's axis.)"""
+    from moe_plans import build_plan
+
+    monkeypatch.setenv("SPMDMOE_CHECK_TIMEOUT", "10")  # a rank out of step fails fast instead of waiting 60 s
+    previous = spmdmoe.set_checks("collectives" if mode == "collectives" else True)
+    try:
+        T = 11
+        plan = build_plan("sp_ep", reference_moe(CFG, 0, device), T, world, request, ep_mode=ep_mode)
+        full = reference_tensor((T, D), 2, device=device)
+        x = plan.wrap(full[plan.rows].clone().requires_grad_())
+        last = world.size() - 1
+        if world.get_local_rank() == last:
+            x = spmdmoe.SPMDTensor(full.clone().requires_grad_(), x.axis, Replicate(), global_tokens=T)
+
+        def step(x):
+            y = plan.layer(x)
+            y.local.sum().backward()
+            plan.layer.update_expert_bias()
+
+        err = assert_raises_everywhere(SPMDLayoutError, lambda: step(x),
+                                       match=rf"rank {last}: input is not in the layer's layout")
+        assert type(err) is SPMDLayoutError, f"{type(err).__name__}: {err}"
+        step(plan.wrap(full[plan.rows].clone().requires_grad_()))
+    finally:
+        spmdmoe.set_checks(previous)
