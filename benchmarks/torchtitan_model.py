@@ -25,15 +25,15 @@ models are built on meta from one config, one of them swapped, and initialised b
   tokens/s and peak memory: the most a step allocates above what is resident (weights, gradients,
   optimizer state: reported beside it).
 
-torch 2.11 (the GPU hosts) lacks two names torchtitan 0.3.0 uses; :func:`shim_torch` supplies them before
-torchtitan is imported. torchtitan is an optional extra: without it the script says so and exits 0.
+torch 2.11 (the GPU hosts) lacks names torchtitan 0.3.0 uses; ``shim_torch`` (spmdmoe's, in
+``spmdmoe/integrations/_torch_compat.py``) supplies them before torchtitan is imported. torchtitan is an
+optional extra: without it the script says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import pathlib
 import sys
 from typing import Any, Callable
@@ -43,25 +43,9 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from timing import report, timed  # noqa: E402
 
+from spmdmoe.integrations._torch_compat import shim_torch  # noqa: E402
+
 TOLERANCE = 0.01  # |loss difference| / loss at every step
-
-
-def shim_torch() -> None:
-    """torch 2.11: a stub ``torch.distributed.fsdp.DataParallelMeshDims`` (it only annotates torchtitan's FSDP
-    helpers), ``create_block_mask`` without ``separate_full_blocks``, ``torch.compiler._is_non_strict_tracing``."""
-    import torch.distributed.fsdp as fsdp
-    import torch.nn.attention.flex_attention as flex
-
-    if not hasattr(fsdp, "DataParallelMeshDims"):
-        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
-    if "separate_full_blocks" not in inspect.signature(flex.create_block_mask).parameters:
-        plain = flex.create_block_mask
-
-        def create_block_mask(*args: Any, separate_full_blocks: bool = False, **kwargs: Any) -> Any:
-            return plain(*args, **kwargs)
-        flex.create_block_mask = create_block_mask
-    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
-        torch.compiler._is_non_strict_tracing = lambda: False
 
 
 def compile_blocks(model: torch.nn.Module) -> None:

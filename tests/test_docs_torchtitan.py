@@ -1,6 +1,7 @@
 """``docs/torchtitan.md`` runs as written: its "own loop" block trains (in a fresh interpreter: the swap's
-optimizer hook is process-wide), and its Trainer block gives the spec that ``tests/torchtitan_parallelize.py``
-runs through torchtitan's own ``parallelize`` with EP 4 on 4 processes (``test_torchtitan.py``)."""
+optimizer hook is process-wide; on torch 2.11 too, where it must import spmdmoe's integration before
+torchtitan), and its Trainer block gives the spec that ``tests/torchtitan_parallelize.py`` runs through
+torchtitan's own ``parallelize`` with EP 4 on 4 processes (``test_torchtitan.py``)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ def test_own_loop_block_trains(tmp_path):
 
 
 def test_trainer_block_wraps_torchtitans_parallelize():
+    namespace: dict = {}
+    exec(guide_blocks()[0], namespace)  # first: it imports spmdmoe's integration before torchtitan (torch 2.11)
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 
-    namespace: dict = {}
-    exec(guide_blocks()[0], namespace)
     spec = namespace["model_spec"]
     assert spec.parallelize_fn is not parallelize_deepseekv3
     assert (spec.name, spec.flavor) == ("deepseek_v3", "debugmodel")

@@ -42,6 +42,44 @@ def test_paths_and_init_match_bitwise():
     ours.verify_module_protocol()  # torchtitan's Trainer checks every submodule is one of its Modules
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("swap_after_init", [False, True], ids=["swap-then-init", "init-then-swap"])
+@pytest.mark.parametrize("built_on", ["meta", "cpu", CUDA])
+def test_swap_on_every_build_path(built_on, swap_after_init):
+    """``swap_moe`` on a model built on meta (torchtitan's Trainer; materialised by ``to_empty``), on the CPU or
+    on a GPU (a plain script), before or after ``init_states``: the state dict is the unswapped model's from the
+    same seed, bitwise, and a swap after the init changes no value; the layer's own buffers (problem flags) are
+    zeros on the model's device; the output and the input gradient match torchtitan's."""
+    device = "cuda" if built_on == "cuda" else "cpu"
+    where = {"device": device, "on_meta": built_on == "meta"}
+    ref = build(debug_config(), **where)
+    seen = []
+
+    def swap(model):
+        seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        return swap_moe(model)
+    ours = build(debug_config(), swap, swap_after_init=swap_after_init, **where)
+    ref_state, our_state = ref.state_dict(), ours.state_dict()
+    assert list(ref_state) == list(our_state)
+    assert all(torch.equal(ref_state[k], our_state[k]) for k in ref_state)
+    if swap_after_init:
+        assert all(torch.equal(seen[0][k], our_state[k]) for k in our_state)
+    for moe in (m for m in ours.modules() if isinstance(m, SwappedMoE)):
+        own = dict(moe.layer.named_buffers(recurse=False))
+        assert "problem_bits" in own
+        for name, buf in own.items():
+            assert buf.device.type == device and not buf.any(), (name, buf)
+    x = torch.randn(3, 37, 256, generator=torch.Generator().manual_seed(2)).to(device)
+    err, same, (gx_ref, gx_our) = _rows(ref.layers["1"].moe, ours.layers["1"].moe, x)
+    assert (~same).float().mean() <= 0.01
+    assert err[same].max() <= 1e-2, err[same].max()
+    gx_err = ((gx_ref - gx_our).reshape(-1, 256).norm(dim=-1) / gx_ref.reshape(-1, 256).norm(dim=-1))
+    assert gx_err[same].max() <= 1e-2
+
+
 def _rows(ref_moe, our_moe, x_BLD):
     """Per-row relative output error, and which tokens both routers send to the same expert set."""
     torch.manual_seed(1)
@@ -124,7 +162,7 @@ def test_activation_checkpointing_and_compiled_blocks():
     wrapped = copy.deepcopy(plain)
     for name, block in list(wrapped.layers.named_children()):
         block = checkpoint_wrapper(block, preserve_rng_state=False)
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=True, backend="aot_eager")  # Dynamo and AOTAutograd, as torchtitan; no codegen
         wrapped.layers.register_module(name, block)
     tokens = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(5))
     for model in (plain, wrapped):
@@ -211,6 +249,16 @@ def test_refuses_a_model_without_torchtitan_moe():
         swap_moe(torch.nn.Linear(2, 2))
 
 
+def _fsdp_meshes_per_parameter() -> bool:
+    """Whether FSDP2 takes a mesh per parameter (torch 2.13's ``ShardPlacementResult``), which torchtitan
+    0.3.0's EP with FSDP needs (``torchtitan.distributed.fsdp``); torch 2.11's has none."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return hasattr(_fsdp_common, "ShardPlacementResult")
+
+
+@pytest.mark.skipif(not _fsdp_meshes_per_parameter(), reason="torchtitan's EP with FSDP needs FSDP2's per-parameter "
+                    "meshes (ShardPlacementResult, torch 2.13); EP by hand: tests/distributed/test_torchtitan.py")
 def test_torchtitans_parallelize_ep4(torchrun_job):
     """The whole model through torchtitan's ``parallelize_deepseekv3`` with EP = 4 on 4 gloo processes
     (``tests/torchtitan_parallelize.py``): each rank's loss and every gradient match the unparallelized
@@ -242,3 +290,26 @@ def test_swapped_model_spec_swaps_before_torchtitans_parallelize():
     assert seen == [(SwappedMoE, dims, {"training": "t", "dump_folder": ""})]
     with pytest.raises(TypeError, match="ep_mesh comes from torchtitan's parallel_dims"):
         swapped_model_spec(spec, ep_mesh=None)
+
+
+def test_torch_compat_gives_torchtitan_what_it_takes_from_torch_2_13():
+    """``spmdmoe/integrations/_torch_compat.py`` (applied by importing the integration): on torch 2.11 the names
+    torchtitan 0.3.0 uses exist and take its keywords (``fully_shard(dp_mesh_dims=None)`` shards as without it,
+    ``create_block_mask(separate_full_blocks=...)``); on 2.13 torch's own. Applying it again changes nothing."""
+    import torch.distributed.fsdp as fsdp
+    import torch.nn.attention.flex_attention as flex
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmdmoe.integrations._torch_compat import shim_torch
+    from spmdmoe.testing import single_process_group
+
+    before = (fsdp.fully_shard, flex.create_block_mask, fsdp.DataParallelMeshDims)
+    shim_torch()
+    assert (fsdp.fully_shard, flex.create_block_mask, fsdp.DataParallelMeshDims) == before
+    assert not torch.compiler._is_non_strict_tracing()
+    single_process_group()
+    layer = fsdp.fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)), dp_mesh_dims=None)
+    assert isinstance(layer, fsdp.FSDPModule)
+    mask = flex.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cpu",
+                                  separate_full_blocks=False)
+    assert mask.shape[-2:] == (128, 128)

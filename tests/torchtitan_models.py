@@ -2,7 +2,10 @@
 
 torchtitan's FlexAttention has no backward on CPU, so both models (torchtitan's and the swapped one) get
 torchtitan's own causal ``ScaledDotProductAttention``. ``build`` makes the model on meta, optionally swaps,
-materialises it and runs torchtitan's ``init_states`` from one seed, as torchtitan's trainer does.
+materialises it and runs torchtitan's ``init_states`` from one seed, as torchtitan's trainer does (or builds
+it on the device, or swaps after the init: the other ways a script may take). On torch 2.11, ``shim_torch``
+(``spmdmoe/integrations/_torch_compat.py``) supplies what torchtitan 0.3.0 takes from torch 2.13, before
+torchtitan's models are imported.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
+from spmdmoe.integrations._torch_compat import shim_torch
+
 torchtitan = pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
+shim_torch()  # torch 2.11: the names torchtitan imports (spmdmoe.integrations.torchtitan applies it too)
 
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.deepseek_v3 import model_registry  # noqa: E402
@@ -34,18 +40,22 @@ def debug_config(layers: int = 3, flavor: str = "debugmodel", sdpa: bool = True,
     return config
 
 
-def build(config: Any, swap: Optional[Callable[[Any], Any]] = None, seed: int = 0,
-          device: str = "cpu") -> torch.nn.Module:
-    """``config`` built on meta, ``swap(model)`` applied, materialised on ``device`` and initialised from
-    ``seed`` by torchtitan's ``init_states``."""
-    with torch.device("meta"):
+def build(config: Any, swap: Optional[Callable[[Any], Any]] = None, seed: int = 0, device: str = "cpu", *,
+          on_meta: bool = True, swap_after_init: bool = False) -> torch.nn.Module:
+    """``config`` built on meta and materialised on ``device`` (``on_meta=False``: built on ``device``
+    itself), initialised from ``seed`` by torchtitan's ``init_states``; ``swap(model)`` applied before the
+    materialisation and init (``swap_after_init``: after them)."""
+    with torch.device("meta" if on_meta else device):
         model = config.build()
-    if swap is not None:
+    if swap is not None and not swap_after_init:
         swap(model)
-    model.to_empty(device=device)
+    if on_meta:
+        model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_states(buffer_device=torch.device(device))
+    if swap is not None and swap_after_init:
+        swap(model)
     return model
 
 

@@ -6,7 +6,7 @@ dim, ``E`` experts, ``e`` this rank's experts, ``T = B * L`` tokens.
     from spmdmoe.integrations.torchtitan import swap_moe
     with torch.device("meta"):
         model = model_config.build()          # torchtitan's model, as torchtitan builds it
-    swap_moe(model)                           # before torchtitan's parallelize / init
+    swap_moe(model)                           # before torchtitan's parallelize (before or after init)
     model.to_empty(device=...); model.init_states(buffer_device=...)
 
     config.model_spec = swapped_model_spec(config.model_spec)   # the same from torchtitan's Trainer
@@ -62,6 +62,9 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._torch_compat import shim_torch
+
+shim_torch()  # torch 2.11: the names torchtitan 0.3.0 imports, before it is imported
 try:
     from torchtitan.models.common.feed_forward import FeedForward as _TTFeedForward
     from torchtitan.models.common.moe import GroupedExperts as _TTGroupedExperts
@@ -123,7 +126,8 @@ class SwappedMoE(_TTMoE):
         self.training = source.training
         object.__setattr__(self, "layer", layer)  # not a child: it holds no state of its own
         _bind(layer, self)
-        self._move_layer_buffers(lambda t: t.to(self.tokens_per_expert_E.device))
+        device = _local(self.tokens_per_expert_E).device  # the model's: meta, the CPU or a GPU
+        self._move_layer_buffers(lambda t: torch.zeros_like(t, device=device) if t.is_meta else t.to(device))
         layer.train(self.training)
 
     def _move_layer_buffers(self, fn: Any) -> None:
@@ -245,8 +249,11 @@ def swap_moe(
     agree_over: Optional[MeshLike] = None,
 ) -> list[str]:
     """Replace every ``torchtitan.models.common.moe.MoE`` in ``model`` by a :class:`SwappedMoE`; returns
-    their names. Call it on every rank, on the model as torchtitan built it (meta or not), before
-    torchtitan's ``parallelize`` and ``init_states``.
+    their names. Call it on every rank, before torchtitan's ``parallelize``, on a model built on meta (as
+    torchtitan's Trainer builds it), on the CPU or on a GPU, before or after ``init_states``: every weight
+    keeps its value bitwise (under ``ep_mesh`` each rank keeps its experts' slice), a swap before
+    ``init_states`` draws the same numbers as the unswapped model from the same seed, and the layer's own
+    buffers (problem flags, capacity counters) start at zero on the model's device.
 
     ``sp_mesh``: an SP axis; each rank passes its own part of the sequence, ``(B, L_rank, D)`` with
     ``B * L_rank`` rows following spmdmoe's chunk rule for the total (``spmdmoe.shard`` of the

@@ -17,12 +17,16 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torchtitan.models.common.moe import GroupedExperts as _TTGroupedExperts
-from torchtitan.protocols.module import Module as _TTModule
 
 from ..moe.experts import GroupedExperts, SharedExperts
+from ..moe.grads import agree_grad_set
 from ..moe.layer import _Layer
 from ..moe.router import Router
+from ._torch_compat import shim_torch
+
+shim_torch()  # torch 2.11 (see torchtitan.py), also where this module is imported first
+from torchtitan.models.common.moe import GroupedExperts as _TTGroupedExperts  # noqa: E402
+from torchtitan.protocols.module import Module as _TTModule  # noqa: E402
 
 if TYPE_CHECKING:
     from .torchtitan import SwappedMoE
@@ -98,12 +102,27 @@ class _SharedExperts(SharedExperts, _TTModule):
     """spmdmoe's shared experts as a torchtitan ``Module``."""
 
 
+class _NoAuxLoss:
+    """``aux_loss`` of a bound layer: always ``None`` (torchtitan's MoE has none: ``swap_moe`` maps no
+    ``aux_loss_coeff``), so the layer's reset at each forward (``self.aux_loss = None``) writes nothing. torch
+    2.11's compile refuses any attribute write inside activation checkpointing, even one that changes nothing
+    (2.13 lets it through), and torchtitan compiles checkpointed blocks."""
+
+    def __get__(self, obj: Any, cls: Any = None) -> None:
+        return None
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if value is not None:
+            raise AssertionError("a swapped torchtitan MoE has no aux loss")
+
+
 class _Bound:
     """A layer whose state lives in a :class:`SwappedMoE`: the bias and counts are the adapter's buffers
     (looked up at each use: torchtitan re-creates them in ``init_states``), dense weights its local
-    tensors."""
+    tensors; no aux loss (:class:`_NoAuxLoss`)."""
 
     _owner: "SwappedMoE"  # a plain attribute, not a child module (a deepcopy of the adapter copies both)
+    aux_loss = _NoAuxLoss()
 
     @property
     def expert_bias(self) -> torch.Tensor:
@@ -132,8 +151,14 @@ def _bind(engine: _Layer, adapter: "SwappedMoE") -> None:
         engine.__dict__.pop(name, None)  # a None set before it was a module is a plain attribute
         engine._modules[name] = module
     del engine._buffers["expert_bias"], engine._buffers["tokens_per_expert"]
+    engine.__dict__.pop("aux_loss", None)  # the class's _NoAuxLoss from here on
     engine.__class__ = _BOUND[cls]
+    object.__setattr__(engine, "_owner", adapter)
     if getattr(engine, "sp_synced", ()):  # the dense weights summed over SP: now with the shared experts
         engine.sp_synced = tuple(_Layer.dense_params(engine))
-    object.__setattr__(engine, "_owner", adapter)
+        dense = engine.dense_params()
+        engine.sp_grad_set = agree_grad_set([dense[n] for n in engine.sp_synced], engine.sp)  # the adapter's
+    inner = adapter.routed_experts.inner_experts
+    if inner.grad_axis is not None:
+        inner.grad_set = agree_grad_set(inner.read_weights(), inner.grad_axis)
     engine.register_buffer("no_bias", torch.zeros(engine.config.num_experts, device="meta"), persistent=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/torchtitan_models.py
 from torchtitan_models import build, debug_config  # noqa: E402
@@ -89,11 +89,39 @@ def test_ep_module_parity_each_rank_its_own_batch():
     """EP = 4 wired by hand (``swap_moe(ep_mesh=world)``): each rank routes its own batch, its 2 experts
     take every rank's tokens; the reference runs all 4 batches on one module."""
     world = dist.group.WORLD
-    rank = dist.get_rank()
     config = debug_config()
     ref = build(copy.deepcopy(config)).layers["1"].moe
     ours = build(config, lambda m: swap_moe(m, ep_mesh=world)).layers["1"].moe
     copy_weights(ref, ours)
+    _ep_parity(ref, ours)
+
+
+def test_ep_swap_of_a_cpu_built_initialised_model_shards_its_weights():
+    """A model built on the CPU (not meta) and initialised by ``init_states``, then swapped with EP = 4: the
+    expert weights become DTensors made from their values (``Shard(0)``: this rank's 2 experts, bitwise the
+    slice of the unswapped model's weights from the same seed), every other value is unchanged, the layer's
+    own buffers are zeros on the CPU, and the layer matches torchtitan's as the hand-wired EP does."""
+    world = dist.group.WORLD
+    rank = dist.get_rank()
+    config = debug_config()
+    ref_model = build(copy.deepcopy(config), on_meta=False)
+    model = build(config, lambda m: swap_moe(m, ep_mesh=world), on_meta=False, swap_after_init=True)
+    ref_state = ref_model.state_dict()
+    for key, value in model.state_dict().items():
+        if "inner_experts" in key:
+            assert isinstance(value, DTensor) and value.placements == (Shard(0),), key
+            assert torch.equal(value.to_local(), ref_state[key][2 * rank: 2 * rank + 2]), key
+        else:
+            assert not isinstance(value, DTensor) and torch.equal(value, ref_state[key]), key
+    ref, ours = ref_model.layers["1"].moe, model.layers["1"].moe
+    for name, buf in ours.layer.named_buffers(recurse=False):
+        assert buf.device.type == "cpu" and not buf.any(), name
+    _ep_parity(ref, ours)
+
+
+def _ep_parity(ref, ours):
+    """``ours`` (EP = 4 over the world) against ``ref`` (torchtitan's, with the same weights) on 4 batches."""
+    rank = dist.get_rank()
     g = torch.Generator().manual_seed(12)
     x = torch.randn(4, 2, 19, 256, generator=g)  # rank r's batch: x[r]
     G = torch.randn(4, 2, 19, 256, generator=g)
