@@ -126,3 +126,39 @@ def test_dispatch_picks_reference_off_cuda():
         K.set_kernel_backend("auto")
     with pytest.raises(ValueError, match="kernel backend"):
         K.set_kernel_backend("cuda")  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [0, 5])
+def test_launchers_take_a_data_dependent_row_count_under_compile(rows):
+    """EP's received rows are a traced scalar under ``torch.compile`` (``capture_scalar_outputs``): each launcher
+    traces with an unbacked row count, and an empty one launches nothing. The Triton kernels (``COMPILED``),
+    compiled with ``fullgraph=True``, against the same calls eagerly, for 0 rows and for 5."""
+    torch._dynamo.reset()
+    torch._dynamo.config.capture_scalar_outputs = True
+    gen = torch.Generator().manual_seed(rows)
+    D, F = 32, 16
+    src = torch.randn(8, D, generator=gen).to(DEVICE, torch.bfloat16)
+    h13 = torch.randn(8, 2 * F, generator=gen).to(DEVICE, torch.bfloat16)
+    g = torch.randn(8, F, generator=gen).to(DEVICE, torch.bfloat16)
+
+    def pipeline(count: torch.Tensor) -> list[torch.Tensor]:
+        M = count.item()
+        torch._check_is_size(M)
+        torch._check(M <= src.shape[0])
+        x, h, gr = src[:M], h13[:M], g[:M]
+        index = torch.arange(M, device=src.device).view(M, 1)
+        valid = count.view(1).to(torch.int32)
+        copies, _ = K.fan_out(x, index, M)
+        q, s = K.quantize_rows(x)
+        d13, _ = K.swiglu_backward(gr, h, valid)
+        return [K.gather_sum(copies, index), K.swiglu_forward(h, valid), d13, q.float(), s,
+                *K.swiglu_quant_forward(h, valid)[:1]]
+
+    count = torch.tensor(rows, device=DEVICE)
+    want = pipeline(count)
+    got = torch.compile(pipeline, backend="aot_eager", fullgraph=True)(count)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.shape[0] == rows
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0)
