@@ -74,3 +74,32 @@ def test_compiled_layer_matches_eager_with_one_graph(world, device, request, pla
     eager.update_expert_bias()
     compiled.update_expert_bias()
     assert torch.equal(compiled.expert_bias, eager.expert_bias)
+
+
+@pytest.mark.parametrize("plan_name", ["sp", "sp_x_ep"])
+def test_the_traced_forward_reads_the_agreed_set_and_no_cache(world, device, request, monkeypatch, plan_name):
+    """The layer agreed which SP-replicated weights train when it was wrapped and keeps that set as a plain
+    attribute: neither its eager nor its compiled forward reaches ``sync_grads``' call-site cache (keyed by
+    ``id()`` of group and tensors, which torch 2.11's Dynamo cannot trace), and the compiled gradients are
+    eager's."""
+    from spmdmoe.moe import grads
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("the layer's forward consulted sync_grads' call-site cache")
+
+    torch._dynamo.reset()
+    torch._dynamo.config.capture_scalar_outputs = True
+    cfg = MoEConfig(dim=D, hidden_dim=16, num_experts=8, top_k=2, num_shared_experts=1)
+    moe = reference_moe(cfg, 5, device)
+    eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
+    compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
+    monkeypatch.setattr(grads, "_agreed_at_call_site", no_lookup)
+    run = torch.compile(compiled, backend="aot_eager", fullgraph=True, dynamic=True)
+    X = reference_tensor((STEPS[0], D), 7, device=device)
+    G = reference_tensor((STEPS[0], D), 8, device=device)
+    want = _step(build_plan(plan_name, moe, STEPS[0], world, request, layer=eager), eager, X, G)
+    got = _step(build_plan(plan_name, moe, STEPS[0], world, request, layer=compiled), run, X, G)
+    for name, a, b in zip(("output", "input gradient"), got, want):
+        close(a.reshape(-1), b.reshape(-1), name)
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        close(p.grad, q.grad, f"{name} gradient")
