@@ -11,14 +11,33 @@ DEST=${OUT:-/tmp/out}; OUT=/tmp/gpu_session; rm -rf "$OUT"; mkdir -p "$OUT" "$DE
 trap 'tar czf "$DEST/gpu_session_$PART.tgz" -C /tmp gpu_session' EXIT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+dist_suite() {  # $1 ranks: every tests/distributed file in its own torchrun under a timeout; $OUT/tests_nccl_$1.md
+  local n=$1 table="$OUT/tests_nccl_$1.md" f name log t0 rc line
+  printf '| file (%s ranks, NCCL) | passed | failed | errors | skipped | s | exit |\n|---|---|---|---|---|---|---|\n' "$n" > "$table"
+  for f in tests/distributed/test_*.py; do
+    name=$(basename "$f" .py); log="$OUT/nccl_${n}_$name.txt"; t0=$(date +%s)
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout "${FILE_TIMEOUT:-300}" \
+      torchrun --nproc-per-node "$n" -m pytest -q -p no:cacheprovider -rs "$f" 2>&1 | grep -v "^W1" > "$log"
+    rc=${PIPESTATUS[0]}
+    pkill -9 -f "pytest -q -p no:cacheprovider -rs $f" 2>/dev/null  # what a timeout left holding a GPU
+    line=$(grep -E "(passed|failed|error|skipped|no tests ran).* in [0-9.]+s" "$log" | tail -1)
+    count() { echo "$line" | grep -oE "[0-9]+ $1" | grep -oE "[0-9]+" || echo 0; }
+    printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$(count passed)" "$(count failed)" "$(count error)" \
+      "$(count skipped)" "$(( $(date +%s) - t0 ))" "$([ "$rc" = 124 ] && echo "timeout" || echo "$rc")" >> "$table"
+  done
+  cat "$table"
+}
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
   echo "== single-process GPU tests (kernels, compile, the MoE layer, cuda-marked)"
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py \
     tests/test_moe.py tests/test_agreement.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1; tail -15 "$OUT/tests_single.txt"
-  [ "$NGPU" -gt 1 ] && echo "== distributed tests on NCCL, $NGPU ranks"
-  [ "$NGPU" -gt 1 ] &&
-  timeout 360 torchrun --nproc-per-node "$NGPU" -m pytest -q -p no:cacheprovider tests/distributed 2>&1 | grep -v "^W1" > "$OUT/tests_nccl.txt"; tail -6 "$OUT/tests_nccl.txt"
+  for n in ${WORLDS:-$([ "$NGPU" -ge 4 ] && echo 4) $([ "$NGPU" -ge 2 ] && echo 2)}; do
+    # the distributed suite on NCCL, each file in its own torchrun: an NCCL failure kills its process or poisons
+    # its communicator, so one file's failure must not take the rest down; a table per world size
+    echo "== distributed tests on NCCL, $n ranks, a torchrun per file"
+    dist_suite "$n"
+  done
   echo "== main job on NCCL"
   timeout 200 torchrun --nproc-per-node "$NGPU" examples/train_moe.py --device cuda 2>&1 | grep -v "^W1" > "$OUT/train_moe_cuda.txt"; tail -3 "$OUT/train_moe_cuda.txt"
 fi

@@ -1,4 +1,4 @@
-"""``swap_moe`` over 4 processes (gloo): SP with a sequence length that does not divide by 4, and EP = 4
+"""``swap_moe`` over 4 processes (gloo on CPU, NCCL on GPUs): SP with a sequence length that does not divide by 4, and EP = 4
 wired through torchtitan's own ``parallelize``.
 
 Every rank builds torchtitan's DeepSeek-V3 debug model twice from one seed (``tests/torchtitan_models.py``),
@@ -34,16 +34,16 @@ def _row_error(y_ref, y_our):
 
 @pytest.mark.parametrize("L", [37, 3])
 @pytest.mark.parametrize("sp_mode", ["local", "gather"])
-def test_sp_module_parity_uneven_sequence(L, sp_mode):
+def test_sp_module_parity_uneven_sequence(L, sp_mode, device):
     """Each rank holds its chunk of a sequence of L tokens (37 = 10+10+10+7; 3 < 4: one rank holds none)."""
     world = dist.group.WORLD
     config = debug_config()
-    ref = build(copy.deepcopy(config)).layers["1"].moe
-    ours = build(config, lambda m: swap_moe(m, sp_mesh=world, sp_mode=sp_mode)).layers["1"].moe
+    ref = build(copy.deepcopy(config), device=device).layers["1"].moe
+    ours = build(config, lambda m: swap_moe(m, sp_mesh=world, sp_mode=sp_mode), device=device).layers["1"].moe
     copy_weights(ref, ours)
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(1, L, 256, generator=g)
-    G = torch.randn(1, L, 256, generator=g)
+    x = torch.randn(1, L, 256, generator=g).to(device)
+    G = torch.randn(1, L, 256, generator=g).to(device)
     x_ref = x.clone().requires_grad_()
     y_ref = ref(x_ref)
     (y_ref * G).sum().backward()
@@ -78,34 +78,35 @@ def copy_weights(ref, ours):
 def _gather_hidden(grad, name):
     """The full expert gradient from every rank's hidden slice (chunk rule: slices may be empty)."""
     dim = 2 if "w2" in name else 1
-    sizes = [torch.zeros((), dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor(grad.shape[dim]))
+    sizes = [torch.zeros((), dtype=torch.int64, device=grad.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor(grad.shape[dim], device=grad.device))
     parts = [grad.new_zeros(grad.shape[:dim] + (int(n),) + grad.shape[dim + 1:]) for n in sizes]
     dist.all_gather(parts, grad.contiguous())
     return parts
 
 
-def test_ep_module_parity_each_rank_its_own_batch():
+def test_ep_module_parity_each_rank_its_own_batch(device):
     """EP = 4 wired by hand (``swap_moe(ep_mesh=world)``): each rank routes its own batch, its 2 experts
     take every rank's tokens; the reference runs all 4 batches on one module."""
     world = dist.group.WORLD
     config = debug_config()
-    ref = build(copy.deepcopy(config)).layers["1"].moe
-    ours = build(config, lambda m: swap_moe(m, ep_mesh=world)).layers["1"].moe
+    ref = build(copy.deepcopy(config), device=device).layers["1"].moe
+    ours = build(config, lambda m: swap_moe(m, ep_mesh=world), device=device).layers["1"].moe
     copy_weights(ref, ours)
     _ep_parity(ref, ours)
 
 
-def test_ep_swap_of_a_cpu_built_initialised_model_shards_its_weights():
-    """A model built on the CPU (not meta) and initialised by ``init_states``, then swapped with EP = 4: the
-    expert weights become DTensors made from their values (``Shard(0)``: this rank's 2 experts, bitwise the
-    slice of the unswapped model's weights from the same seed), every other value is unchanged, the layer's
-    own buffers are zeros on the CPU, and the layer matches torchtitan's as the hand-wired EP does."""
+def test_ep_swap_of_a_cpu_built_initialised_model_shards_its_weights(device):
+    """A model built on its device (the CPU, or this rank's GPU; not meta) and initialised by ``init_states``,
+    then swapped with EP = 4: the expert weights become DTensors made from their values (``Shard(0)``: this
+    rank's 2 experts, bitwise the slice of the unswapped model's weights from the same seed), every other
+    value is unchanged, the layer's own buffers are zeros on the model's device, and the layer matches
+    torchtitan's as the hand-wired EP does."""
     world = dist.group.WORLD
     rank = dist.get_rank()
     config = debug_config()
-    ref_model = build(copy.deepcopy(config), on_meta=False)
-    model = build(config, lambda m: swap_moe(m, ep_mesh=world), on_meta=False, swap_after_init=True)
+    ref_model = build(copy.deepcopy(config), device=device, on_meta=False)
+    model = build(config, lambda m: swap_moe(m, ep_mesh=world), device=device, on_meta=False, swap_after_init=True)
     ref_state = ref_model.state_dict()
     for key, value in model.state_dict().items():
         if "inner_experts" in key:
@@ -115,7 +116,7 @@ def test_ep_swap_of_a_cpu_built_initialised_model_shards_its_weights():
             assert not isinstance(value, DTensor) and torch.equal(value, ref_state[key]), key
     ref, ours = ref_model.layers["1"].moe, model.layers["1"].moe
     for name, buf in ours.layer.named_buffers(recurse=False):
-        assert buf.device.type == "cpu" and not buf.any(), name
+        assert buf.device.type == device.type and not buf.any(), name
     _ep_parity(ref, ours)
 
 
@@ -123,8 +124,9 @@ def _ep_parity(ref, ours):
     """``ours`` (EP = 4 over the world) against ``ref`` (torchtitan's, with the same weights) on 4 batches."""
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(12)
-    x = torch.randn(4, 2, 19, 256, generator=g)  # rank r's batch: x[r]
-    G = torch.randn(4, 2, 19, 256, generator=g)
+    device = next(ref.parameters()).device
+    x = torch.randn(4, 2, 19, 256, generator=g).to(device)  # rank r's batch: x[r]
+    G = torch.randn(4, 2, 19, 256, generator=g).to(device)
     x_ref = x.clone().requires_grad_()
     y_ref = ref(x_ref.flatten(0, 1)).view_as(x)
     (y_ref * G).sum().backward()
