@@ -102,8 +102,8 @@ def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> N
     require grad on this rank (zeros, its ``.grad`` left alone), so a rank that
     froze a parameter its peers train still makes the same collectives; each
     group also all-gathers one int64 per rank, a hash of which of its
-    parameters this rank trains, and a rank whose set differs from the most
-    common one is recorded (no host read) and raised, on every rank, by the
+    parameters this rank trains, and a rank whose set is not a strict
+    majority's (every rank, when none is) is recorded (no host read) and raised, on every rank, by the
     next :func:`spmdmoe.check_errors` (call it before ``optimizer.step()``).
     """
     reductions = grad_reductions(model) if reductions is None else reductions
@@ -128,12 +128,13 @@ _GRAD_SET = ProblemFlag()  # what reduce_grads finds, raised by check_errors
 
 def _agree_on_trained(axis: MeshAxis, trained: list[bool]) -> None:
     """Record, on the device, whether this rank trains another subset of a reduction group's parameters than
-    most of the group's ranks: an all-gather of one int64 per rank (a hash of the subset), no host read."""
+    a strict majority of the group's ranks (with no majority, on 2 ranks say, every rank is recorded: none can
+    be told apart as the odd one): an all-gather of one int64 per rank (a hash of the subset), no host read."""
     mine = sum((i * 2654435761 + 97) % 2147483647 for i, t in enumerate(trained) if t)  # position-weighted
     device = axis.metadata_device()
     table = torch.empty(axis.size, dtype=torch.int64, device=device)
     all_gather_single(table, torch.full((1,), mine, dtype=torch.int64, device=device), group=axis.group)  # no copy
-    odd = table[axis.rank] != table.mode().values
+    odd = (table == table[axis.rank]).sum() * 2 <= axis.size  # ranks holding this rank's subset: not a majority
     _GRAD_SET.record(odd.to(torch.int64) * BIT["grad_set"], device)
 
 
