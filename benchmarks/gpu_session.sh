@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2") | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 set -uo pipefail
 PART=${1:-all}
@@ -32,6 +32,8 @@ if [ "$PART" = tests ] || [ "$PART" = all ]; then
   echo "== single-process GPU tests (kernels, compile, the MoE layer, cuda-marked)"
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py \
     tests/test_moe.py tests/test_agreement.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1; tail -15 "$OUT/tests_single.txt"
+fi
+if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
   for n in ${WORLDS:-$([ "$NGPU" -ge 4 ] && echo 4) $([ "$NGPU" -ge 2 ] && echo 2)}; do
     # the distributed suite on NCCL, each file in its own torchrun: an NCCL failure kills its process or poisons
     # its communicator, so one file's failure must not take the rest down; a table per world size

@@ -146,10 +146,11 @@ def test_dropped_copies_count_as_zero(world, device, request):
                 h = torch.nn.functional.silu(x[t] @ moe.experts.w1[e_].T) * (x[t] @ moe.experts.w3[e_].T)
                 want[t] += r.weights_TK[t, k] * (h @ moe.experts.w2[e_].T)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
-    dropped = torch.tensor([int((~kept).sum())])
+    dropped = torch.tensor([int((~kept).sum())], device=device)
     dist.all_reduce(dropped)
     assert int(dropped) > 0, "the test must drop copies somewhere"
-    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match="the buffers hold 6 per slot")
+    S = sync_free.slot_rows(TOTAL, 2, E // n, n, 0.25)  # 6 on 4 ranks
+    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match=f"the buffers hold {S} per slot")
 
 
 def test_max_tokens_exceeded_on_one_rank(world, device):
