@@ -73,6 +73,35 @@ class _FailureEcho:
             sys.stderr.write(f"[rank {self.rank}] pytest exit status {int(exitstatus)}\n")
 
 
+# ``SPMDMOE_FILE_TABLE=path``: rank 0 appends one markdown row per test file to ``path`` at the session's end
+# (passed / failed / errors / skipped, seconds), so a run of several files still reports file by file
+# (``benchmarks/gpu_session.sh``); a run that hangs writes none, and the script's own table says so.
+_per_file: dict[str, dict[str, float]] = {}
+
+
+def pytest_runtest_logreport(report):
+    if not os.environ.get("SPMDMOE_FILE_TABLE") or int(os.environ.get("RANK", "0")) != 0:
+        return
+    row = _per_file.setdefault(report.nodeid.split("::")[0], dict.fromkeys(("passed", "failed", "errors",
+                                                                            "skipped", "s"), 0))
+    row["s"] += report.duration
+    if report.when == "call":
+        row[report.outcome] += 1
+    elif report.skipped:
+        row["skipped"] += 1
+    elif report.failed:
+        row["errors"] += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("SPMDMOE_FILE_TABLE")
+    if path and int(os.environ.get("RANK", "0")) == 0:
+        with open(path, "a") as table:
+            for name, row in _per_file.items():
+                cells = [row[k] for k in ("passed", "failed", "errors", "skipped")]
+                table.write(f"| {os.path.basename(name)} | {' | '.join(map(str, cells))} | {row['s']:.0f} |\n")
+
+
 def pytest_unconfigure(config):
     if dist.is_initialized():
         dist.destroy_process_group()
