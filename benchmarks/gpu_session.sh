@@ -24,7 +24,8 @@ dist_suite() {  # $1 ranks: tests/distributed on NCCL; $OUT/tests_nccl_$1.md, a 
   for group in "$shared" $isolated; do
     name=$(echo "$group" | wc -w); name=$([ "$name" -gt 1 ] && echo "$name files" || basename "$group" .py)
     log="$OUT/nccl_${n}_${name// /_}.txt"; t0=$(date +%s)
-    SPMDMOE_FILE_TABLE="$table" CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout "${FILE_TIMEOUT:-300}" \
+    SPMDMOE_FILE_TABLE="$table" CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) \
+      timeout "$([ "$group" = "$shared" ] && echo "${GROUP_TIMEOUT:-420}" || echo "${FILE_TIMEOUT:-120}")" \
       torchrun --nproc-per-node "$n" -m pytest -q -p no:cacheprovider -rs $group 2>&1 | grep -v "^W1" > "$log"
     rc=${PIPESTATUS[0]}
     pkill -9 -f "pytest -q -p no:cacheprovider -rs" 2>/dev/null  # what a timeout left holding a GPU
