@@ -102,27 +102,12 @@ class _SharedExperts(SharedExperts, _TTModule):
     """spmdmoe's shared experts as a torchtitan ``Module``."""
 
 
-class _NoAuxLoss:
-    """``aux_loss`` of a bound layer: always ``None`` (torchtitan's MoE has none: ``swap_moe`` maps no
-    ``aux_loss_coeff``), so the layer's reset at each forward (``self.aux_loss = None``) writes nothing. torch
-    2.11's compile refuses any attribute write inside activation checkpointing, even one that changes nothing
-    (2.13 lets it through), and torchtitan compiles checkpointed blocks."""
-
-    def __get__(self, obj: Any, cls: Any = None) -> None:
-        return None
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        if value is not None:
-            raise AssertionError("a swapped torchtitan MoE has no aux loss")
-
-
 class _Bound:
     """A layer whose state lives in a :class:`SwappedMoE`: the bias and counts are the adapter's buffers
     (looked up at each use: torchtitan re-creates them in ``init_states``), dense weights its local
-    tensors; no aux loss (:class:`_NoAuxLoss`)."""
+    tensors."""
 
     _owner: "SwappedMoE"  # a plain attribute, not a child module (a deepcopy of the adapter copies both)
-    aux_loss = _NoAuxLoss()
 
     @property
     def expert_bias(self) -> torch.Tensor:
@@ -151,7 +136,6 @@ def _bind(engine: _Layer, adapter: "SwappedMoE") -> None:
         engine.__dict__.pop(name, None)  # a None set before it was a module is a plain attribute
         engine._modules[name] = module
     del engine._buffers["expert_bias"], engine._buffers["tokens_per_expert"]
-    engine.__dict__.pop("aux_loss", None)  # the class's _NoAuxLoss from here on
     engine.__class__ = _BOUND[cls]
     object.__setattr__(engine, "_owner", adapter)
     if getattr(engine, "sp_synced", ()):  # the dense weights summed over SP: now with the shared experts

@@ -147,7 +147,10 @@ class _Layer(nn.Module):
         cfg = self.config
         r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
         weights_TK = r.weights_TK
-        self.aux_loss = None
+        # reset only where an aux loss exists: torch 2.11's compile refuses any attribute write inside activation
+        # checkpointing, so a layer without one (the torchtitan drop-in's) writes none
+        if cfg.aux_loss_coeff is not None:
+            self.aux_loss = None
         if self.training:  # not grad mode: a rank-local value must not decide whether the aux all-reduce runs
             counts_E = count_per_expert(r.ids_TK, cfg.num_experts, own)
             grad = torch.is_grad_enabled()  # a forward whose backward can run (balance.py)
