@@ -20,7 +20,7 @@ from .types.errors import SPMDLayoutError
 from .types.mesh import MeshAxis, MeshLike, mesh_axis
 from .types.placement import Partial, Placement, Replicate, Shard, Varying
 from .types.tensor import (SPMDTensor, _bad_rows_message, _buffer_rows, _check_token_dim, _check_total, count_message,
-                           parse_count, rejected)
+                           parse_count, rejecting)
 
 __all__ = ["shard", "from_local", "padded_empty"]
 
@@ -53,15 +53,12 @@ def shard(x: torch.Tensor, mesh: MeshLike, *, dim: int = 0, strict: bool = False
     5
     """
     axis = mesh_axis(mesh)
-    try:
+    with rejecting("shard", axis):  # collective-checking mode: the axis' next collective check raises it everywhere
         d = _check_token_dim(x, Shard(dim), 0, axis)
         axis.check_device(x, "shard(x)")
         total = x.shape[d]
         if strict and (problem := _strict_problem(total, axis)) is not None:
             raise SPMDLayoutError(problem)
-    except SPMDLayoutError as e:  # collective-checking mode: the axis' next collective check raises it everywhere
-        rejected("shard", axis, e)
-        raise
     start = layout.chunk_offset(total, axis.size, axis.rank)
     rows = layout.local_tokens(total, axis.size, axis.rank)
     return SPMDTensor._new(x.narrow(d, start, rows), axis, Shard(d), total, d)
@@ -89,13 +86,10 @@ def padded_empty(
     (torch.Size([3, 4]), torch.Size([3, 4]))
     """
     axis = mesh_axis(mesh)
-    try:
+    with rejecting("padded_empty", axis):
         total = _check_total(global_tokens, axis)
         if isinstance(placement, Varying):
             raise SPMDLayoutError("Varying tensors have no padded layout: allocate them with torch.empty")
-    except SPMDLayoutError as e:  # collective-checking mode: the axis' next collective check raises it everywhere
-        rejected("padded_empty", axis, e)
-        raise
     rows = _buffer_rows(placement, total, axis)
     buf = torch.empty((rows, *row_shape), dtype=dtype, device=device)
     return SPMDTensor.from_buffer(buf, axis, placement, global_tokens=total)

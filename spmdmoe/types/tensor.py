@@ -36,8 +36,9 @@ mode it first hands the error to the axis' next collective check
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -58,10 +59,16 @@ _SLOTS = ("_local", "_axis", "_placement", "_global_tokens", "_token_dim", "_buf
 LOCAL_ERROR_HOOKS: list[Callable[[str, "MeshAxis", Exception], None]] = []
 
 
-def rejected(op: str, axis: "MeshAxis", error: Exception) -> None:
-    """Tell :data:`LOCAL_ERROR_HOOKS` that ``op`` on ``axis`` is about to raise ``error`` on this rank only."""
-    for hook in LOCAL_ERROR_HOOKS:
-        hook(op, axis, error)
+@contextlib.contextmanager
+def rejecting(op: str, axis: "MeshAxis") -> Iterator[None]:
+    """The local checks of ``op`` on ``axis``: an ``SPMDLayoutError`` raised inside goes to
+    :data:`LOCAL_ERROR_HOOKS` first, then on up (this rank alone raises it)."""
+    try:
+        yield
+    except SPMDLayoutError as e:
+        for hook in LOCAL_ERROR_HOOKS:
+            hook(op, axis, e)
+        raise
 
 
 def _rows_expected(placement: Placement, total: int, axis: MeshAxis) -> int:
@@ -126,7 +133,7 @@ class SPMDTensor:
         token_dim: int = 0,
     ) -> None:
         axis = mesh_axis(mesh)
-        try:
+        with rejecting("SPMDTensor(...)", axis):
             dim = _check_token_dim(local, placement, token_dim, axis)
             rows = local.shape[dim]
             if not isinstance(placement, Varying):
@@ -136,9 +143,6 @@ class SPMDTensor:
                     raise SPMDLayoutError(_bad_rows_message(placement, total, axis, rows, dim))
             else:
                 total = None
-        except SPMDLayoutError as e:
-            rejected("SPMDTensor(...)", axis, e)
-            raise
         _init(self, local, axis, _normalised(placement, dim), total, dim, None)
 
     # ------------------------------------------------------------------ builders
@@ -176,7 +180,7 @@ class SPMDTensor:
         checks only (row count, contiguity); nothing across ranks.
         """
         axis = mesh_axis(mesh)
-        try:
+        with rejecting("SPMDTensor.from_buffer", axis):
             if isinstance(placement, Varying):
                 raise SPMDLayoutError(f"rank {axis.rank}: Varying tensors have no padded layout; build them with "
                                       "SPMDTensor(...)")
@@ -195,9 +199,6 @@ class SPMDTensor:
                     f"without a copy, found strides {buffer.stride()} for shape {tuple(buffer.shape)}; "
                     "allocate it with spmdmoe.padded_empty(...)"
                 )
-        except SPMDLayoutError as e:
-            rejected("SPMDTensor.from_buffer", axis, e)
-            raise
         local = buffer.narrow(dim, 0, _rows_expected(placement, total, axis))
         return cls._new(local, axis, _normalised(placement, dim), total, dim, buffer)
 
@@ -213,14 +214,13 @@ class SPMDTensor:
         """
         dim = self._token_dim
         if local.dim() <= dim or local.shape[dim] != self._local.shape[dim]:
-            error = SPMDLayoutError(
-                f"rank {self._axis.rank}: with_local must keep the token dimension {dim}: expected "
-                f"{self._local.shape[dim]} rows (layout {self._placement}, global_tokens="
-                f"{self._global_tokens}), found shape {tuple(local.shape)}; apply row-wise ops "
-                "to .local, or rebuild the layout with spmdmoe.from_local"
-            )
-            rejected("SPMDTensor.with_local", self._axis, error)
-            raise error
+            with rejecting("SPMDTensor.with_local", self._axis):  # on failure only: no cost in the forward
+                raise SPMDLayoutError(
+                    f"rank {self._axis.rank}: with_local must keep the token dimension {dim}: expected "
+                    f"{self._local.shape[dim]} rows (layout {self._placement}, global_tokens="
+                    f"{self._global_tokens}), found shape {tuple(local.shape)}; apply row-wise ops "
+                    "to .local, or rebuild the layout with spmdmoe.from_local"
+                )
         return SPMDTensor._new(local, self._axis, self._placement, self._global_tokens, dim)
 
     # ------------------------------------------------------------------ attributes
