@@ -286,9 +286,9 @@ def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layo
     for name, param in expected:
         value = state_dict.get(prefix + name)
         if name in HIDDEN_DIM:
-            reach |= _reach(name, value, layout)
-            own = isinstance(value, DTensor) and layout is not None and layout.mesh is not None \
-                and value.device_mesh == layout.mesh and list(value.placements) == layout.placements(name)
+            own = _in_layout(name, value, layout)
+            if isinstance(value, DTensor) and not own:  # loading it gathers or redistributes over its mesh
+                reach |= set(value.device_mesh.mesh.flatten().tolist())
             kinds.append((Field(f"kind of entry {prefix + name}", show=lambda v: _KIND[v]),
                           0 if value is None else 2 if own else 3 if isinstance(value, DTensor) else 1))
             want: Any = _global_shape(name, module.config)
@@ -314,15 +314,10 @@ def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layo
         raise error
 
 
-def _reach(name: str, value: Any, layout: Optional[ExpertLayout]) -> set[int]:
-    """The global ranks that loading ``value`` (``_local_value``) communicates with: none for a plain tensor or
-    a DTensor in this layer's own layout, else every rank of the DTensor's mesh."""
-    if not isinstance(value, DTensor):
-        return set()
-    if layout is not None and layout.mesh is not None and value.device_mesh == layout.mesh and \
-            list(value.placements) == [p if p is not None else Replicate() for p in layout.placements(name)]:
-        return set()
-    return set(value.device_mesh.mesh.flatten().tolist())
+def _in_layout(name: str, value: Any, layout: Optional[ExpertLayout]) -> bool:
+    """Whether ``value`` is a DTensor in this layer's own layout (loading it is a local copy, no collective)."""
+    return isinstance(value, DTensor) and layout is not None and layout.mesh is not None \
+        and value.device_mesh == layout.mesh and list(value.placements) == layout.placements(name)
 
 
 def _global_shape(name: str, config: Any) -> tuple[int, int, int]:

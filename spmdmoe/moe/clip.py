@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from .._dist import all_reduce
+from ..agreement import alone
 from ..collective_check import check_collective
 from ..meshes import product_axis
 from ..types.checks import checks_mode
@@ -97,7 +98,7 @@ def _clip(module_or_params: Parameters, max_norm: float, norm_type: float, error
         params = list(module_or_params.parameters())
     else:
         params = [module_or_params] if isinstance(module_or_params, torch.Tensor) else list(module_or_params)
-        if model is None and _several_ranks() and not all(isinstance(q, DTensor) for q in params):
+        if model is None and not alone() and not all(isinstance(q, DTensor) for q in params):
             raise TypeError(
                 f"rank {dist.get_rank()}: clip_grad_norm_ got parameters without the model that holds them, on "
                 f"{dist.get_world_size()} ranks: expected the model (its spmdmoe layers say which parameters are "
@@ -124,10 +125,6 @@ def _clip(module_or_params: Parameters, max_norm: float, norm_type: float, error
             "that made it (e.g. a NaN loss), or pass error_if_nonfinite=False to scale by it anyway")
     _scale(params, max_norm, total, foreach)
     return total
-
-
-def _several_ranks() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _accumulation_dtype(params: list[torch.Tensor]) -> torch.dtype:
