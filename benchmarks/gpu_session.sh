@@ -1,53 +1,107 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2") | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2") | exits | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 set -uo pipefail
 PART=${1:-all}
 # everything is written under a scratch folder and packed into ONE archive in $OUT at the end (the device
 # tool returns a handful of files at most)
-DEST=${OUT:-/tmp/out}; OUT=/tmp/gpu_session; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
-trap 'tar czf "$DEST/gpu_session_$PART.tgz" -C /tmp gpu_session' EXIT
+# (a folder per part, so two parts can run at once)
+DEST=${OUT:-/tmp/out}; OUT=/tmp/gpu_session_$PART; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
+trap 'tar czf "$DEST/gpu_session_$PART.tgz" -C /tmp "gpu_session_$PART"' EXIT
+# killed from outside (timeout 560 bash ...): stop what it started (a hung NCCL job holds its GPUs), still pack
+trap 'pkill -9 -f "torchrun|pytest|train_moe|sync_free"; exit 124' TERM
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-dist_suite() {  # $1 ranks: tests/distributed on NCCL; $OUT/tests_nccl_$1.md, a row per file, then a row per torchrun
-  # A file with one_rank_bad tests runs in its own torchrun (an NCCL failure kills its process or poisons its
-  # communicator, so it must not take other files down); the other files share one. The rows per file come
-  # from tests/distributed/conftest.py (SPMDMOE_FILE_TABLE); a torchrun that timed out wrote none.
-  local n=$1 table="$OUT/tests_nccl_$1.md" runs="$OUT/runs_nccl_$1.md" group name log t0 rc
-  printf '| file (%s ranks, NCCL) | passed | failed | errors | skipped | s |\n|---|---|---|---|---|---|\n' "$n" > "$table"
-  printf '| torchrun (%s ranks) | s | exit |\n|---|---|---|\n' "$n" > "$runs"
-  local isolated shared
-  isolated=$(grep -l one_rank_bad tests/distributed/test_*.py)
-  shared=$(ls tests/distributed/test_*.py | grep -vxF "$isolated" | tr '\n' ' ')
-  for group in "$shared" $isolated; do
-    name=$(echo "$group" | wc -w); name=$([ "$name" -gt 1 ] && echo "$name files" || basename "$group" .py)
-    log="$OUT/nccl_${n}_${name// /_}.txt"; t0=$(date +%s)
-    SPMDMOE_FILE_TABLE="$table" CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) \
-      timeout "$([ "$group" = "$shared" ] && echo "${GROUP_TIMEOUT:-420}" || echo "${FILE_TIMEOUT:-120}")" \
-      torchrun --nproc-per-node "$n" -m pytest -q -p no:cacheprovider -rs $group 2>&1 | grep -v "^W1" > "$log"
-    rc=${PIPESTATUS[0]}
-    pkill -9 -f "pytest -q -p no:cacheprovider -rs" 2>/dev/null  # what a timeout left holding a GPU
-    printf '| %s | %s | %s |\n' "$name" "$(( $(date +%s) - t0 ))" "$([ "$rc" = 124 ] && echo timeout || echo "$rc")" >> "$runs"
+# The NCCL suite, a torchrun per test file, JOBS of them at once (default 4; each job's ranks on the GPUs of one
+# lane, lanes = GPUs / ranks, several jobs a lane when JOBS is larger). A torchrun per file isolates failures: with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING's default an NCCL timeout kills the process, and a mismatched collective can
+# poison its communicator, so one file's failure must not take other files down. Heaviest files first.
+FIRST="compile_moe data_parallel agreement grad_overlap moe_training torchtitan collectives cuda_graphs sync_free"
+run_file() {  # $1 ranks, $2 test file, $3 CUDA_VISIBLE_DEVICES: one torchrun, its log and rows under $OUT/nccl_$1/
+  local n=$1 f=$2 name dir t0 rc r
+  name=$(basename "$f" .py); dir="$OUT/nccl_$n"; t0=$(date +%s)
+  SPMDMOE_FILE_TABLE="$dir/$name.md" CUDA_VISIBLE_DEVICES=$3 TORCH_NCCL_TRACE_BUFFER_SIZE=2000 \
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$dir/fr_${name}_" \
+    timeout -k 5 "${FILE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$n" \
+    -m pytest -q -p no:cacheprovider -rs "$f" > "$dir/$name.txt" 2>&1
+  rc=$?
+  pkill -9 -f "pytest -q -p no:cacheprovider -rs $f" 2>/dev/null  # what a timeout left holding a GPU
+  [ -s "$dir/$name.md" ] || printf '| %s | | | | | |\n' "$name" > "$dir/$name.md"
+  printf '| %s | %s | %s |' "$name" "$(( $(date +%s) - t0 ))" "$([ "$rc" = 124 ] && echo timeout || echo "$rc")" > "$dir/$name.run"
+  if [ "$rc" != 0 ]; then  # where each rank was when it ended (tests/distributed/conftest.py)
+    for r in $(seq 0 $((n - 1))); do printf ' rank %s: %s;' "$r" "$(cat "$dir/$name.md.rank$r.now" 2>/dev/null)"; done >> "$dir/$name.run"
+  fi
+  echo >> "$dir/$name.run"
+}
+dist_suite() {  # $1 ranks: $OUT/tests_nccl_$1.md, a row per file, a total, a row per torchrun, the skip reasons
+  local n=$1 table="$OUT/tests_nccl_$1.md" lanes i=0 f first t0
+  lanes=$(( NGPU / n )); [ "$lanes" -ge 1 ] || lanes=1; mkdir -p "$OUT/nccl_$n"; t0=$(date +%s)
+  first=$(for f in $FIRST; do echo "tests/distributed/test_$f.py"; done)
+  for f in $first $(ls tests/distributed/test_*.py | grep -vxF "$first"); do
+    while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-4}" ]; do wait -n; done
+    run_file "$n" "$f" "$(seq -s, $(( (i % lanes) * n )) $(( (i % lanes) * n + n - 1 )))" &
+    i=$((i + 1))
   done
-  cat "$table" "$runs"
+  wait
+  { printf '| file (%s ranks, NCCL) | passed | failed | errors | skipped | s |\n|---|---|---|---|---|---|\n' "$n"
+    cat "$OUT/nccl_$n"/*.md
+    cat "$OUT/nccl_$n"/*.md | awk -F'|' '{for (k = 3; k <= 6; k++) t[k] += $k} END {printf "| all | %d | %d | %d | %d |", t[3], t[4], t[5], t[6]}'
+    printf ' %s s wall, %s jobs at once |\n\n| torchrun (%s ranks) | s | exit |\n|---|---|---|\n' "$(( $(date +%s) - t0 ))" "${JOBS:-4}" "$n"
+    cat "$OUT/nccl_$n"/*.run
+    printf '\nskipped (%s ranks):\n' "$n"; grep -h "^SKIPPED" "$OUT/nccl_$n"/*.txt | sort | uniq
+  } > "$table"
+  cat "$table"
 }
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  echo "== single-process GPU tests (kernels, compile, the MoE layer, cuda-marked)"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py \
-    tests/test_moe.py tests/test_agreement.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1; tail -15 "$OUT/tests_single.txt"
+  # on GPU 0 while the NCCL suites run (their own timeouts); waited for below
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py \
+    tests/test_moe.py tests/test_agreement.py tests/test_compile_moe.py tests/test_readme.py > "$OUT/tests_single.txt" 2>&1 &
+  SINGLE=$!
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
+  python3 -c 'import torchtitan' 2>/dev/null || [ ! -d .whl ] || python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+  # every world size at once (JOBS torchruns each); each prints its table when done
   for n in ${WORLDS:-$([ "$NGPU" -ge 4 ] && echo 4) $([ "$NGPU" -ge 2 ] && echo 2)}; do
-    # the distributed suite on NCCL, each file in its own torchrun: an NCCL failure kills its process or poisons
-    # its communicator, so one file's failure must not take the rest down; a table per world size
-    echo "== distributed tests on NCCL, $n ranks, a torchrun per file"
-    dist_suite "$n"
+    { echo "== distributed tests on NCCL, $n ranks, a torchrun per file"; dist_suite "$n"; } > "$OUT/dist_$n.log" 2>&1 &
   done
+  wait $(jobs -rp | grep -vx "${SINGLE:-none}")
+  cat "$OUT"/dist_*.log
+fi
+if [ -n "${SINGLE:-}" ]; then
+  wait "$SINGLE"
+  echo "== single-process GPU tests (kernels, FP8, the MoE layer, compile, the README's blocks)"; tail -15 "$OUT/tests_single.txt"
+fi
+if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
   echo "== main job on NCCL"
-  timeout 200 torchrun --nproc-per-node "$NGPU" examples/train_moe.py --device cuda 2>&1 | grep -v "^W1" > "$OUT/train_moe_cuda.txt"; tail -3 "$OUT/train_moe_cuda.txt"
+  timeout 200 torchrun --standalone --nproc-per-node "$NGPU" examples/train_moe.py --device cuda 2>&1 | grep -v "^W1" > "$OUT/train_moe_cuda.txt"; tail -3 "$OUT/train_moe_cuda.txt"
+fi
+exits() {  # $1 name, $2 GPUs, then the command: EXIT_RUNS runs; a row each (exit, s, s from the last line to the exit)
+  local name=$1 gpus=$2 i t0 rc; shift 2
+  for i in $(seq 1 "${EXIT_RUNS:-10}"); do
+    t0=$(date +%s.%N)
+    CUDA_VISIBLE_DEVICES=$gpus timeout 300 "$@" 2>&1 | grep -v "^W1" | while IFS= read -r line; do
+      printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$OUT/exit_${name}_$i.txt"
+    rc=${PIPESTATUS[0]}
+    awk -v n="$name" -v i="$i" -v rc="$rc" -v t0="$t0" -v t1="$(date +%s.%N)" 'END {
+      printf "| %s | %d | %s | %.1f | %.2f |\n", n, i, (rc == 124 ? "timeout" : rc), t1 - t0, t1 - $1 }' \
+      "$OUT/exit_${name}_$i.txt" >> "$OUT/exits.md"
+  done
+}
+if [ "$PART" = exits ] || [ "$PART" = all ]; then
+  # every example and benchmark must return 0 within seconds of its last line (issue 41): the main job and the
+  # sync-free benchmark (CUDA graphs that captured NCCL work) EXIT_RUNS times each, on two GPU pairs at once
+  echo "== clean exits on NCCL, ${EXIT_RUNS:-10} runs each; two main-job runs compared bit for bit"
+  printf '| program (2 GPUs, NCCL) | run | exit | s | s after its last line |\n|---|---|---|---|---|\n' > "$OUT/exits.md"
+  exits train_moe 0,1 torchrun --standalone --nproc-per-node 2 examples/train_moe.py --device cuda &
+  exits sync_free "$([ "$NGPU" -ge 4 ] && echo 2,3 || echo 0,1)" torchrun --standalone --nproc-per-node 2 \
+    benchmarks/sync_free.py --tokens 1024 --reps 3 --iters 2 &
+  wait
+  for i in $(seq 1 "${EXIT_RUNS:-10}"); do grep -h "parallel losses, exact" "$OUT/exit_train_moe_$i.txt" | cut -d' ' -f2-; done \
+    | sort | uniq -c | awk '{printf "main job: %d run(s) with losses %s\n", $1, substr($0, index($0, $2))}' >> "$OUT/exits.md"
+  cat "$OUT/exits.md"
 fi
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
   echo "== benchmarks"

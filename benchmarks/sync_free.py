@@ -21,15 +21,12 @@ routed rows' bytes (the NCCL floor for the same data) and the sync transport's u
 from __future__ import annotations
 
 import argparse
-import gc  # collected before destroy_process_group: without it a gloo process aborted at exit
-# ("terminate called without an active exception", after its work) in 2-6 of 10 smoke runs, also at the
-# last landed commit; with it 0 of 12. Freeing the layers' reference cycles while the group lives is a
-# workaround: the library-side clean exit is issue 24's.
 import os
 
 import torch
 import torch.distributed as dist
 
+import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.sync_free import slot_rows
 from spmdmoe.testing import capture_training_step
@@ -97,8 +94,6 @@ def main() -> None:
         if rank == 0:
             print(f"OK: smoke, {n} ranks, sync-free == sync bitwise: {same}, candidates {list(stacks)}", flush=True)
         assert same
-        gc.collect()  # see the comment at the import of gc
-        dist.destroy_process_group()
         return
 
     from timing import report, timed
@@ -154,9 +149,9 @@ def main() -> None:
     lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
     if rank == 0:
         report("\n".join(lines), args.out)
-    gc.collect()  # see the comment at the import of gc
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    # after main() returns: its CUDA graphs, which captured NCCL work, must be gone before the groups are torn
+    # down, or ncclCommDestroy waits forever (pytorch/pytorch#115388; the benchmark held 2 GPUs after its table)
+    spmdmoe.shutdown(main())

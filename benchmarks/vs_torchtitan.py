@@ -148,12 +148,16 @@ def on_backend(spmd_backend: str, fwd: Fwd) -> Fwd:
     return call
 
 
-def first_step(fwd: Fwd, x: torch.Tensor, g: torch.Tensor) -> Optional[str]:
-    """One fwd+bwd (compiles a compiled candidate): None, or the first line of the error of some rank."""
+def first_step(fwd: Fwd, xs: tuple[torch.Tensor, ...], g: torch.Tensor) -> Optional[str]:
+    """A fwd+bwd on each of ``xs`` (the first compiles a compiled candidate; the next routes otherwise, so a
+    size the compiled graph specialised on the first step's routing fails here, as a user's second batch would,
+    not in the timing): None, or the first line of the error of some rank. A failing candidate is a row of the
+    table, and the run goes on."""
     error = None
     try:
-        x.grad = None
-        fwd(x).backward(g)
+        for x in xs:
+            x.grad = None
+            fwd(x).backward(g)
     except Exception as exc:  # noqa: BLE001 - the row's result
         error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:200]
         traceback.print_exc(limit=-12, file=sys.stderr)  # the row shows one line; the log keeps where it came from
@@ -345,6 +349,8 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(T, D, device=device, dtype=dtype, generator=gen).requires_grad_()
     g = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
+    x2 = torch.randn(T, D, device=device, dtype=dtype, generator=gen).requires_grad_()  # a second batch: other routing
+    xs = (x, x2)
     cands: dict[str, Candidate] = {}
     failed: dict[str, str] = {}
 
@@ -352,7 +358,7 @@ def main() -> None:
         err = None
         for fullgraph in (True, False):
             fwd = torch.compile(module, fullgraph=fullgraph, backend=backend)
-            if (err := first_step(fwd, x, g)) is None:
+            if (err := first_step(fwd, xs, g)) is None:
                 cands[f"{name} ({'fullgraph' if fullgraph else 'graph breaks'})"] = Candidate(fwd, module, fp8, **extra)
                 return
             if rank == 0:
@@ -369,10 +375,10 @@ def main() -> None:
         eager = on_backend("partial_dtensor", titan(tt)) if args.smoke and world > 1 else titan(tt)
         cands[f"torchtitan {tag} eager"] = Candidate(eager, tt, fp8)
         name, fwd = f"torchtitan {tag} compiled", titan(torch.compile(tt, fullgraph=True, backend=backend))
-        if (err := first_step(fwd, x, g)) is not None and world > 1:
+        if (err := first_step(fwd, xs, g)) is not None and world > 1:
             failed[name] = f"does not compile: {err}"
             name, fwd = f"torchtitan {tag} compiled, partial_dtensor backend", on_backend("partial_dtensor", fwd)
-            err = first_step(fwd, x, g)
+            err = first_step(fwd, xs, g)
         if err is None:
             cands[name] = Candidate(fwd, tt, fp8)
         else:

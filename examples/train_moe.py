@@ -296,6 +296,7 @@ def main() -> int:
             log(f"| {i + 1} | {s:.6f} | {p:.6f} | {r:.1e} |")
         verdict = "OK" if max(rel) <= args.tolerance else "FAILED"
         log(f"\nmax relative difference {max(rel):.2e} (tolerance {args.tolerance:.0e}): {verdict}")
+        log("parallel losses, exact: " + " ".join(float.hex(p) for p in parallel))  # runs compared bit for bit
         log(f"loss {single[0]:.3f} -> {single[-1]:.3f}; wall time: parallel {t_par:.1f} s, "
             f"single process {t_single:.1f} s")
         ok.fill_(1.0 if verdict == "OK" else 0.0)

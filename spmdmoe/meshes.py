@@ -27,9 +27,32 @@ from .agreement import Field, Found, agree, exchange_rows
 from .types.errors import SPMDMeshError
 from .types.mesh import MeshAxis, MeshLike, mesh_axis
 
-__all__ = ["init_mesh", "product_axis"]
+__all__ = ["init_mesh", "product_axis", "own_axis"]
 
 _products: dict[tuple[dist.ProcessGroup, ...], MeshAxis] = {}
+_own: dict[tuple[str, object], MeshAxis] = {}
+
+
+def own_axis(device_type: str) -> MeshAxis:
+    """This rank alone, as an axis of one rank on ``device_type`` (e.g. FSDP2's mesh for parameters no other rank
+    holds a replica of: torchtitan's experts when EP spans the data-parallel ranks). A collective over the whole
+    world the first time (every rank creates every rank's 1-rank group, in rank order); cached per device type.
+
+    >>> import spmdmoe
+    >>> pg = spmdmoe.testing.single_process_group()
+    >>> spmdmoe.meshes.own_axis("cpu").size
+    1
+    """
+    key = (device_type, dist.group.WORLD)
+    if key not in _own:
+        mine = None
+        for r in range(dist.get_world_size()):
+            group = dist.new_group([r])
+            if r == dist.get_rank():
+                mine = group
+        assert mine is not None
+        _own[key] = MeshAxis(mine, device_type)
+    return _own[key]
 
 
 def product_axis(*axes: Optional[MeshLike]) -> Optional[MeshAxis]:

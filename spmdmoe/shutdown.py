@@ -19,6 +19,11 @@ on every rank, as a script's final statement::
 
     if __name__ == "__main__":
         spmdmoe.shutdown(main())
+
+On NCCL, a CUDA graph that captured collectives must be gone before the groups are torn down, or
+``ncclCommDestroy`` waits forever (pytorch/pytorch#115388; ``benchmarks/sync_free.py`` held two GPUs after
+printing its table while its graphs were still locals of the function that destroyed the groups). Graphs
+held by ``main()``'s locals are gone once it returns, as in the form above.
 """
 
 from __future__ import annotations

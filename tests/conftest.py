@@ -27,15 +27,15 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def torchrun_job():
-    """``run(script, *args, timeout=...) -> (returncode, stdout, stderr)``: ``script`` (a path under the repo)
-    on 4 local processes through ``torchrun --standalone``, outside this process's own launch variables; on
+    """``run(script, *args, timeout=..., nproc=4) -> (returncode, stdout, stderr)``: ``script`` (a path under the
+    repo) on ``nproc`` local processes through ``torchrun --standalone``, outside this process's own launch variables; on
     timeout, torchrun and its workers are killed (the whole session), nothing left behind."""
     root = Path(__file__).resolve().parents[1]
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
 
-    def run(script: str, *args: str, timeout: float) -> tuple[int, str, str]:
-        proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "4", str(root / script), *args],
+    def run(script: str, *args: str, timeout: float, nproc: int = 4) -> tuple[int, str, str]:
+        proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), str(root / script), *args],
                                 cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:

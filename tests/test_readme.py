@@ -5,7 +5,8 @@ Each block is a complete script (it makes its own process group and mesh and end
 ``spmdmoe.shutdown(...)``, as the README asks of every script) and states what rank 0 prints in
 ``# prints: ...`` comments (``...`` matches anything). A block passes when ``torchrun --nproc-per-node 4``
 exits 0 on every rank (its asserts hold) and every ``# prints:`` line appears as a line of its output.
-A block that is not meant to run uses another fence (```text, ```bash).
+A block that is not meant to run uses another fence (```text, ```bash). A block that uses ``"nccl"`` runs on
+CUDA GPUs only (one process per GPU, at most 4; skipped without CUDA): the GPU run executes it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from spmdmoe.testing import markdown_python_blocks
 
@@ -33,9 +35,12 @@ def test_readme_blocks_are_whole_scripts():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
 def test_readme_block_runs(line, code, tmp_path, torchrun_job):
+    gpus = '"nccl"' in code
+    if gpus and torch.cuda.device_count() < 2:
+        pytest.skip("a block for CUDA GPUs (NCCL): needs 2 or more, run by benchmarks/gpu_session.sh tests")
     script = tmp_path / f"readme_line_{line}.py"
     script.write_text(code)
-    returncode, out, err = torchrun_job(str(script), timeout=200)
+    returncode, out, err = torchrun_job(str(script), timeout=200, nproc=min(4, torch.cuda.device_count()) if gpus else 4)
     assert returncode == 0, f"README.md line {line} failed (exit {returncode}):\n{out[-3000:]}\n{err[-5000:]}"
     lines = [s.strip() for s in out.splitlines()]
     for expected in PRINTS.findall(code):

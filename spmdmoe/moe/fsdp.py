@@ -1,10 +1,12 @@
 """FSDP2 around parallel MoE layers: units on the right groups, and ``SPMDTensor`` through their hooks.
 
 :func:`fully_shard_moe` lays the units out as torchtitan does: each MoE
-layer's routed experts are their own unit on the experts' reduction group
-(``dp``) when it differs from the dense one (``dp x ep``); the given blocks and
-the model are units on the dense group (see ``data_parallel.py`` for the
-groups and the divide factor).
+layer's routed experts are their own unit on the experts' group (``dp``, times
+``sp`` where they are replicated along it, or the rank alone) when it differs
+from the dense one (``dp x ep``, times ``sp``); the given blocks and the model
+are units on the dense group (see ``data_parallel.py`` for the groups and the
+divide factor). With SP in the group, FSDP's reduce-scatter makes the SP sums
+(``grads.py``), which the layers then leave to it.
 
 FSDP2 finds a unit's activations by walking its inputs and outputs (tensors
 inside tuples, lists, dicts and dataclasses): it hooks the outputs to gather
@@ -21,7 +23,7 @@ whatever tensor FSDP put in ``local``'s place.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional, TypeVar
+from typing import Any, Iterable, TypeVar
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -29,7 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..types.errors import SPMDMeshError
 from ..types.tensor import SPMDTensor
+from ..meshes import own_axis, product_axis
 from .data_parallel import grad_reductions
+from .grads import leave_replicated_sums
 from .parallel import ParallelMoE
 
 __all__ = ["fully_shard_moe", "register_spmd_hooks"]
@@ -39,47 +43,62 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def fully_shard_moe(model: ModuleT, *, blocks: Iterable[nn.Module] = (), **kwargs: Any) -> ModuleT:
-    """FSDP2 ``fully_shard`` over ``model`` with each parameter sharded on its reduction group.
+    """FSDP2 ``fully_shard`` over ``model``, each parameter sharded over the ranks its gradient is summed over.
 
-    torchtitan's layout: each MoE layer's routed experts become their own FSDP
-    unit on the experts' group (dp) when it differs from the dense group
-    (dp x ep); each of ``blocks`` (e.g. transformer blocks, bottom-up order)
-    and then ``model`` are units on the dense group. Units may take and return
-    ``SPMDTensor``s (module docstring). Every unit's gradient divide factor is
-    set to the number of batches; on gloo, which lacks PREMUL_SUM, the
-    reductions are forced to plain sums plus scaling. ``kwargs`` go to every
-    ``fully_shard`` call. Returns ``model``. Raises ``SPMDMeshError`` when a
-    parameter has no reduction group (no ``dp_mesh``: use ``ddp`` or
-    ``reduce_grads``).
+    torchtitan's layout (its FSDP mesh is ``dp_shard x cp``; its experts' is ``dp_shard / ep``): the given
+    ``blocks`` (e.g. transformer blocks, bottom-up order) and then ``model`` are units on the dense group,
+    the batch axes (``dp``, and EP when it is not the SP axis) times the SP axis; each MoE layer's routed
+    experts are a unit of their own on theirs when it differs: the batch axes but EP, times the SP axis
+    where the experts are replicated along it, or this rank alone where EP spans every batch axis (no
+    other rank holds these experts). FSDP's reduce-scatter then makes the SP sums as well, so the MoE
+    layers and the ``replicate_grads`` modules inside ``model`` stop making their own (one collective
+    where there were an all-reduce and a reduce-scatter; shards ``1 / sp`` the size). Units may take and
+    return ``SPMDTensor``s (module docstring). Every unit's gradient divide factor is the number of
+    batches; on gloo, which lacks PREMUL_SUM, the reductions are forced to plain sums plus scaling.
+    ``kwargs`` go to every ``fully_shard`` call. Returns ``model``. A collective: call it on every rank.
+    Raises ``SPMDMeshError`` when the dense group is this rank alone (no ``dp_mesh``, no EP batches, no
+    SP: nothing to shard over), or when the layers have different SP axes.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    if any(r.axis is None for r in grad_reductions(model).values()):  # also checks the layers agree
-        raise SPMDMeshError(
-            f"rank {dist.get_rank()}: FSDP shards a parameter over its reduction group, but some "
-            "parameters have none (no dp_mesh); pass dp_mesh to parallelize_moe, or use ddp / reduce_grads"
-        )
+    grad_reductions(model)  # the layers exist and agree on their batch axes
     layers = [m for m in model.modules() if isinstance(m, ParallelMoE)]
+    sp = layers[0].sp if layers[0].sp is not None and layers[0].sp.size > 1 else None
+    if any((m.sp if m.sp is not None and m.sp.size > 1 else None) != sp for m in layers):
+        raise SPMDMeshError(f"rank {dist.get_rank()}: fully_shard_moe shards every dense parameter over one "
+                            "group, but the MoE layers have different SP axes; parallelize them alike")
+    dense = layers[0].batch_reductions()[0]
+    dense_axis = product_axis(*dense.axes, sp)
+    if dense_axis is None:
+        raise SPMDMeshError(
+            f"rank {dist.get_rank()}: FSDP shards a parameter over the ranks its gradient is summed over, but "
+            "here no other rank holds a replica (no dp_mesh, no EP batches, no SP): nothing to shard over; pass "
+            "dp_mesh to parallelize_moe"
+        )
+    units: list[tuple[nn.Module, DeviceMesh]] = []
     for layer in layers:
         layer.experts.unpack()  # FSDP2 takes contiguous parameters only
         layer.experts.fp8_cache = None  # each forward gathers the weights afresh: quantize them per call
-    dense = layers[0].batch_reductions()[0]
-    units: list[tuple[nn.Module, Optional[DeviceMesh]]] = []
-    for layer in layers:
-        experts = layer.batch_reductions()[1]
-        if experts.axis != dense.axis:
-            units.append((layer.experts, experts.mesh))
-    units += [(block, dense.mesh) for block in blocks if block is not model]
-    units.append((model, dense.mesh))
+        experts = product_axis(*layer.batch_reductions()[1].axes, layer.experts.grad_axis)
+        experts = own_axis(dense_axis.device_type) if experts is None else experts
+        if experts != dense_axis:
+            units.append((layer.experts, experts.device_mesh()))
+        if sp is not None:
+            layer.leave_sp_sums_to_fsdp()
+    if sp is not None:
+        for m in model.modules():
+            leave_replicated_sums(m, sp)
+    units += [(block, dense_axis.device_mesh()) for block in blocks if block is not model]
+    units.append((model, dense_axis.device_mesh()))
+    gloo = "gloo" in str(dist.get_backend(dense_axis.group))  # type: ignore[union-attr]
     for unit, mesh in units:
         fully_shard(unit, mesh=mesh, **kwargs)
         register_spmd_hooks(unit)
-    gloo = "gloo" in str(dist.get_backend(dense.axis.group))  # type: ignore[union-attr]
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_gradient_divide_factor(float(dense.divide_factor))
-            if gloo:
-                unit.set_force_sum_reduction_for_comms(True)
+        assert isinstance(unit, FSDPModule)
+        unit.set_gradient_divide_factor(float(dense.divide_factor))
+        # not on a 1-rank unit: torch 2.11 and 2.13 FSDP2 divide by the factor twice there when forced to sum
+        if gloo and mesh.size() > 1:
+            unit.set_force_sum_reduction_for_comms(True)
     return model
 
 

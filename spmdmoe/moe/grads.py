@@ -230,6 +230,14 @@ def replicate_grads(
     return module
 
 
+def leave_replicated_sums(module: nn.Module, axis: MeshAxis) -> None:
+    """If ``replicate_grads`` wrapped ``module`` over ``axis``: make no sums from now on (FSDP2 on a group
+    that spans ``axis`` makes them in its reduce-scatter; ``fully_shard_moe`` calls it). Else nothing."""
+    replicated = module.__dict__.get("_spmdmoe_replicated")
+    if replicated is not None and replicated[0] == axis:
+        object.__setattr__(module, "_spmdmoe_replicated", (axis, [], replicated[2], ()))
+
+
 def _replicated_params(self: nn.Module) -> list[torch.Tensor]:
     """The parameters a joined call defers the sums of (``overlap.sync_params``): none with
     ``overlap=False`` or a 1-rank axis."""
@@ -240,6 +248,8 @@ def _replicated_params(self: nn.Module) -> list[torch.Tensor]:
 def _replicated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``replicate_grads``' forward: a method bound to the module (``deepcopy`` rebinds it to the copy)."""
     axis, names, overlap, agreed = self._spmdmoe_replicated
+    if not names:  # nothing to sum (leave_replicated_sums)
+        return self._spmdmoe_replicate_inner(*args, **kwargs)
     entries = [(self.get_submodule(owner), leaf) for owner, _, leaf in (n.rpartition(".") for n in names)]
 
     def body(*args: Any, **kwargs: Any) -> Any:

@@ -243,6 +243,12 @@ class ParallelMoE(_Layer):
         w.update(zip(self.sp_synced, views))
         return w
 
+    def leave_sp_sums_to_fsdp(self) -> None:
+        """Make no SP gradient sums from now on: FSDP2 on a group that spans the SP axis sums the SP shares in
+        its reduce-scatter (``fully_shard_moe`` calls it; the sums of both would count every share twice)."""
+        self.sp_synced, self.sp_grad_set = (), ()
+        self.experts.grad_axis, self.experts.grad_set = None, None
+
     def sp_sync_params(self) -> list[torch.Tensor]:
         """The parameters whose gradients this layer sums over SP (``grads.py``): the dense ones, and
         the experts when they are replicated along SP; not those inside an FSDP2 unit of their own

@@ -4,14 +4,18 @@ Run with ``torchrun --nproc-per-node 4 -m pytest tests/distributed``: gloo on
 CPU, NCCL when CUDA is present (each rank on ``cuda:LOCAL_RANK``). Tests that
 need exactly four ranks are marked ``world4``. Every test gets a 120 s
 timeout unless it sets its own, so a hang fails fast instead of blocking CI.
-Tests marked ``one_rank_bad`` (an input wrong on one rank) get fresh process
-groups of their own with a 30 s timeout in the ``world`` and ``mesh2x2``
-fixtures, so reverting a fix fails that test instead of hanging the suite.
+Tests marked ``one_rank_bad`` (an input wrong on one rank) get process groups
+of their own with a 30 s timeout in the ``world`` and ``mesh2x2`` fixtures,
+made afresh after any failure, so reverting a fix fails that test instead of
+hanging the suite (``fresh_mesh``). On NCCL a collective timeout kills the
+process: ``benchmarks/gpu_session.sh`` runs each file in its own ``torchrun``.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import gc
 import os
 import sys
 
@@ -75,12 +79,27 @@ class _FailureEcho:
 
 # ``SPMDMOE_FILE_TABLE=path``: rank 0 appends one markdown row per test file to ``path`` at the session's end
 # (passed / failed / errors / skipped, seconds), so a run of several files still reports file by file
-# (``benchmarks/gpu_session.sh``); a run that hangs writes none, and the script's own table says so.
+# (``benchmarks/gpu_session.sh``). Every rank also keeps ``path.rank<N>.now``: the test it is in and the counts so
+# far, rewritten at each test's start and end, so a run killed by a hang still says where each rank was.
 _per_file: dict[str, dict[str, float]] = {}
 
 
+def _progress(line: str) -> None:
+    path = os.environ.get("SPMDMOE_FILE_TABLE")
+    if path:
+        with open(f"{path}.rank{os.environ.get('RANK', '0')}.now", "w") as now:
+            now.write(line + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    done = {k: int(sum(r[k] for r in _per_file.values())) for k in ("passed", "failed", "errors", "skipped")}
+    _progress(f"in {nodeid} after {done}")
+
+
 def pytest_runtest_logreport(report):
-    if not os.environ.get("SPMDMOE_FILE_TABLE") or int(os.environ.get("RANK", "0")) != 0:
+    if report.failed:
+        _failed_since_fresh[0] = True
+    if not os.environ.get("SPMDMOE_FILE_TABLE"):
         return
     row = _per_file.setdefault(report.nodeid.split("::")[0], dict.fromkeys(("passed", "failed", "errors",
                                                                             "skipped", "s"), 0))
@@ -95,6 +114,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("SPMDMOE_FILE_TABLE")
+    _progress(f"finished, exit status {int(exitstatus)}")
     if path and int(os.environ.get("RANK", "0")) == 0:
         with open(path, "a") as table:
             for name, row in _per_file.items():
@@ -103,8 +123,16 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
+    """Tear the groups down. A CUDA graph that captured NCCL work and is still alive makes ``ncclCommDestroy``
+    wait forever (pytorch/pytorch#115388): drop unreachable graphs first; and should the teardown hang anyway,
+    print every thread's stack and leave after 60 s rather than hold the GPUs."""
     if dist.is_initialized():
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        faulthandler.dump_traceback_later(60, exit=True)
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -140,11 +168,27 @@ def _device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
+_fresh: dict[tuple, DeviceMesh] = {}
+_failed_since_fresh = [False]  # a test failed on this rank since the fresh meshes were made
+
+
 def fresh_mesh(shape: tuple, names: tuple) -> DeviceMesh:
     """A mesh of new process groups (the world's too) whose collectives time out after ``ONE_RANK_BAD_TIMEOUT_S``:
-    a scenario that leaves ranks out of step fails itself, not the next test, which gets groups of its own."""
-    return init_mesh(_device_type(), shape, mesh_dim_names=names,
-                     timeout=datetime.timedelta(seconds=ONE_RANK_BAD_TIMEOUT_S))
+    a scenario that leaves ranks out of step fails itself, not the next test, which gets groups of its own.
+
+    Kept for the next test of the same shape while no test has failed on any rank since (one all-reduce of a
+    flag decides, so every rank decides alike): on NCCL each new group is a communicator to set up (about
+    2 s a test at 4 ranks, and they add up), and a test that passed left its ranks in step."""
+    flag = torch.tensor([int(_failed_since_fresh[0])], device=_device_type())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        _fresh.clear()
+        _failed_since_fresh[0] = False
+    key = (tuple(shape), tuple(names))
+    if key not in _fresh:
+        _fresh[key] = init_mesh(_device_type(), shape, mesh_dim_names=names,
+                                timeout=datetime.timedelta(seconds=ONE_RANK_BAD_TIMEOUT_S))
+    return _fresh[key]
 
 
 def _one_rank_bad(request) -> bool:
@@ -173,6 +217,27 @@ def _mesh2x2_once():
 def mesh2x2(request, _mesh2x2_once):
     """A 2x2 mesh with dims ("dp", "sp"); only for world4 tests; fresh for ``one_rank_bad`` tests."""
     return fresh_mesh((2, 2), ("dp", "sp")) if _one_rank_bad(request) else _mesh2x2_once
+
+
+@pytest.fixture
+def mesh2d(request):
+    """A ``(2, world / 2)`` mesh with dims ("dp", "sp"), for a 2-D mesh at any even world size (2x2 on 4
+    ranks, 2x1 on 2); fresh for ``one_rank_bad`` tests."""
+    n = dist.get_world_size()
+    if n % 2:
+        pytest.skip(f"a (2, world / 2) mesh needs an even number of ranks, found {n}")
+    if _one_rank_bad(request):
+        return fresh_mesh((2, n // 2), ("dp", "sp"))
+    return _mesh2d_once(n)
+
+
+_MESH2D: dict[int, DeviceMesh] = {}
+
+
+def _mesh2d_once(n: int) -> DeviceMesh:
+    if n not in _MESH2D:
+        _MESH2D[n] = init_mesh(_device_type(), (2, n // 2), mesh_dim_names=("dp", "sp"))
+    return _MESH2D[n]
 
 
 @pytest.fixture

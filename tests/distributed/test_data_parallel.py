@@ -96,7 +96,7 @@ def _reference(device, batches, cfg=CFG):
 def _batches(plan):
     if plan in ("dp_ep", "ep"):
         return [(rows, 0) for rows in DP_EP_ROWS[: dist.get_world_size()]]
-    return [(DP_SP_ROWS, 0), (DP_SP_ROWS, 1)]
+    return [(DP_SP_ROWS, 0), (DP_SP_ROWS, 1)] if plan == "dp_sp" else [(DP_SP_ROWS, 0)]
 
 
 def _plan(plan, device, cfg=CFG):
@@ -111,9 +111,11 @@ def _plan(plan, device, cfg=CFG):
             return (*_data(step, rows, device), max(rows, 1))
 
         return Net(layer, 50).to(device), batch, slice(ep * e, (ep + 1) * e), dist.get_world_size()
-    mesh = _mesh(("dp", "sp"))
+    # "sp", "sp_ep": a 1 x world mesh, one batch over every rank's SP share (and EP on the SP axis)
+    mesh = _mesh(("dp", "sp"), None if plan == "dp_sp" else (1, dist.get_world_size()))
     sp = mesh["sp"]
-    layer = parallelize_moe(reference_moe(cfg, 3, device), sp_mesh=sp, dp_mesh=mesh["dp"])
+    layer = parallelize_moe(reference_moe(cfg, 3, device), sp_mesh=sp, dp_mesh=mesh["dp"],
+                            ep_mesh=sp if plan == "sp_ep" else None)
     net = Net(layer, 50).to(device)
     replicate_grads(net.inp, sp)
     n, r = sp.size(), sp.get_local_rank()
@@ -125,7 +127,8 @@ def _plan(plan, device, cfg=CFG):
         X = X + mesh["dp"].get_local_rank()  # batch d is batch 0 shifted by d (see _batches)
         return spmdmoe.from_local(X[mine].clone(), sp, global_tokens=DP_SP_ROWS), Y[mine], DP_SP_ROWS
 
-    return net, batch, slice(0, E), 2
+    e = E // sp.size() if plan == "sp_ep" else E
+    return net, batch, slice(r * e, (r + 1) * e) if plan == "sp_ep" else slice(0, E), mesh["dp"].size()
 
 
 def _full(p):
@@ -150,14 +153,17 @@ OVERLAPPED = {f"{name}+overlap": (lambda wrap: lambda net: wrap(overlap_grads(ne
 
 @pytest.mark.parametrize(
     "plan, wrapper",
-    [(p, w) for p in ("dp_ep", "dp_sp") for w in WRAPPERS] + [("ep", "ddp"), ("ep", "reduce_grads")]
-    + [("dp_sp", w) for w in OVERLAPPED],
+    [(p, w) for p in ("dp_ep", "dp_sp") for w in WRAPPERS] + [("ep", w) for w in WRAPPERS]
+    + [("dp_sp", w) for w in OVERLAPPED]
+    + [(p, w) for p in ("sp", "sp_ep") for w in ("fsdp2", "fsdp2_blocks", "fsdp2+overlap", "fsdp2_blocks+overlap")],
 )
 def test_training_matches_single_device(device, plan, wrapper):
     """dp x ep, dp x sp (every wrapper; FSDP2 also with the layers as their own units; every wrapper
-    again with the net joined by ``overlap_grads``, whose SP sums then wait at the net's input, or,
-    for FSDP2 units inside it, at their own), and EP alone (no dp: dense over EP, experts only
-    divided; FSDP needs dp, see the rejection test)."""
+    again with the net joined by ``overlap_grads``, whose SP sums then wait at the net's input), and
+    over every rank with no dp (so on 2 ranks too, where dp x ep and dp x sp are 2 x 1): EP alone (the
+    dense weights' batches are the EP ranks': FSDP2 shards them over EP, each rank's experts in a unit of
+    its own), SP alone and EP on the SP axis (FSDP2 shards over the SP ranks, its reduce-scatter making
+    the SP sums; with and without ``overlap_grads``)."""
     ref_losses, ref_params, ref_bias = _reference(device, _batches(plan))
     net, batch, experts, n_batches = _plan(plan, device)
     model = {**WRAPPERS, **OVERLAPPED}[wrapper](net)
@@ -291,9 +297,13 @@ def test_layers_with_different_batch_axes_are_rejected(device):
 
 
 def test_ddp_without_batch_axes_is_rejected(world, device):
+    """SP with EP on it, no dp: no gradient reduction for DDP (FSDP2 still shards over the SP ranks, above);
+    a layer on one rank alone: none for FSDP2 either."""
     net = Net(parallelize_moe(reference_moe(CFG, 3, device), sp_mesh=world, ep_mesh=world), 50)
     assert_raises_everywhere(spmdmoe.SPMDMeshError, lambda: ddp(net), match="nothing for DDP")
-    assert_raises_everywhere(spmdmoe.SPMDMeshError, lambda: fully_shard_moe(net), match="dp_mesh")
+    alone = spmdmoe.meshes.own_axis(device.type)
+    net = Net(parallelize_moe(reference_moe(CFG, 3, device), ep_mesh=alone, agree_over=alone), 50)
+    assert_raises_everywhere(spmdmoe.SPMDMeshError, lambda: fully_shard_moe(net), match="nothing to shard over")
 
 
 @pytest.mark.world4

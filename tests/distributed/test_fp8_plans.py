@@ -73,9 +73,12 @@ def test_fp8_plan_meets_the_quality_gates(world, device, request, plan_name):
     assert min(figures[n] for n in ("experts.w1", "experts.w2", "experts.w3")) >= 21, figures
 
 
-@pytest.mark.world4
-@pytest.mark.parametrize("plan", ["dp_ep", "dp_sp"])
+@pytest.mark.parametrize("plan", ["dp_ep", "dp_sp", "ep"])
 def test_fp8_training_under_ddp_and_fsdp2(device, plan, monkeypatch):
+    """FP8 experts trained under DDP and FSDP2 (dp x ep, dp x sp, and EP alone: FSDP2 over the EP ranks)."""
+    if plan == "dp_ep" and dist.get_world_size() != 4:
+        pytest.skip("dp x ep needs 4 ranks (2 x 1 has no EP, and its 5 tokens a step put FP8's noise above the 1 % "
+                    "bound: 2.9 % seen); the ep plan covers EP at 2 ranks")
     import test_data_parallel
     from test_data_parallel import STEPS, _batches, _plan, _reference
 
