@@ -20,14 +20,16 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 # poison its communicator, so one file's failure must not take other files down. Heaviest files first.
 FIRST="compile_moe data_parallel agreement grad_overlap moe_training torchtitan collectives cuda_graphs sync_free"
 run_file() {  # $1 ranks, $2 test file, $3 CUDA_VISIBLE_DEVICES: one torchrun, its log and rows under $OUT/nccl_$1/
-  local n=$1 f=$2 name dir t0 rc r
+  local n=$1 f=$2 name dir t0 rc r sid
   name=$(basename "$f" .py); dir="$OUT/nccl_$n"; t0=$(date +%s)
-  SPMDMOE_FILE_TABLE="$dir/$name.md" CUDA_VISIBLE_DEVICES=$3 TORCH_NCCL_TRACE_BUFFER_SIZE=2000 \
+  # a session of its own (setsid), so what a timeout leaves running (torchrun's workers) is killed, this job's alone
+  SPMDMOE_FILE_TABLE="$dir/$name.md" CUDA_VISIBLE_DEVICES=$3 TORCH_FR_BUFFER_SIZE=2000 \
     TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$dir/fr_${name}_" \
-    timeout -k 5 "${FILE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$n" \
-    -m pytest -q -p no:cacheprovider -rs "$f" > "$dir/$name.txt" 2>&1
-  rc=$?
-  pkill -9 -f "pytest -q -p no:cacheprovider -rs $f" 2>/dev/null  # what a timeout left holding a GPU
+    setsid timeout -k 5 "${FILE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$n" \
+    -m pytest -q -p no:cacheprovider -rs "$f" > "$dir/$name.txt" 2>&1 &
+  sid=$!
+  wait "$sid"; rc=$?
+  pkill -9 -s "$sid" 2>/dev/null
   [ -s "$dir/$name.md" ] || printf '| %s | | | | | |\n' "$name" > "$dir/$name.md"
   printf '| %s | %s | %s |' "$name" "$(( $(date +%s) - t0 ))" "$([ "$rc" = 124 ] && echo timeout || echo "$rc")" > "$dir/$name.run"
   if [ "$rc" != 0 ]; then  # where each rank was when it ended (tests/distributed/conftest.py)

@@ -179,6 +179,31 @@ def test_grouped_mm_native_and_fallback_agree(dims):
     assert native_grouped_mm_ok(x, w) == (dims == (16, 8))
 
 
+def test_masked_loop_keeps_a_nan_tail_out_of_every_gradient():
+    """The compiled fallback on a capacity buffer: its tail rows (past the last offset) and the gradient
+    arriving for them hold NaN; the output's tail is zero and no gradient of the valid rows or the weights
+    sees a NaN (under inductor on NCCL the incoming gradient's tail was NaN and reached ``w``'s)."""
+    from spmdmoe.moe.gemm import _masked_loop
+
+    sizes, tail = [3, 0, 5], 4
+    x = torch.randn(sum(sizes) + tail, 6)
+    x[sum(sizes):] = float("nan")
+    x.requires_grad_()
+    w = torch.randn(3, 5, 6, requires_grad=True)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    y = _masked_loop(x, w, offs)
+    assert torch.equal(y[sum(sizes):], torch.zeros(tail, 5))
+    g = torch.randn_like(y)
+    g[sum(sizes):] = float("nan")
+    y.backward(g)
+    ref_x, ref_w = x.detach()[: sum(sizes)].clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = torch.cat([ref_x[a : a + n] @ ref_w[i].T for i, (a, n) in enumerate(zip([0, 3, 3], sizes))])
+    ref.backward(g[: sum(sizes)])
+    torch.testing.assert_close(y[: sum(sizes)], ref)
+    torch.testing.assert_close(w.grad, ref_w.grad)
+    torch.testing.assert_close(x.grad[: sum(sizes)], ref_x.grad)
+
+
 def test_aux_loss_formula():
     scores = torch.softmax(torch.randn(10, 4), -1)
     ids = torch.topk(scores, 2).indices

@@ -89,13 +89,16 @@ def grouped_mm(
 
 
 def _masked_loop(x_MI: torch.Tensor, w_eOI: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
-    """Sync-free, shape-static grouped GEMM: ``sum_g mask_g(x) @ w[g].T`` (rows past the last offset: zero).
-    Rows are zeroed before the GEMM, so a capacity buffer's tail (NaN) reaches no gradient."""
+    """Sync-free, shape-static grouped GEMM: ``sum_g mask_g(mask_g(x) @ w[g].T)`` (rows past the last offset:
+    zero). The rows are masked before each GEMM and its output after it, so neither a capacity buffer's tail
+    (uninitialised: NaN at times) nor the gradient arriving for those rows reaches a weight gradient (``0 * NaN``
+    is NaN: masking ``x`` alone let a NaN in the incoming gradient's tail into ``w``'s, under inductor on NCCL)."""
     group_M = torch.searchsorted(offsets_e, torch.arange(x_MI.shape[0], device=x_MI.device, dtype=offsets_e.dtype),
                                  right=True).unsqueeze(1)
     y_MO = x_MI.new_zeros((x_MI.shape[0], w_eOI.shape[-2]))
     for g in range(w_eOI.shape[0]):
-        y_MO = y_MO + torch.where(group_M == g, x_MI, 0.0) @ w_eOI[g].transpose(0, 1)
+        mine = group_M == g
+        y_MO = y_MO + torch.where(mine, torch.where(mine, x_MI, 0.0) @ w_eOI[g].transpose(0, 1), 0.0)
     return y_MO
 
 
