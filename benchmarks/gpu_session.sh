@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2") | exits | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2") | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 set -uo pipefail
 PART=${1:-all}
@@ -104,6 +104,24 @@ if [ "$PART" = exits ] || [ "$PART" = all ]; then
   for i in $(seq 1 "${EXIT_RUNS:-10}"); do grep -h "parallel losses, exact" "$OUT/exit_train_moe_$i.txt" | cut -d' ' -f2-; done \
     | sort | uniq -c | awk '{printf "main job: %d run(s) with losses %s\n", $1, substr($0, index($0, $2))}' >> "$OUT/exits.md"
   cat "$OUT/exits.md"
+fi
+if [ "$PART" = titan ] || [ "$PART" = all ]; then
+  # torchtitan's own parallelize with EP on NCCL (swapped vs its MoE, 20 steps, then tokens/s), and the layer side
+  # by side at EP 2 and 4 (vs_torchtitan: a failing candidate is a row, the run goes on)
+  echo "== torchtitan with EP on NCCL: its parallelize (EP = GPUs, dp 2 x ep 2), and the layer at EP 2 / 4"
+  python3 -c 'import torchtitan' 2>/dev/null || [ ! -d .whl ] || python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+  for layout in "2 2" "4 4" "4 2" "4 4 --compile"; do  # GPUs, EP (and torchtitan's per-block compile)
+    set -- $layout; [ "$NGPU" -ge "$1" ] || continue
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1))) timeout 300 torchrun --standalone --nproc-per-node "$1" \
+      benchmarks/torchtitan_model.py --part ep --ep "$2" ${3:-} --out "$OUT/bench_titan_ep.md" > "$OUT/log_titan_ep_$1_$2${3:-}.txt" 2>&1
+    echo "torchtitan parallelize, $1 GPUs, EP $2 ${3:-}: exit $?"
+  done
+  for n in 2 4; do
+    [ "$NGPU" -ge "$n" ] || continue
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 480 torchrun --standalone --nproc-per-node "$n" \
+      benchmarks/vs_torchtitan.py --shape "${SHAPE:-dsmoe16b}" --out "$OUT/bench_peer_ep$n.md" > "$OUT/log_peer_ep$n.txt" 2>&1
+    echo "vs_torchtitan, EP $n: exit $?"
+  done
 fi
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
   echo "== benchmarks"

@@ -5,6 +5,7 @@
     python benchmarks/torchtitan_model.py --part parity [--out FILE]   # DeepSeek-MoE-16B layer shape, 50 steps
     python benchmarks/torchtitan_model.py --part bench  [--out FILE]   # the same model: tokens/s, peak memory
     python benchmarks/torchtitan_model.py --smoke                       # CPU, tiny: every part, no timing
+    torchrun --nproc-per-node 4 benchmarks/torchtitan_model.py --part ep [--ep 4]   # NCCL: torchtitan's parallelize
 
 Training is torchtitan's one-device setup in a plain loop (its Trainer imports datasets): fp32
 parameters, the forward and the loss under ``torch.autocast(bfloat16)`` (torchtitan's
@@ -20,6 +21,14 @@ models are built on meta from one config, one of them swapped, and initialised b
   experts, vocabulary 102400) cut to its first ``--layers`` blocks (the first dense), with torchtitan's
   causal SDPA attention (no FlexAttention autotuning); 50 eager steps, |loss difference| <= 1 % of
   torchtitan's loss at every step.
+* ``ep`` (under ``torchrun``, one GPU a process): torchtitan's debug model (``--flavor``, ``--layers``) through
+  torchtitan's own ``parallelize_fn`` as its Trainer calls it, both models: the spec's own and
+  ``swapped_model_spec``'s (it swaps, then runs torchtitan's). FSDP over every rank (``dp_shard``), EP
+  ``--ep`` (default: every rank; ``--ep 2`` on 4 GPUs: dp 2 x ep 2), torchtitan's default SPMD backend, bf16
+  parameters and fp32 reductions (its ``mixed_precision_*`` defaults); each rank its own batch, the loss a
+  sum over the rank's tokens / the step's tokens (torchtitan turns FSDP's division off), AdamW with its
+  load-balancing hook, no clipping. Both start from torchtitan's weights; ``--steps`` steps, |loss
+  difference| <= 1 % of torchtitan's loss at every step; then tokens/s of both, steps timed interleaved.
 * ``bench``: that model, every block compiled as torchtitan does, both models resident; a training step
   (forward, backward, AdamW step) of each timed interleaved (``timing.timed``: rotated order, median);
   tokens/s and peak memory: the most a step allocates above what is resident (weights, gradients,
@@ -212,13 +221,108 @@ def part_bench(args: argparse.Namespace, device: str) -> bool:
     return True
 
 
+def part_ep(args: argparse.Namespace, device: str) -> bool:
+    import copy
+
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.models.deepseek_v3 import model_registry
+    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+    from torchtitan_models import debug_config
+
+    from spmdmoe.integrations.torchtitan import swapped_model_spec
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep = args.ep or world
+    if device == "cpu":  # gloo: torchtitan picks "cuda" without an accelerator, and its EP all-to-all refuses gloo
+        parallel_dims_module.device_type = "cpu"
+        ep = 1
+    backend = args.spmd_backend or ("partial_dtensor" if device == "cpu" else ParallelismConfig().spmd_backend)
+    dims = parallel_dims_module.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
+                                             world_size=world, spmd_backend=backend)
+    dims.build_mesh()
+    parallelism = ParallelismConfig(expert_parallel_degree=ep, data_parallel_shard_degree=world, spmd_backend=backend)
+    layers = 2 if args.smoke else args.layers
+    config = debug_config(layers=layers, flavor=args.flavor)
+    specs = {"torchtitan": model_registry(args.flavor), "spmdmoe": swapped_model_spec(model_registry(args.flavor))}
+    models, opts = {}, {}
+    for key, spec in specs.items():
+        cfg = copy.deepcopy(config)
+        set_deepseek_v3_sharding_config(cfg, enable_sp=False, enable_ep=ep > 1)
+        with torch.device("meta"):
+            model = cfg.build()
+        model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                                    compile_config=CompileConfig(enable=args.compile), ac_config=None, dump_folder="")
+        if device == "cpu":  # gloo lacks FSDP2's PREMUL_SUM / AVG
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        model.to_empty(device=device)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.init_states(buffer_device=torch.device(device))
+        models[key] = model
+    same = True  # both from torchtitan's weights (the swap draws the same numbers: checked, then made certain)
+    with torch.no_grad():
+        for (name, a), (_, b) in zip(models["torchtitan"].named_parameters(), models["spmdmoe"].named_parameters()):
+            full = a.full_tensor() if isinstance(a, DTensor) else a
+            mine = distribute_tensor(full, b.device_mesh, b.placements) if isinstance(b, DTensor) else full
+            same &= bool(torch.equal(b, mine))
+            b.copy_(mine)
+    for key, model in models.items():
+        opts[key] = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        register_moe_load_balancing_hook(opts[key], [model], dims)
+    seq = 32 if args.smoke else args.seq
+    g = torch.Generator().manual_seed(1 + rank)  # each rank its own batches
+    data = [torch.randint(0, config.vocab_size, (args.batch, seq + 1), generator=g).to(device)
+            for _ in range(2 if args.smoke else 4)]  # cycled: the loss falls as the model learns them
+    step_tokens = args.batch * seq * world
+
+    def step(key: str, tokens: torch.Tensor) -> torch.Tensor:
+        logits = models[key](tokens[:, :-1])
+        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(),
+                                                     reduction="sum")
+        (loss_sum / step_tokens).backward()
+        opts[key].step()
+        opts[key].zero_grad(set_to_none=True)
+        return loss_sum.detach()
+
+    steps = 6 if args.smoke else args.steps
+    losses: dict[str, list[float]] = {key: [] for key in models}
+    for i in range(steps):
+        for key in models:
+            total = step(key, data[i % len(data)])
+            dist.all_reduce(total)
+            losses[key].append(total.item() / step_tokens)
+    name = (f"torchtitan DeepSeek-V3 {args.flavor}, {layers} blocks, SDPA, {world} processes: FSDP over {world}, "
+            f"EP {ep}{f' (dp {world // ep} x ep {ep} for the experts)' if 1 < ep < world else ''}, "
+            f"{backend} backend{', blocks compiled' if args.compile else ''}; {args.batch} x {seq} tokens a rank "
+            f"a step, AdamW lr {args.lr}; weights bitwise equal after init: {'yes' if same else 'no (copied)'}")
+    text, ok = tracking_table(name, {"eager" if not args.compile else "compiled": (losses["torchtitan"],
+                                                                                    losses["spmdmoe"])})
+    if not args.smoke:
+        it = iter(range(steps, 1 << 30))
+        ms = timed({key: (lambda k=key: step(k, data[next(it) % len(data)])) for key in models}, args.iters, args.reps)
+        text += ("\n\n| MoE | step ms | tokens/s (all ranks) | speedup |\n|---|---|---|---|\n"
+                 + "\n".join(f"| {key} | {t:.2f} | {step_tokens / t * 1e3:,.0f} | {ms['torchtitan'] / t:.3f} |"
+                             for key, t in ms.items()))
+    if rank == 0:
+        report(text, args.out)
+    return ok
+
+
 PARTS: dict[str, Callable[[argparse.Namespace, str], bool]] = {
-    "debug": part_debug, "parity": part_parity, "bench": part_bench}
+    "debug": part_debug, "parity": part_parity, "bench": part_bench, "ep": part_ep}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=list(PARTS), action="append", help="default: all three")
+    p.add_argument("--part", choices=list(PARTS), action="append",
+                   help="default: debug, parity, bench (ep runs under torchrun, alone)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every part, no timing")
     p.add_argument("--layers", type=int, default=4, help="blocks of the 16B flavor (the first dense)")
     p.add_argument("--batch", type=int, default=4)
@@ -227,6 +331,11 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--ep", type=int, default=None, help="ep part: the EP degree (default: every rank)")
+    p.add_argument("--flavor", default="debugmodel", help="ep part: torchtitan's DeepSeek-V3 flavor")
+    p.add_argument("--lr", type=float, default=8e-4, help="ep part: AdamW's learning rate")
+    p.add_argument("--compile", action="store_true", help="ep part: torchtitan compiles each block")
+    p.add_argument("--spmd-backend", default=None, help="ep part: torchtitan's SPMD backend (default its own)")
     args = p.parse_args()
     shim_torch()
     try:
@@ -237,12 +346,44 @@ def main() -> int:
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.batch = 2
+    parts = args.part or [name for name in PARTS if name != "ep"]
+    if "ep" in parts:
+        if parts != ["ep"]:
+            print("--part ep runs alone (under torchrun)", file=sys.stderr)
+            return 2
+        return part_ep_main(args, device)
     report(f"## torchtitan models with spmdmoe's MoE ({datetime.date.today()}, "
            f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}; "
            f"`python benchmarks/torchtitan_model.py {' '.join(sys.argv[1:])}`)", args.out)
-    ok = [PARTS[name](args, device) for name in (args.part or list(PARTS))]
+    ok = [PARTS[name](args, device) for name in parts]
     return 0 if all(ok) else 1
 
 
+def part_ep_main(args: argparse.Namespace, device: str) -> int:
+    """The ep part under torchrun: the process group, the part, a clean end (``spmdmoe.shutdown``)."""
+    import os
+
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        print("--part ep runs on several processes: torchrun --nproc-per-node N benchmarks/torchtitan_model.py "
+              "--part ep", file=sys.stderr)
+        return 2
+    if device == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        report(f"## torchtitan's parallelize with spmdmoe's MoE ({datetime.date.today()}, {dist.get_world_size()}x "
+               f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}; "
+               f"`torchrun --nproc-per-node {dist.get_world_size()} benchmarks/torchtitan_model.py "
+               f"{' '.join(sys.argv[1:])}`)", args.out)
+    return 0 if part_ep(args, device) else 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmdmoe import shutdown
+
+    shutdown(main())

@@ -1,6 +1,8 @@
 """The GPU benchmarks that can run on CPU keep running: their ``--smoke`` modes, on gloo, in subprocesses.
 
-``benchmarks/torchtitan_model.py --smoke`` (one process) trains torchtitan's model and the swapped one, eager and compiled.
+``benchmarks/torchtitan_model.py --smoke`` (one process) trains torchtitan's model and the swapped one, eager and compiled;
+its ``--part ep --smoke`` (4 gloo processes) trains both through torchtitan's own ``parallelize`` with FSDP (EP 1:
+torchtitan's EP all-to-all refuses gloo; EP 2 and 4 run on the GPU hosts).
 ``benchmarks/sync_free.py --smoke`` builds every candidate stack (sync, sync-free lossless and with
 capacity factors) on 2 gloo processes and checks that sync-free and sync agree bit for bit, so the
 script is known to work before a 2-GPU host is lent to time it. ``benchmarks/sp_grad_overlap.py
@@ -57,3 +59,16 @@ def test_torchtitan_model_benchmark_smoke():
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert out.stdout.count("OK: every step within 1% of torchtitan's loss") == 2, out.stdout[-2000:]
     assert "OK: smoke, both models compiled per block and stepped" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_torchtitan_parallelize_benchmark_smoke():
+    """``--part ep`` on 4 gloo processes: torchtitan's ``parallelize_fn`` of both specs, FSDP over 4, the two
+    models' losses within 1 % at every step and falling."""
+    pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          str(ROOT / "benchmarks" / "torchtitan_model.py"), "--part", "ep", "--smoke"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "OK: every step within 1% of torchtitan's loss, and the loss fell" in out.stdout, out.stdout[-2000:]
+    assert "weights bitwise equal after init: yes" in out.stdout, out.stdout[-2000:]
