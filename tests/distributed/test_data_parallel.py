@@ -331,12 +331,14 @@ def test_product_axis(world, device):
     )
 
 
-def test_fsdp2_checkpoint_round_trip(device, shared_tmp):
-    """An FSDP2-wrapped dp x ep model saves global experts: they load into an unwrapped EP model, a
-    fresh FSDP2 model and the single-device model, exactly."""
+@pytest.mark.parametrize("plan", ["dp_ep", "ep", "sp_ep"])
+def test_fsdp2_checkpoint_round_trip(device, shared_tmp, plan):
+    """An FSDP2-wrapped model saves global experts: they load into an unwrapped model of the same plan, a
+    fresh FSDP2 model and the single-device model, exactly. dp x ep; EP alone (each rank's experts an FSDP2
+    unit of their own); EP on the SP axis (FSDP2 over the SP ranks)."""
     import torch.distributed.checkpoint as dcp
 
-    net, batch, experts, _ = _plan("dp_ep", device)
+    net, batch, experts, _ = _plan(plan, device)
     fully_shard_moe(net)
     X, Y, count = batch(0)
     ((net(X) - Y) ** 2).sum().div(count).backward()
@@ -345,7 +347,8 @@ def test_fsdp2_checkpoint_round_trip(device, shared_tmp):
     dcp.save(net.state_dict(), checkpoint_id=shared_tmp)
 
     for wrap in (lambda m: m, fully_shard_moe):
-        other = Net(parallelize_moe(reference_moe(CFG, 9, device), ep_mesh=net.moe.ep, dp_mesh=net.moe.dp), 51)
+        other = Net(parallelize_moe(reference_moe(CFG, 9, device), ep_mesh=net.moe.ep, dp_mesh=net.moe.dp,
+                                    sp_mesh=net.moe.sp), 51)
         other = wrap(other)
         sd = other.state_dict()
         dcp.load(sd, checkpoint_id=shared_tmp)
