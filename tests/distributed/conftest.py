@@ -210,7 +210,7 @@ def world(request, _world_once):
 def _mesh2x2_once():
     if dist.get_world_size() != 4:
         pytest.skip("needs 4 ranks")
-    return init_mesh(_device_type(), (2, 2), mesh_dim_names=("dp", "sp"))
+    return _mesh2d_once(4)
 
 
 @pytest.fixture
