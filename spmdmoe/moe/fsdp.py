@@ -63,10 +63,11 @@ def fully_shard_moe(model: ModuleT, *, blocks: Iterable[nn.Module] = (), **kwarg
 
     grad_reductions(model)  # the layers exist and agree on their batch axes
     layers = [m for m in model.modules() if isinstance(m, ParallelMoE)]
-    sp = layers[0].sp if layers[0].sp is not None and layers[0].sp.size > 1 else None
-    if any((m.sp if m.sp is not None and m.sp.size > 1 else None) != sp for m in layers):
+    sp_axes = {m.sp if m.sp is not None and m.sp.size > 1 else None for m in layers}
+    if len(sp_axes) > 1:
         raise SPMDMeshError(f"rank {dist.get_rank()}: fully_shard_moe shards every dense parameter over one "
                             "group, but the MoE layers have different SP axes; parallelize them alike")
+    (sp,) = sp_axes
     dense = layers[0].batch_reductions()[0]
     dense_axis = product_axis(*dense.axes, sp)
     if dense_axis is None:

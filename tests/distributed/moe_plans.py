@@ -49,6 +49,12 @@ class Plan:
     batches: list  # the rows of each batch (the aux loss is per batch)
 
 
+def compile_backend(device: torch.device) -> str:
+    """``torch.compile``'s backend for the compiled-vs-eager tests: inductor on NCCL (the GPU run); ``aot_eager``
+    on CPU, where inductor on 2 cores is too slow for CI."""
+    return "inductor" if device.type == "cuda" else "aot_eager"
+
+
 def reference_moe(cfg: MoEConfig, seed: int, device, dtype=torch.float32) -> MoE:
     """The same weights on every rank: N(0, 1/fan_in) from a fixed seed."""
     moe = MoE(cfg)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from moe_plans import PLANS, build_plan, reference_moe
+from moe_plans import PLANS, build_plan, compile_backend, reference_moe
 from spmdmoe import SPMDTensor
 from spmdmoe.moe import MoEConfig
 from spmdmoe.testing import reference_tensor
@@ -30,10 +30,6 @@ from test_moe_parity import close
 
 STEPS = [12, 11, 14, 15, 18, 20]  # on 4 ranks every rank holds >= 2 rows in every plan
 D = 16
-
-
-def _backend(device: torch.device) -> str:
-    return "inductor" if device.type == "cuda" else "aot_eager"
 
 
 def _step(plan, layer, X, G):
@@ -62,7 +58,7 @@ def test_compiled_layer_matches_eager_with_one_graph(world, device, request, pla
     moe = reference_moe(cfg, 3, device)
     eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
     compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
-    run = torch.compile(compiled, backend=_backend(device), fullgraph=True, dynamic=True)
+    run = torch.compile(compiled, backend=compile_backend(device), fullgraph=True, dynamic=True)
     for i, total in enumerate(STEPS):
         X = reference_tensor((total, D), 100 + i, device=device)
         G = reference_tensor((total, D), 200 + i, device=device)
@@ -100,7 +96,7 @@ def test_the_traced_forward_reads_the_agreed_set_and_no_cache(world, device, req
     eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
     compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
     monkeypatch.setattr(grads, "_agreed_at_call_site", no_lookup)
-    run = torch.compile(compiled, backend=_backend(device), fullgraph=True, dynamic=True)
+    run = torch.compile(compiled, backend=compile_backend(device), fullgraph=True, dynamic=True)
     X = reference_tensor((STEPS[0], D), 7, device=device)
     G = reference_tensor((STEPS[0], D), 8, device=device)
     want = _step(build_plan(plan_name, moe, STEPS[0], world, request, layer=eager), eager, X, G)

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 import spmdmoe
 import spmdmoe.moe.overlap as overlap
-from moe_plans import reference_moe
+from moe_plans import compile_backend, reference_moe
 from spmdmoe.moe import MoEConfig, overlap_grads, parallelize_moe, replicate_grads
 from spmdmoe.testing import assert_close_everywhere, reference_tensor
 from spmdmoe.types import layout
@@ -158,17 +158,12 @@ def test_gradients_equal_the_waiting_sums(device, T, mode):
         _close(got[n], want[n], f"{n} gradient ({mode})")
 
 
-def _backend(device):
-    """Inductor on NCCL (the GPU run); ``aot_eager`` on CPU, where inductor on 2 cores is too slow for CI."""
-    return "inductor" if device.type == "cuda" else "aot_eager"
-
-
 def test_compiled_block_fullgraph(device):
     want_block, got_block = _block(device, False), _block(device, True)
     leaf, x = _input(13, device)
     want_block(x).pow(2).sum().backward()
     torch._dynamo.reset()
-    run = torch.compile(got_block, backend=_backend(device), fullgraph=True)
+    run = torch.compile(got_block, backend=compile_backend(device), fullgraph=True)
     leaf2, x2 = _input(13, device)
     run(x2).pow(2).sum().backward()
     _close(leaf2.grad, leaf.grad, "input gradient, compiled", COMPILED_RTOL)
@@ -182,7 +177,7 @@ def test_compiled_on_one_rank_eager_on_the_others(device):
     leaf, x = _input(13, device)
     want_block(x).pow(2).sum().backward()
     torch._dynamo.reset()
-    run = torch.compile(got_block, backend=_backend(device), fullgraph=True) if dist.get_rank() == 0 else got_block
+    run = torch.compile(got_block, backend=compile_backend(device), fullgraph=True) if dist.get_rank() == 0 else got_block
     leaf2, x2 = _input(13, device)
     run(x2).pow(2).sum().backward()
     for (n, p), q in zip(got_block.named_parameters(), want_block.parameters()):
