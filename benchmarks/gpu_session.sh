@@ -10,26 +10,32 @@ PART=${1:-all}
 # (a folder per part, so two parts can run at once)
 DEST=${OUT:-/tmp/out}; OUT=/tmp/gpu_session_$PART; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
 trap 'tar czf "$DEST/gpu_session_$PART.tgz" -C /tmp "gpu_session_$PART"' EXIT
-# killed from outside (timeout 560 bash ...): stop what it started (a hung NCCL job holds its GPUs), still pack
-trap 'pkill -9 -f "torchrun|pytest|train_moe|sync_free"; exit 124' TERM
+# killed from outside (timeout 560 bash ...): stop what it started (a hung NCCL job holds its GPUs), its own
+# descendants only (not by name: that would kill other people's runs on a shared machine), and still pack
+# (the suite's jobs by their sessions, the rest by walking this script's children)
+kill_tree() { local p; for p in $(pgrep -P "$1"); do kill_tree "$p"; kill -9 "$p" 2>/dev/null; done; }
+trap 'kill_tree $$; for f in "$OUT"/nccl_*/*.sid; do [ -f "$f" ] && pkill -9 -s "$(cat "$f")"; done; exit 124' TERM
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+peer_wheels() {  # torchtitan, torchao and their pins from the carried .whl/ (../shared/tools/peer_wheels.sh)
+  [ ! -d .whl ] || python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+}
 # The NCCL suite, a torchrun per test file, JOBS of them at once (default 4; each job's ranks on the GPUs of one
 # lane, lanes = GPUs / ranks, several jobs a lane when JOBS is larger). A torchrun per file isolates failures: with
 # TORCH_NCCL_ASYNC_ERROR_HANDLING's default an NCCL timeout kills the process, and a mismatched collective can
 # poison its communicator, so one file's failure must not take other files down. Heaviest files first.
 FIRST="compile_moe data_parallel agreement grad_overlap moe_training torchtitan collectives cuda_graphs sync_free"
 run_file() {  # $1 ranks, $2 test file, $3 CUDA_VISIBLE_DEVICES: one torchrun, its log and rows under $OUT/nccl_$1/
-  local n=$1 f=$2 name dir t0 rc r sid
+  local n=$1 f=$2 name dir t0 rc r
   name=$(basename "$f" .py); dir="$OUT/nccl_$n"; t0=$(date +%s)
-  # a session of its own (setsid), so what a timeout leaves running (torchrun's workers) is killed, this job's alone
+  # a session of its own (setsid; the shell inside writes the session's id), so what a timeout leaves running
+  # (torchrun's workers) is killed by session: this job's processes alone
   SPMDMOE_FILE_TABLE="$dir/$name.md" CUDA_VISIBLE_DEVICES=$3 TORCH_FR_BUFFER_SIZE=2000 \
     TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$dir/fr_${name}_" \
-    setsid timeout -k 5 "${FILE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$n" \
-    -m pytest -q -p no:cacheprovider -rs "$f" > "$dir/$name.txt" 2>&1 &
-  sid=$!
-  wait "$sid"; rc=$?
-  pkill -9 -s "$sid" 2>/dev/null
+    setsid -w bash -c 'echo $$ > "$0"; exec "$@"' "$dir/$name.sid" timeout -k 5 "${FILE_TIMEOUT:-300}" \
+    torchrun --standalone --nproc-per-node "$n" -m pytest -q -p no:cacheprovider -rs "$f" > "$dir/$name.txt" 2>&1
+  rc=$?
+  pkill -9 -s "$(cat "$dir/$name.sid")" 2>/dev/null
   [ -s "$dir/$name.md" ] || printf '| %s | | | | | |\n' "$name" > "$dir/$name.md"
   printf '| %s | %s | %s |' "$name" "$(( $(date +%s) - t0 ))" "$([ "$rc" = 124 ] && echo timeout || echo "$rc")" > "$dir/$name.run"
   if [ "$rc" != 0 ]; then  # where each rank was when it ended (tests/distributed/conftest.py)
@@ -64,7 +70,7 @@ if [ "$PART" = tests ] || [ "$PART" = all ]; then
   SINGLE=$!
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
-  python3 -c 'import torchtitan' 2>/dev/null || [ ! -d .whl ] || python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+  peer_wheels
   # every world size at once (JOBS torchruns each); each prints its table when done
   for n in ${WORLDS:-$([ "$NGPU" -ge 4 ] && echo 4) $([ "$NGPU" -ge 2 ] && echo 2)}; do
     { echo "== distributed tests on NCCL, $n ranks, a torchrun per file"; dist_suite "$n"; } > "$OUT/dist_$n.log" 2>&1 &
@@ -95,13 +101,13 @@ exits() {  # $1 name, $2 GPUs, then the command: EXIT_RUNS runs; a row each (exi
 if [ "$PART" = exits ] || [ "$PART" = all ]; then
   # every example and benchmark must return 0 within seconds of its last line (issue 41): the main job and the
   # sync-free benchmark (CUDA graphs that captured NCCL work) EXIT_RUNS times each, on two GPU pairs at once
-  echo "== clean exits on NCCL, ${EXIT_RUNS:-10} runs each; two main-job runs compared bit for bit"
+  echo "== clean exits on NCCL, ${EXIT_RUNS:-10} runs each; the main job's losses compared bit for bit across runs"
   printf '| program (2 GPUs, NCCL) | run | exit | s | s after its last line |\n|---|---|---|---|---|\n' > "$OUT/exits.md"
   exits train_moe 0,1 torchrun --standalone --nproc-per-node 2 examples/train_moe.py --device cuda &
   exits sync_free "$([ "$NGPU" -ge 4 ] && echo 2,3 || echo 0,1)" torchrun --standalone --nproc-per-node 2 \
     benchmarks/sync_free.py --tokens 1024 --layers 1 --reps 2 --iters 1 &  # small: the exit is what is measured
   wait
-  for i in $(seq 1 "${EXIT_RUNS:-10}"); do grep -h "parallel losses, exact" "$OUT/exit_train_moe_$i.txt" | cut -d' ' -f2-; done \
+  for i in $(seq 1 "${EXIT_RUNS:-10}"); do grep -h "parallel losses, exact" "$OUT/exit_train_moe_$i.txt" | cut -d' ' -f5-; done \
     | sort | uniq -c | awk '{printf "main job: %d run(s) with losses %s\n", $1, substr($0, index($0, $2))}' >> "$OUT/exits.md"
   cat "$OUT/exits.md"
 fi
@@ -109,7 +115,7 @@ if [ "$PART" = titan ] || [ "$PART" = all ]; then
   # torchtitan's own parallelize with EP on NCCL (swapped vs its MoE, 20 steps, then tokens/s), and the layer side
   # by side at EP 2 and 4 (vs_torchtitan: a failing candidate is a row, the run goes on)
   echo "== torchtitan with EP on NCCL: its parallelize (EP = GPUs, dp 2 x ep 2), and the layer at EP 2 / 4"
-  python3 -c 'import torchtitan' 2>/dev/null || [ ! -d .whl ] || python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+  peer_wheels
   for layout in "2 2" "4 4" "4 2" "4 4 --compile"; do  # GPUs, EP (and torchtitan's per-block compile)
     set -- $layout; [ "$NGPU" -ge "$1" ] || continue
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1))) timeout 300 torchrun --standalone --nproc-per-node "$1" \
@@ -142,7 +148,7 @@ if [ "$PART" = peer ] || [ "$PART" = all ]; then
   # one run per model shape (benchmarks/shapes.py): bf16 and FP8, eager and compiled, both FP8 weight policies,
   # step memory, the ceiling table; all five shapes, or those in SHAPES (`SHAPES="dsmoe16b" gpu_session.sh peer`)
   echo "== side by side with torchtitan, bf16 and FP8, per model shape"
-  python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+  peer_wheels
   for S in ${SHAPES:-dsmoe16b dsmoe16b-64k qwen3-30b qwen3-235b dsv3-ep8}; do
     timeout 480 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --shape "$S" --out "$OUT/bench_peer.md" ${BASE:+--base "$BASE"} \
       > "$OUT/log_peer_$S.txt" 2>&1; echo "$S: exit $?"; grep -v "^W1" "$OUT/log_peer_$S.txt" | tail -3
@@ -158,7 +164,7 @@ if [ "$PART" = fp8 ] || [ "$PART" = all ]; then
     (cd .old && PYTHONPATH=$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider ../tests/test_cuda_graphs.py \
       -k optimizer_steps > "$OUT/tests_cuda_graphs_old.txt" 2>&1); grep -E "passed|failed|AssertionError: \(" "$OUT/tests_cuda_graphs_old.txt" | tail -3
   fi
-  python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+  peer_wheels
   timeout 200 python3 benchmarks/kernels.py --sweep-only fingerprint --only "fingerprint,weight cache,FP8 weights" \
     --out "$OUT/bench_kernels.md" > "$OUT/log_kernels.txt" 2>&1; tail -9 "$OUT/log_kernels.txt"
 fi
