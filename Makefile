@@ -18,7 +18,9 @@ VENV_NEW  ?= .venv-torch-new
 # 4-process) and the torchtitan tests, where torch versions differ most.
 TORCH_OLD ?= torch==2.11.0
 VENV_OLD  ?= .venv-torch-old
-OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchtitan.py tests/test_docs_torchtitan.py
+OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchtitan.py tests/test_docs_torchtitan.py \
+	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_benchmark_smoke \
+	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_compiled_blocks_benchmark_smoke
 OLD_DIST   ?= tests/distributed/test_compile_moe.py tests/distributed/test_grad_overlap.py \
 	tests/distributed/test_torchtitan.py
 # torchtitan for the swap tests (tests/test_torchtitan.py; Python >= 3.11), without its training-only dependencies

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2") | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2"; single: its single-process GPU tests only) | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 set -uo pipefail
 PART=${1:-all}
 # everything is written under a scratch folder and packed into ONE archive in $OUT at the end (the device
 # tool returns a handful of files at most)
 # (a folder per part, so two parts can run at once)
-DEST=${OUT:-/tmp/out}; OUT=/tmp/gpu_session_$PART; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
-trap 'tar czf "$DEST/gpu_session_$PART.tgz" -C /tmp "gpu_session_$PART"' EXIT
+# (TAG: a suffix for a second run of one part in the same call, e.g. the titan part's 4-GPU layouts after its 2-GPU ones)
+NAME=gpu_session_$PART${TAG:-}; DEST=${OUT:-/tmp/out}; OUT=/tmp/$NAME; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
+trap 'tar czf "$DEST/$NAME.tgz" -C /tmp "$NAME"' EXIT
 # killed from outside (timeout 560 bash ...): stop what it started (a hung NCCL job holds its GPUs), its own
 # descendants only (not by name: that would kill other people's runs on a shared machine), and still pack
 # (the suite's jobs by their sessions, the rest by walking this script's children)
@@ -63,10 +64,12 @@ dist_suite() {  # $1 ranks: $OUT/tests_nccl_$1.md, a row per file, a total, a ro
   cat "$table"
 }
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
-if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  # on GPU 0 while the NCCL suites run (their own timeouts); waited for below
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py \
-    tests/test_moe.py tests/test_agreement.py tests/test_compile_moe.py tests/test_readme.py > "$OUT/tests_single.txt" 2>&1 &
+if [ "$PART" = tests ] || [ "$PART" = single ] || [ "$PART" = all ]; then
+  # on the first visible GPU while the NCCL suites run; waited for below. The README (its GPU block) before the
+  # compile tests; a test past --timeout gets its stacks dumped (pytest-timeout) and ends the run: the CPU inductor
+  # case of test_compile_moe did not finish on the GPU hosts (issue 41, not yet diagnosed)
+  timeout "${SINGLE_TIMEOUT:-540}" python3 -m pytest -v --durations=20 --timeout=200 -p no:cacheprovider -rs tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py \
+    tests/test_moe.py tests/test_agreement.py tests/test_readme.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1 &
   SINGLE=$!
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
@@ -116,13 +119,19 @@ if [ "$PART" = titan ] || [ "$PART" = all ]; then
   # by side at EP 2 and 4 (vs_torchtitan: a failing candidate is a row, the run goes on)
   echo "== torchtitan with EP on NCCL: its parallelize (EP = GPUs, dp 2 x ep 2), and the layer at EP 2 / 4"
   peer_wheels
-  for layout in "2 2" "4 4" "4 2" "4 4 --compile"; do  # GPUs, EP (and torchtitan's per-block compile)
+  # LAYOUTS: "GPUs EP [--compile]" entries (--compile: torchtitan's per-block compile, with EP + FSDP on torch >= 2.13
+  # only: torchtitan_model.py says why); PEER_EPS: vs_torchtitan's EP degrees (`LAYOUTS="2 2" PEER_EPS=2
+  # gpu_session.sh titan` on GPUs 0,1 beside another part on 2,3)
+  compiled=$(python3 -c 'import torch; print(",4 4 --compile" if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13) else "")')
+  IFS=, read -ra layouts <<< "${LAYOUTS:-2 2,4 4,4 2$compiled}"
+  for layout in "${layouts[@]}"; do
     set -- $layout; [ "$NGPU" -ge "$1" ] || continue
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1))) timeout 300 torchrun --standalone --nproc-per-node "$1" \
-      benchmarks/torchtitan_model.py --part ep --ep "$2" ${3:-} --out "$OUT/bench_titan_ep.md" > "$OUT/log_titan_ep_$1_$2${3:-}.txt" 2>&1
+      benchmarks/torchtitan_model.py --part ep --ep "$2" --steps 20 ${3:-} --out "$OUT/bench_titan_ep.md" \
+      > "$OUT/log_titan_ep_$1_$2${3:-}.txt" 2>&1
     echo "torchtitan parallelize, $1 GPUs, EP $2 ${3:-}: exit $?"
   done
-  for n in 2 4; do
+  for n in ${PEER_EPS:-2 4}; do
     [ "$NGPU" -ge "$n" ] || continue
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 480 torchrun --standalone --nproc-per-node "$n" \
       benchmarks/vs_torchtitan.py --shape "${SHAPE:-dsmoe16b}" --out "$OUT/bench_peer_ep$n.md" > "$OUT/log_peer_ep$n.txt" 2>&1

@@ -24,7 +24,8 @@ models are built on meta from one config, one of them swapped, and initialised b
 * ``ep`` (under ``torchrun``, one GPU a process): torchtitan's debug model (``--flavor``, ``--layers``) through
   torchtitan's own ``parallelize_fn`` as its Trainer calls it, both models: the spec's own and
   ``swapped_model_spec``'s (it swaps, then runs torchtitan's). FSDP over every rank (``dp_shard``), EP
-  ``--ep`` (default: every rank; ``--ep 2`` on 4 GPUs: dp 2 x ep 2), torchtitan's default SPMD backend, bf16
+  ``--ep`` (default: every rank; ``--ep 2`` on 4 GPUs: dp 2 x ep 2), torchtitan's default SPMD backend (``partial_dtensor``
+  on torch < 2.13, whose FSDP2 lacks the default's ``dp_mesh_dims``), bf16
   parameters and fp32 reductions (its ``mixed_precision_*`` defaults); each rank its own batch, the loss a
   sum over the rank's tokens / the step's tokens (torchtitan turns FSDP's division off), AdamW with its
   load-balancing hook, no clipping. Both start from torchtitan's weights; ``--steps`` steps, |loss
@@ -230,18 +231,23 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.deepseek_v3 import model_registry
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
     from torchtitan_models import debug_config
 
     from spmdmoe.integrations.torchtitan import swapped_model_spec
+    from titan_expert_fsdp import nested_expert_fsdp
 
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = args.ep or world
-    if device == "cpu":  # gloo: torchtitan picks "cuda" without an accelerator, and its EP all-to-all refuses gloo
+    if device == "cpu":  # gloo: torchtitan picks "cuda" without an accelerator
         parallel_dims_module.device_type = "cpu"
-        ep = 1
-    backend = args.spmd_backend or ("partial_dtensor" if device == "cpu" else ParallelismConfig().spmd_backend)
+    # torchtitan's default backend passes FSDP2 `dp_mesh_dims`, which torch < 2.13 lacks (spmdmoe's shim refuses it)
+    old_fsdp = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+    backend = args.spmd_backend or ("partial_dtensor" if device == "cpu" or old_fsdp
+                                    else ParallelismConfig().spmd_backend)
+    set_spmd_backend(backend)  # as torchtitan's Trainer does (its token dispatcher reads the global setting)
     dims = parallel_dims_module.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
                                              world_size=world, spmd_backend=backend)
     dims.build_mesh()
@@ -249,6 +255,15 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     layers = 2 if args.smoke else args.layers
     config = debug_config(layers=layers, flavor=args.flavor)
     specs = {"torchtitan": model_registry(args.flavor), "spmdmoe": swapped_model_spec(model_registry(args.flavor))}
+    # torch < 2.13: torchtitan's EP FSDP branch cannot run; the experts get a nested unit (titan_expert_fsdp.py)
+    nested = ep > 1 and nested_expert_fsdp()
+    if nested and args.compile:  # tried: Dynamo cannot trace FSDP2's hooks on 2.11 (skip_fsdp_hooks=False)
+        if rank == 0:
+            report("not run: torchtitan 0.3.0 compiles each block with fullgraph=True, and on torch < 2.13 the "
+                   "experts' own FSDP unit (the EP + FSDP layout this torch's FSDP2 has) breaks that graph at its "
+                   "hooks; per-block compile with EP runs on torch >= 2.13 here, and by hand (EP without FSDP) in "
+                   "tests/distributed/test_torchtitan.py", args.out)
+        return False
     models, opts = {}, {}
     for key, spec in specs.items():
         cfg = copy.deepcopy(config)
@@ -300,7 +315,9 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
             losses[key].append(total.item() / step_tokens)
     name = (f"torchtitan DeepSeek-V3 {args.flavor}, {layers} blocks, SDPA, {world} processes: FSDP over {world}, "
             f"EP {ep}{f' (dp {world // ep} x ep {ep} for the experts)' if 1 < ep < world else ''}, "
-            f"{backend} backend{', blocks compiled' if args.compile else ''}; {args.batch} x {seq} tokens a rank "
+            f"{backend} backend{', blocks compiled' if args.compile else ''}"
+            f"{', routed experts a nested FSDP unit (torch < 2.13: titan_expert_fsdp.py)' if nested else ''}; "
+            f"{args.batch} x {seq} tokens a rank "
             f"a step, AdamW lr {args.lr}; weights bitwise equal after init: {'yes' if same else 'no (copied)'}")
     text, ok = tracking_table(name, {"eager" if not args.compile else "compiled": (losses["torchtitan"],
                                                                                     losses["spmdmoe"])})

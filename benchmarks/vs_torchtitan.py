@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import os
 import sys
@@ -151,13 +152,22 @@ def on_backend(spmd_backend: str, fwd: Fwd) -> Fwd:
 def first_step(fwd: Fwd, xs: tuple[torch.Tensor, ...], g: torch.Tensor) -> Optional[str]:
     """A fwd+bwd on each of ``xs`` (the first compiles a compiled candidate; the next routes otherwise, so a
     size the compiled graph specialised on the first step's routing fails here, as a user's second batch would,
-    not in the timing): None, or the first line of the error of some rank. A failing candidate is a row of the
-    table, and the run goes on."""
+    not in the timing): None, or the first line of the error of some rank (``first_error``)."""
+    def fwd_bwd(x: torch.Tensor) -> None:
+        x.grad = None
+        fwd(x).backward(g)
+    return first_error([functools.partial(fwd_bwd, x) for x in xs])
+
+
+def first_error(calls: list[Callable[[], object]]) -> Optional[str]:
+    """``calls`` in order: None, or the first line of the first error of some rank (each rank's agreed). A
+    failing candidate is a row of the table, and the run goes on (the failures seen so far raised on every rank
+    alike: compile errors, and a compiled peer's size assertion; one raised on some ranks only, while the others
+    wait in a collective, would hang until the NCCL timeout)."""
     error = None
     try:
-        for x in xs:
-            x.grad = None
-            fwd(x).backward(g)
+        for call in calls:
+            call()
     except Exception as exc:  # noqa: BLE001 - the row's result
         error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:200]
         traceback.print_exc(limit=-12, file=sys.stderr)  # the row shows one line; the log keeps where it came from
@@ -444,6 +454,10 @@ def main() -> None:
             return step
 
         steps = {n: step_of(c) for n, c in cands.items()}
+        for n in list(steps):  # the warm-up, failures caught: a compiled peer failed on its 4th step (EP 2, torch 2.11)
+            if (err := first_error([steps[n]] * 3)) is not None:
+                failed[n] = f"fails in the warm-up steps: {err}"
+                del steps[n]
         t = timed(steps, args.iters, args.reps)
         mem = {n: peak_gib(step, [c.module for c in cands.values()], x) for n, step in steps.items()}
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

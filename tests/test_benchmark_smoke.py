@@ -1,8 +1,8 @@
 """The GPU benchmarks that can run on CPU keep running: their ``--smoke`` modes, on gloo, in subprocesses.
 
 ``benchmarks/torchtitan_model.py --smoke`` (one process) trains torchtitan's model and the swapped one, eager and compiled;
-its ``--part ep --smoke`` (4 gloo processes) trains both through torchtitan's own ``parallelize`` with FSDP (EP 1:
-torchtitan's EP all-to-all refuses gloo; EP 2 and 4 run on the GPU hosts).
+its ``--part ep --smoke`` trains both through torchtitan's own ``parallelize`` with FSDP and EP (4 gloo processes,
+dp 2 x ep 2; and 2 processes, EP 2 with each block compiled, on torch >= 2.13).
 ``benchmarks/sync_free.py --smoke`` builds every candidate stack (sync, sync-free lossless and with
 capacity factors) on 2 gloo processes and checks that sync-free and sync agree bit for bit, so the
 script is known to work before a 2-GPU host is lent to time it. ``benchmarks/sp_grad_overlap.py
@@ -63,12 +63,33 @@ def test_torchtitan_model_benchmark_smoke():
 
 @pytest.mark.timeout(300)
 def test_torchtitan_parallelize_benchmark_smoke():
-    """``--part ep`` on 4 gloo processes: torchtitan's ``parallelize_fn`` of both specs, FSDP over 4, the two
-    models' losses within 1 % at every step and falling."""
+    """``--part ep --ep 2`` on 4 gloo processes: torchtitan's ``parallelize_fn`` of both specs, FSDP over 4 and
+    EP 2 (dp 2 x ep 2 for the experts; on torch < 2.13 their nested FSDP unit, ``titan_expert_fsdp.py``), the
+    two models' losses within 1 % at every step and falling."""
     pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                          str(ROOT / "benchmarks" / "torchtitan_model.py"), "--part", "ep", "--smoke"],
+                          str(ROOT / "benchmarks" / "torchtitan_model.py"), "--part", "ep", "--smoke", "--ep", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "OK: every step within 1% of torchtitan's loss, and the loss fell" in out.stdout, out.stdout[-2000:]
     assert "weights bitwise equal after init: yes" in out.stdout, out.stdout[-2000:]
+    assert "FSDP over 4, EP 2 (dp 2 x ep 2 for the experts)" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_torchtitan_parallelize_compiled_blocks_benchmark_smoke():
+    """``--part ep --ep 2 --compile`` on 2 gloo processes: torchtitan's ``parallelize_fn`` with FSDP, EP 2 and
+    its per-block compile (``fullgraph=True``, inductor) of both models, losses within 1 % at every step. Torch
+    < 2.13 refuses it by name (``titan_expert_fsdp.py``)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(ROOT / "benchmarks" / "torchtitan_model.py"), "--part", "ep", "--smoke", "--ep", "2",
+                          "--compile"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    if not hasattr(_fsdp_common, "ShardPlacementResult"):
+        assert out.returncode != 0 and "not run: torchtitan 0.3.0 compiles each block" in out.stdout, out.stdout[-2000:]
+        return
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "| compiled | 6 |" in out.stdout, out.stdout[-2000:]
+    assert "OK: every step within 1% of torchtitan's loss, and the loss fell" in out.stdout, out.stdout[-2000:]
