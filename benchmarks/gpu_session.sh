@@ -68,8 +68,13 @@ if [ "$PART" = tests ] || [ "$PART" = single ] || [ "$PART" = all ]; then
   # on the first visible GPU while the NCCL suites run; waited for below. The README (its GPU block) before the
   # compile tests; a test past --timeout gets its stacks dumped (pytest-timeout) and ends the run: the CPU inductor
   # case of test_compile_moe did not finish on the GPU hosts (issue 41, not yet diagnosed)
-  timeout "${SINGLE_TIMEOUT:-540}" python3 -m pytest -v --durations=20 --timeout=200 -p no:cacheprovider -rs tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py \
-    tests/test_moe.py tests/test_agreement.py tests/test_readme.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1 &
+  # a probe: does inductor compile for the CPU in this image at all (the C++ toolchain, its worker pool)?
+  { { command -v g++ c++ gcc; timeout 120 python3 -c 'import time, torch; t = time.time()
+print("inductor on the CPU:", torch.compile(lambda x: x.sin() + 1)(torch.ones(8))[0].item(), f"{time.time() - t:.1f} s")'
+      echo "probe exit $?"; } > "$OUT/inductor_cpu_probe.txt" 2>&1
+    timeout "${SINGLE_TIMEOUT:-540}" python3 -m pytest -v --durations=20 --timeout=200 -p no:cacheprovider -rs \
+      tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py tests/test_moe.py tests/test_agreement.py \
+      tests/test_readme.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1; } &
   SINGLE=$!
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
@@ -83,7 +88,8 @@ if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
 fi
 if [ -n "${SINGLE:-}" ]; then
   wait "$SINGLE"
-  echo "== single-process GPU tests (kernels, FP8, the MoE layer, compile, the README's blocks)"; tail -15 "$OUT/tests_single.txt"
+  echo "== single-process GPU tests (kernels, FP8, the MoE layer, compile, the README's blocks)"
+  tail -4 "$OUT/inductor_cpu_probe.txt"; tail -15 "$OUT/tests_single.txt"
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
   echo "== main job on NCCL"
