@@ -190,9 +190,12 @@ if [ "$PART" = numerics ] || [ "$PART" = all ]; then
 fi
 if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
   if [ "$NGPU" -gt 1 ]; then
-    echo "== sync-free EP: a 4-layer stack, sync eager vs sync-free eager and graphed (issue 13)"
+    # EP (default 2) on the first EP GPUs; each candidate's top CUDA ops in profile_sync_free_T.txt
+    ep=${EP:-2}; [ "$ep" -le "$NGPU" ] || ep=$NGPU
+    echo "== sync-free EP $ep: a 4-layer stack, sync eager vs sync-free eager and graphed (issues 13, 42)"
     for T in 4096 16384; do
-      timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/sync_free.py --tokens $T --out "$OUT/bench_sync_free.md" \
+      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((ep - 1))) timeout 300 torchrun --standalone --nproc-per-node "$ep" \
+        benchmarks/sync_free.py --tokens $T --out "$OUT/bench_sync_free.md" --profile "$OUT/profile_sync_free_$T.txt" \
         > "$OUT/log_sync_free_$T.txt" 2>&1; tail -2 "$OUT/log_sync_free_$T.txt"
     done
   fi

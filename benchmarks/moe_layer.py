@@ -46,7 +46,7 @@ import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.experts import GroupedExperts, grouped_swiglu
 from spmdmoe.moe.gemm import grouped_mm, grouped_mm_pair
-from timing import report, timed
+from timing import kernel_table, report, timed
 
 
 def main() -> None:
@@ -177,13 +177,10 @@ def main() -> None:
         text = "\n".join(lines)
         report(text, args.out)
     if args.profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(3):
-                layer_step()
-            torch.cuda.synchronize()
+        table = kernel_table(layer_step)
         if rank == 0:
             with open(args.profile, "w") as f:
-                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+                f.write(table)
     if world > 1:
         dist.destroy_process_group()
 

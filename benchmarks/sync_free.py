@@ -13,6 +13,8 @@ bf16, D=2048, F=1408, E=64, K=6, EP = N (each rank its own T tokens; ``max_token
 * ``sync-free graphed, capacity_factor c`` for c in 1.25 and 2 (smaller buffers; overflow checked once
   after the timing, as ``update_expert_bias`` would).
 
+``--profile FILE``: rank 0's top CUDA ops of each timed candidate (3 steps each, graphs replayed).
+
 Also: peak memory of one step per candidate, and the row moves alone: the sync-free dispatch + combine
 exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows each) against one even exchange of the
 routed rows' bytes (the NCCL floor for the same data) and the sync transport's uneven exchange.
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny dims, fp32: every candidate once, no timing")
+    ap.add_argument("--profile", default=None, help="write rank 0's top CUDA ops of each timed candidate here")
     args = ap.parse_args()
     smoke = args.smoke
     if smoke:
@@ -96,7 +99,7 @@ def main() -> None:
         assert same
         return
 
-    from timing import report, timed
+    from timing import kernel_table, report, timed
 
     steps, mem = {}, {}
     for name, stack in stacks.items():
@@ -149,6 +152,11 @@ def main() -> None:
     lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
     if rank == 0:
         report("\n".join(lines), args.out)
+    if args.profile:  # where each candidate's step goes (the graphed ones replayed): kernels, copies, fills
+        tables = [f"## {name}\n{kernel_table(step)}" for name, step in steps.items()]
+        if rank == 0:
+            with open(args.profile, "w") as f:
+                f.write("\n\n".join(tables) + "\n")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,21 @@ def host_us(fn, calls: int = 200) -> float:
     return t.item()
 
 
+def kernel_table(fn: Callable[[], object], calls: int = 3, rows: int = 25) -> str:
+    """``calls`` calls of ``fn`` under ``torch.profiler`` (CPU and CUDA; kernels replayed from a CUDA graph
+    included): the top ``rows`` ops by total CUDA time, as torch prints them, after the kernel time per call
+    (summed over streams: communication under compute counts twice, so it can exceed the step's time)."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    per_call = sum(e.self_device_time_total for e in averages) / calls / 1e3
+    return f"kernel time per call, all streams: {per_call:.3f} ms\n" + averages.table(sort_by="cuda_time_total", row_limit=rows)
+
+
 def report(text: str, out: "str | None") -> None:
     """Print a result table and append it to ``out`` (when given), with a blank line after."""
     print(text, flush=True)
