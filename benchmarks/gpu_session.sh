@@ -71,10 +71,10 @@ if [ "$PART" = tests ] || [ "$PART" = single ] || [ "$PART" = all ]; then
   # a probe: does inductor compile for the CPU in this image at all (the C++ toolchain, its worker pool)?
   { { command -v g++ c++ gcc; timeout 120 python3 -c 'import time, torch; t = time.time()
 print("inductor on the CPU:", torch.compile(lambda x: x.sin() + 1)(torch.ones(8))[0].item(), f"{time.time() - t:.1f} s")'
-      echo "probe exit $?"; } > "$OUT/inductor_cpu_probe.txt" 2>&1
-    timeout "${SINGLE_TIMEOUT:-540}" python3 -m pytest -v --durations=20 --timeout=200 -p no:cacheprovider -rs \
+      echo "probe exit $?"; } > "$OUT/inductor_cpu_probe.txt" 2>&1 &
+    timeout "${SINGLE_TIMEOUT:-480}" python3 -m pytest -v --durations=20 --timeout=200 -p no:cacheprovider -rs \
       tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py tests/test_moe.py tests/test_agreement.py \
-      tests/test_readme.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1; } &
+      tests/test_readme.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1; wait; } &
   SINGLE=$!
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
@@ -131,7 +131,8 @@ if [ "$PART" = titan ] || [ "$PART" = all ]; then
   compiled=$(python3 -c 'import torch; print(",4 4 --compile" if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13) else "")')
   IFS=, read -ra layouts <<< "${LAYOUTS:-2 2,4 4,4 2$compiled}"
   for layout in "${layouts[@]}"; do
-    set -- $layout; [ "$NGPU" -ge "$1" ] || continue
+    set -- $layout; [ $# -ge 2 ] || continue  # an empty entry (a trailing comma)
+    [ "$NGPU" -ge "$1" ] || continue
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1))) timeout 300 torchrun --standalone --nproc-per-node "$1" \
       benchmarks/torchtitan_model.py --part ep --ep "$2" --steps 20 ${3:-} --out "$OUT/bench_titan_ep.md" \
       > "$OUT/log_titan_ep_$1_$2${3:-}.txt" 2>&1

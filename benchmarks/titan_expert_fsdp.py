@@ -6,8 +6,9 @@ parameters shard over the expert mesh (``efsdp``) and the rest over the dense on
 ``parallelize_deepseekv3`` with EP cannot run there at all, swapped MoE or not.
 
 :func:`nested_expert_fsdp` replaces that one branch, where it cannot run, by the layout torchtitan used before
-(0.2): the routed experts an FSDP unit of their own on ``efsdp`` (same placement rule: ``Shard(1)`` when
-``efsdp x ep`` exceeds the experts, else ``Shard(0)``; same mixed precision and resharding policy), then torchtitan's
+(0.2): the routed experts an FSDP unit of their own on torchtitan's expert mesh (``efsdp``, with ``dp_replicate``
+when HSDP is on; same placement rule: ``Shard(1)`` when ``efsdp x ep`` exceeds the experts, else ``Shard(0)``; same
+mixed precision, resharding and CPU-offload settings), then torchtitan's
 own call with ``ep_degree=1`` for the rest (the block's unit skips the experts' parameters, which the nested unit
 already manages). Everything else (EP, compile, gradient division off, the model-level unit) is torchtitan's.
 What differs: the block's two all-gathers are separate units, and torchtitan's explicit EP prefetch order is not set
@@ -17,6 +18,7 @@ What differs: the block's two all-gathers are separate units, and torchtitan's e
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from typing import Any
 
@@ -39,24 +41,38 @@ def nested_expert_fsdp() -> bool:
     if getattr(original, "_nested_experts", False):
         return True
 
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
-    def apply_fsdp_to_decoder(model: Any, dp_mesh: Any, param_dtype: Any, reduce_dtype: Any, pp_enabled: bool,
-                              *args: Any, ep_degree: int = 1, edp_mesh: Any = None, **kwargs: Any) -> Any:
-        if ep_degree > 1:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    def apply_fsdp_to_decoder(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["ep_degree"] > 1:
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
             from torch.distributed.tensor import Shard
 
-            policy = kwargs.get("reshard_after_forward_policy", "default")
-            reshard = titan_fsdp.get_fsdp_reshard_after_forward_policy(policy, pp_enabled)
-            mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-            for block in model.layers.values():
+            edp_mesh = a["edp_mesh"]
+            if edp_mesh is None or a["edp_mesh_dims"] is not None:
+                raise NotImplementedError(
+                    "titan_expert_fsdp: EP > 1 needs torchtitan's efsdp mesh under the partial_dtensor backend "
+                    f"(found edp_mesh={edp_mesh}, edp_mesh_dims={a['edp_mesh_dims']}); torch < 2.13 has no other")
+            reshard = titan_fsdp.get_fsdp_reshard_after_forward_policy(a["reshard_after_forward_policy"],
+                                                                      a["pp_enabled"])
+            mp = MixedPrecisionPolicy(param_dtype=a["param_dtype"], reduce_dtype=a["reduce_dtype"],
+                                      cast_forward_inputs=False)
+            unit: dict[str, Any] = {"mesh": edp_mesh, "reshard_after_forward": reshard, "mp_policy": mp}
+            if a["cpu_offload"]:
+                unit["offload_policy"] = CPUOffloadPolicy()
+            efsdp = edp_mesh["efsdp"].size()  # torchtitan's rule: the expert shards, not the HSDP replicas
+            for block in a["model"].layers.values():
                 if not getattr(block, "moe_enabled", False):
                     continue
                 experts = block.moe.routed_experts.inner_experts
-                placement = Shard(1) if edp_mesh.size() * ep_degree > experts.num_experts else Shard(0)
-                fully_shard(experts, mesh=edp_mesh, mp_policy=mp, reshard_after_forward=reshard,
-                            shard_placement_fn=lambda _p, s=placement: s)
-        return original(model, dp_mesh, param_dtype, reduce_dtype, pp_enabled, *args, **kwargs)
+                placement = Shard(1) if efsdp * a["ep_degree"] > experts.num_experts else Shard(0)
+                fully_shard(experts, shard_placement_fn=lambda _p, s=placement: s, **unit)
+            a["ep_degree"], a["edp_mesh"] = 1, None
+        return original(*bound.args, **bound.kwargs)
     apply_fsdp_to_decoder._nested_experts = True  # type: ignore[attr-defined]
     for module in list(sys.modules.values()):
         if getattr(module, "apply_fsdp_to_decoder", None) is original and module.__name__.startswith("torchtitan"):

@@ -163,11 +163,14 @@ def first_error(calls: list[Callable[[], object]]) -> Optional[str]:
     """``calls`` in order: None, or the first line of the first error of some rank (each rank's agreed). A
     failing candidate is a row of the table, and the run goes on (the failures seen so far raised on every rank
     alike: compile errors, and a compiled peer's size assertion; one raised on some ranks only, while the others
-    wait in a collective, would hang until the NCCL timeout)."""
+    wait in a collective, would hang until the NCCL timeout: out of memory, which routing can cause on one rank
+    alone, is raised, not caught)."""
     error = None
     try:
         for call in calls:
             call()
+    except torch.cuda.OutOfMemoryError:  # may hit one rank only (its routing): the run ends, no rank left waiting
+        raise
     except Exception as exc:  # noqa: BLE001 - the row's result
         error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:200]
         traceback.print_exc(limit=-12, file=sys.stderr)  # the row shows one line; the log keeps where it came from
@@ -458,6 +461,8 @@ def main() -> None:
             if (err := first_error([steps[n]] * 3)) is not None:
                 failed[n] = f"fails in the warm-up steps: {err}"
                 del steps[n]
+        if not steps:
+            sys.exit(f"vs_torchtitan: every candidate failed: {failed}")
         t = timed(steps, args.iters, args.reps)
         mem = {n: peak_gib(step, [c.module for c in cands.values()], x) for n, step in steps.items()}
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

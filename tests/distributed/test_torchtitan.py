@@ -125,11 +125,11 @@ def test_ep_swap_of_a_cpu_built_initialised_model_shards_its_weights(device):
 
 
 def test_ep_swapped_model_compiled_per_block_matches_eager(device):
-    """torchtitan's per-block compile (``apply_compile``: each block ``compile(fullgraph=True)``; inductor on
-    NCCL, ``aot_eager`` on gloo) of a model swapped with EP = n by hand: three training steps, each rank its own
-    batch and a new one each step (the routing changes: no size of the first step's routing may stay in the
-    graph), losses and gradients against the same model eager. No graph after the first step's (no recompile
-    when the routing changes)."""
+    """torchtitan's per-block compile (``apply_compile``: each block ``compile(fullgraph=True)``, scalar outputs
+    captured; inductor on NCCL, ``aot_eager`` on gloo) of a model swapped with EP = n by hand: three training
+    steps, each rank its own batch and a new one each step (the routing changes: no size of the first step's
+    routing may stay in the graph), losses and gradients against the same model eager. No graph after the first
+    step's (no recompile when the routing changes)."""
     world, rank = dist.group.WORLD, dist.get_rank()
     config = debug_config()
     eager, compiled = (build(copy.deepcopy(config), lambda m: swap_moe(m, ep_mesh=world), device=device)
@@ -140,17 +140,18 @@ def test_ep_swapped_model_compiled_per_block_matches_eager(device):
         block.compile(backend=compile_backend(device), fullgraph=True)
     g = torch.Generator().manual_seed(100 + rank)
     graphs = []
-    for step in range(3):
-        tokens = torch.randint(0, config.vocab_size, (2, 24), generator=g).to(device)
-        losses = [model(tokens).float().pow(2).mean() for model in (eager, compiled)]
-        for loss in losses:
-            loss.backward()
-        assert abs(losses[0].item() - losses[1].item()) <= 1e-3 * abs(losses[0].item()), (step, losses)
-        for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
-            ga, gb = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in (a, b))
-            assert (ga - gb).norm() <= 1e-2 * ga.norm() + 1e-12, (step, name)
-            a.grad = b.grad = None
-        graphs.append(counters["stats"]["unique_graphs"])
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # as apply_compile sets it
+        for step in range(3):
+            tokens = torch.randint(0, config.vocab_size, (2, 24), generator=g).to(device)
+            losses = [model(tokens).float().pow(2).mean() for model in (eager, compiled)]
+            for loss in losses:
+                loss.backward()
+            assert abs(losses[0].item() - losses[1].item()) <= 1e-3 * abs(losses[0].item()), (step, losses)
+            for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+                ga, gb = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in (a, b))
+                assert (ga - gb).norm() <= 1e-2 * ga.norm() + 1e-12, (step, name)
+                a.grad = b.grad = None
+            graphs.append(counters["stats"]["unique_graphs"])
     assert 0 < graphs[0] == graphs[-1] <= len(compiled.layers), graphs
 
 
