@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2"; single: its single-process GPU tests only) | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: its single-process GPU tests only) | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 set -uo pipefail
 PART=${1:-all}
@@ -47,8 +47,8 @@ run_file() {  # $1 ranks, $2 test file, $3 CUDA_VISIBLE_DEVICES: one torchrun, i
 dist_suite() {  # $1 ranks: $OUT/tests_nccl_$1.md, a row per file, a total, a row per torchrun, the skip reasons
   local n=$1 table="$OUT/tests_nccl_$1.md" lanes i=0 f first t0
   lanes=$(( NGPU / n )); [ "$lanes" -ge 1 ] || lanes=1; mkdir -p "$OUT/nccl_$n"; t0=$(date +%s)
-  first=$(for f in $FIRST; do echo "tests/distributed/test_$f.py"; done)
-  for f in $first $(ls tests/distributed/test_*.py | grep -vxF "$first"); do
+  first=$(for f in ${FILES:-$FIRST}; do echo "tests/distributed/test_$f.py"; done)  # FILES="torchtitan": those only
+  for f in $first $([ -n "${FILES:-}" ] || ls tests/distributed/test_*.py | grep -vxF "$first"); do
     while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-4}" ]; do wait -n; done
     run_file "$n" "$f" "$(seq -s, $(( (i % lanes) * n )) $(( (i % lanes) * n + n - 1 )))" &
     i=$((i + 1))
