@@ -10,7 +10,8 @@ parameters shard over the expert mesh (``efsdp``) and the rest over the dense on
 when HSDP is on; same placement rule: ``Shard(1)`` when ``efsdp x ep`` exceeds the experts, else ``Shard(0)``; same
 mixed precision, resharding and CPU-offload settings), then torchtitan's
 own call with ``ep_degree=1`` for the rest (the block's unit skips the experts' parameters, which the nested unit
-already manages). Everything else (EP, compile, gradient division off, the model-level unit) is torchtitan's.
+already manages). Everything else (EP, gradient division off, the model-level unit) is torchtitan's; its per-block
+compile is not possible with this layout (``fullgraph=True`` breaks at the nested unit's FSDP hooks).
 What differs: the block's two all-gathers are separate units, and torchtitan's explicit EP prefetch order is not set
 (FSDP2's implicit prefetching runs instead). Both models of a benchmark get the same layout.
 """
