@@ -128,7 +128,8 @@ if [ "$PART" = titan ] || [ "$PART" = all ]; then
   # LAYOUTS: "GPUs EP [--compile]" entries (--compile: torchtitan's per-block compile, with EP + FSDP on torch >= 2.13
   # only: torchtitan_model.py says why); PEER_EPS: vs_torchtitan's EP degrees (`LAYOUTS="2 2" PEER_EPS=2
   # gpu_session.sh titan` on GPUs 0,1 beside another part on 2,3)
-  compiled=$(python3 -c 'import torch; print(",4 4 --compile" if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13) else "")')
+  compiled=$(python3 -c 'import sys; sys.path.insert(0, "tests"); from torchtitan_models import fsdp_meshes_per_parameter
+print(",4 4 --compile" if fsdp_meshes_per_parameter() else "")')  # the benchmark's own test of that torch
   IFS=, read -ra layouts <<< "${LAYOUTS:-2 2,4 4,4 2$compiled}"
   for layout in "${layouts[@]}"; do
     set -- $layout; [ $# -ge 2 ] || continue  # an empty entry (a trailing comma)

@@ -24,19 +24,13 @@ import sys
 from typing import Any
 
 
-def lacks_per_param_mesh() -> bool:
-    """Whether this torch's FSDP2 lacks ``ShardPlacementResult`` (torchtitan 0.3.0's EP > 1 FSDP needs it)."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_common
-
-    return not hasattr(_fsdp_common, "ShardPlacementResult")
-
-
 def nested_expert_fsdp() -> bool:
     """Patch torchtitan's ``apply_fsdp_to_decoder`` (in every module that bound it) where this torch lacks
     per-parameter FSDP meshes: True if patched (call before ``parallelize_fn``)."""
     import torchtitan.distributed.fsdp as titan_fsdp
+    from torchtitan_models import fsdp_meshes_per_parameter  # tests/, on the path of torchtitan_model.py
 
-    if not lacks_per_param_mesh():
+    if fsdp_meshes_per_parameter():
         return False
     original = titan_fsdp.apply_fsdp_to_decoder
     if getattr(original, "_nested_experts", False):

@@ -24,8 +24,9 @@ models are built on meta from one config, one of them swapped, and initialised b
 * ``ep`` (under ``torchrun``, one GPU a process): torchtitan's debug model (``--flavor``, ``--layers``) through
   torchtitan's own ``parallelize_fn`` as its Trainer calls it, both models: the spec's own and
   ``swapped_model_spec``'s (it swaps, then runs torchtitan's). FSDP over every rank (``dp_shard``), EP
-  ``--ep`` (default: every rank; ``--ep 2`` on 4 GPUs: dp 2 x ep 2), torchtitan's default SPMD backend (``partial_dtensor``
-  on torch < 2.13, whose FSDP2 lacks the default's ``dp_mesh_dims``), bf16
+  ``--ep`` (default: every rank; ``--ep 2`` on 4 GPUs: dp 2 x ep 2), torchtitan's default SPMD backend
+  (``partial_dtensor`` on torch < 2.13, whose FSDP2 lacks the default's ``dp_mesh_dims``; with EP there the
+  experts are a nested FSDP unit, ``titan_expert_fsdp.py``), bf16
   parameters and fp32 reductions (its ``mixed_precision_*`` defaults); each rank its own batch, the loss a
   sum over the rank's tokens / the step's tokens (torchtitan turns FSDP's division off), AdamW with its
   load-balancing hook, no clipping. Both start from torchtitan's weights; ``--steps`` steps, |loss
@@ -234,7 +235,7 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.deepseek_v3 import model_registry
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
-    from torchtitan_models import debug_config
+    from torchtitan_models import debug_config, fsdp_meshes_per_parameter
 
     from spmdmoe.integrations.torchtitan import swapped_model_spec
     from titan_expert_fsdp import nested_expert_fsdp
@@ -243,9 +244,9 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     ep = args.ep or world
     if device == "cpu":  # gloo: torchtitan picks "cuda" without an accelerator
         parallel_dims_module.device_type = "cpu"
-    # torchtitan's default backend passes FSDP2 `dp_mesh_dims`, which torch < 2.13 lacks (spmdmoe's shim refuses it)
-    old_fsdp = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
-    backend = args.spmd_backend or ("partial_dtensor" if device == "cpu" or old_fsdp
+    # torchtitan's default backend passes FSDP2 `dp_mesh_dims`, which torch < 2.13 lacks (spmdmoe's shim refuses
+    # it); the FSDP2 of torch 2.13 has both that and per-parameter meshes
+    backend = args.spmd_backend or ("partial_dtensor" if device == "cpu" or not fsdp_meshes_per_parameter()
                                     else ParallelismConfig().spmd_backend)
     set_spmd_backend(backend)  # as torchtitan's Trainer does (its token dispatcher reads the global setting)
     dims = parallel_dims_module.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,

@@ -82,12 +82,12 @@ def test_torchtitan_parallelize_compiled_blocks_benchmark_smoke():
     its per-block compile (``fullgraph=True``, inductor) of both models, losses within 1 % at every step. Torch
     < 2.13 refuses it by name (``titan_expert_fsdp.py``)."""
     pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
-    from torch.distributed.fsdp._fully_shard import _fsdp_common
+    from torchtitan_models import fsdp_meshes_per_parameter
 
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(ROOT / "benchmarks" / "torchtitan_model.py"), "--part", "ep", "--smoke", "--ep", "2",
                           "--compile"], cwd=ROOT, capture_output=True, text=True, timeout=280)
-    if not hasattr(_fsdp_common, "ShardPlacementResult"):
+    if not fsdp_meshes_per_parameter():
         assert out.returncode != 0 and "not run: torchtitan 0.3.0 compiles each block" in out.stdout, out.stdout[-2000:]
         return
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from torchtitan_models import NoParallelism, build, debug_config, pair
+from torchtitan_models import NoParallelism, build, debug_config, fsdp_meshes_per_parameter, pair
 
 from spmdmoe.integrations.torchtitan import SwappedMoE, swap_moe  # noqa: E402
 from spmdmoe.moe import route  # noqa: E402
@@ -249,15 +249,7 @@ def test_refuses_a_model_without_torchtitan_moe():
         swap_moe(torch.nn.Linear(2, 2))
 
 
-def _fsdp_meshes_per_parameter() -> bool:
-    """Whether FSDP2 takes a mesh per parameter (torch 2.13's ``ShardPlacementResult``), which torchtitan
-    0.3.0's EP with FSDP needs (``torchtitan.distributed.fsdp``); torch 2.11's has none."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_common
-
-    return hasattr(_fsdp_common, "ShardPlacementResult")
-
-
-@pytest.mark.skipif(not _fsdp_meshes_per_parameter(), reason="torchtitan's EP with FSDP needs FSDP2's per-parameter "
+@pytest.mark.skipif(not fsdp_meshes_per_parameter(), reason="torchtitan's EP with FSDP needs FSDP2's per-parameter "
                     "meshes (ShardPlacementResult, torch 2.13); EP by hand: tests/distributed/test_torchtitan.py")
 def test_torchtitans_parallelize_ep4(torchrun_job):
     """The whole model through torchtitan's ``parallelize_deepseekv3`` with EP = 4 on 4 gloo processes

@@ -25,6 +25,14 @@ from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa
 from torchtitan.models.deepseek_v3 import model_registry  # noqa: E402
 
 
+def fsdp_meshes_per_parameter() -> bool:
+    """Whether FSDP2 takes a mesh per parameter (torch 2.13's ``ShardPlacementResult``), which torchtitan 0.3.0's
+    EP with FSDP needs (``torchtitan.distributed.fsdp``); torch 2.11's has none."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return hasattr(_fsdp_common, "ShardPlacementResult")
+
+
 def debug_config(layers: int = 3, flavor: str = "debugmodel", sdpa: bool = True, **moe: Any) -> Any:
     """torchtitan's DeepSeek-V3 ``flavor`` (default its debug model: dim 256, 8 experts, top 3, 1 shared
     expert), its first ``layers`` blocks (the first dense); ``sdpa``: torchtitan's causal SDPA attention
