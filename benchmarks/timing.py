@@ -88,17 +88,26 @@ def host_us(fn, calls: int = 200) -> float:
 
 def kernel_table(fn: Callable[[], object], calls: int = 3, rows: int = 25) -> str:
     """``calls`` calls of ``fn`` under ``torch.profiler`` (CPU and CUDA; kernels replayed from a CUDA graph
-    included): the top ``rows`` ops by total CUDA time, as torch prints them, after the kernel time per call
-    (summed over streams: communication under compute counts twice, so it can exceed the step's time)."""
+    included): the top ``rows`` ops by total CUDA time, as torch prints them, after two figures per call: the
+    kernel time summed over streams (as torch's "Self CUDA time total": device events, user annotations left out)
+    and the time the GPU was busy (the union of those kernels' intervals). Their difference is kernel time that
+    ran concurrently (communication under compute, or a collective spinning beside a GEMM)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    averages = prof.key_averages()
-    per_call = sum(e.self_device_time_total for e in averages) / calls / 1e3
-    return f"kernel time per call, all streams: {per_call:.3f} ms\n" + averages.table(sort_by="cuda_time_total", row_limit=rows)
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
+    busy, end = 0.0, float("-inf")
+    for start, stop in kernels:  # the union of the intervals, in us
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    summed = sum(stop - start for start, stop in kernels)
+    return (f"kernel time per call: {summed / calls / 1e3:.3f} ms summed over streams, "
+            f"{busy / calls / 1e3:.3f} ms GPU busy (their union)\n"
+            + prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows))
 
 
 def report(text: str, out: "str | None") -> None:
