@@ -12,7 +12,7 @@ buffers, the offsets; shapes only; ``max_tokens`` = the tokens per SP rank, so n
 per mesh: host milliseconds per layer forward (median after one warm-up; on meta every op is
 dispatched and the plain-torch references stand in for the Triton kernels, so this is the Python and
 dispatch cost of the whole forward, not a GPU-run figure; ``--reps``), this rank's parameter GiB (bf16) and the
-sync-free buffer rows ``Q``, lossless and at ``capacity_factor=1.25``, next to the rows actually routed.
+sync-free experts' buffer rows ``R``, lossless and at ``capacity_factor=1.25``, next to the rows actually routed.
 The sync transport cannot run here: its host read of the split sizes needs real counts.
 ``--base DIR``: an older spmdmoe beside this one (``benchmarks/base_copy.sh``), its layer built on the same
 fake group and its forwards interleaved with ours (rotated order), so a change's host cost is read as a ratio
@@ -36,7 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import spmdmoe
 from older import config_in
 from spmdmoe.moe import MoEConfig
-from spmdmoe.moe.sync_free import slot_rows
+from spmdmoe.moe.sync_free import capacity_rows
 
 CFG = MoEConfig(dim=7168, hidden_dim=2048, num_experts=256, top_k=8)
 # (dp, sp, ep): EP 2..256, and 1024 ranks in all as dp x sp x ep
@@ -72,8 +72,8 @@ def simulate(dp: int, sp: int, ep: int, tokens: int, libs: dict[str, Any], reps:
                 layer(inp)
                 times[name].append(time.perf_counter() - t0)
         t_max, e = tokens // sp, CFG.num_experts // ep
-        Q = [ep * slot_rows(t_max, CFG.top_k, e, ep, c) for c in (None, 1.25)]
-        return {n: statistics.median(t[1:]) * 1e3 for n, t in times.items()}, params, *Q
+        R = [capacity_rows(t_max, CFG.top_k, e, ep, c)[1] for c in (None, 1.25)]
+        return {n: statistics.median(t[1:]) * 1e3 for n, t in times.items()}, params, *R
     finally:
         dist.destroy_process_group()
 
@@ -97,13 +97,13 @@ def main() -> None:
     lines = [f"torch {torch.__version__}, fake process group, one simulated rank; MoE E={CFG.num_experts} "
              f"K={CFG.top_k} D={CFG.dim} F={CFG.hidden_dim} bf16 on meta, ep_mode='sync_free' (lossless)", "",
              "| dp x sp x ep | ranks | T per SP group | host ms per layer forward | parameters GiB per rank | "
-             "buffer rows Q, lossless | Q at capacity_factor 1.25 | routed rows T*K/sp |"
+             "experts' buffer rows R, lossless | R at capacity_factor 1.25 | routed rows T*K/sp |"
              + (" base host ms | ours / base |" if args.base else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|---|" if args.base else "")]
     for dp, sp, ep in meshes:
         for T in TOKENS[:1] if args.quick else TOKENS:
-            ms, gib, Q, Q125 = simulate(dp, sp, ep, T, libs, args.reps)
-            lines.append(f"| {dp} x {sp} x {ep} | {dp * sp * ep} | {T} | {ms['']:.2f} | {gib:.2f} | {Q:,} | {Q125:,} | "
+            ms, gib, R, R125 = simulate(dp, sp, ep, T, libs, args.reps)
+            lines.append(f"| {dp} x {sp} x {ep} | {dp * sp * ep} | {T} | {ms['']:.2f} | {gib:.2f} | {R:,} | {R125:,} | "
                          f"{T * CFG.top_k // sp:,} |"
                          + (f" {ms['base']:.2f} | {ms[''] / ms['base']:.3f} |" if args.base else ""))
             print(lines[-1], flush=True)

@@ -8,7 +8,8 @@ bf16, D=2048, F=1408, E=64, K=6, EP = N (each rank its own T tokens; ``max_token
 (``timing.timed``), median, max over ranks:
 
 * ``sync eager``: ``ep_mode="sync"``, one host read of the split sizes per layer forward;
-* ``sync-free eager``: ``ep_mode="sync_free"`` lossless (``S = T * min(K, e)`` rows per rank pair);
+* ``sync-free eager``: ``ep_mode="sync_free"`` lossless (``S = T`` rows per rank pair: a token crosses to a
+  rank once, ``moe/dedup.py``);
 * ``sync-free graphed``: the same stack's forward and backward captured in ONE CUDA graph, replayed;
 * ``sync-free graphed, capacity_factor c`` for c in 1.25 and 2 (smaller buffers; overflow checked once
   after the timing, as ``update_expert_bias`` would).
@@ -16,8 +17,9 @@ bf16, D=2048, F=1408, E=64, K=6, EP = N (each rank its own T tokens; ``max_token
 ``--profile FILE``: rank 0's top CUDA ops of each timed candidate (3 steps each, graphs replayed).
 
 Also: peak memory of one step per candidate, and the row moves alone: the sync-free dispatch + combine
-exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows each) against one even exchange of the
-routed rows' bytes (the NCCL floor for the same data) and the sync transport's uneven exchange.
+exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows each) against an even exchange of the rows
+the sync transport sends (a token once per rank it needs: this run's count, the NCCL floor for the same
+data).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch.distributed as dist
 
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
-from spmdmoe.moe.sync_free import slot_rows
+from spmdmoe.moe.dedup import destinations
+from spmdmoe.moe.sync_free import capacity_rows
 from spmdmoe.testing import capture_training_step
 
 FACTORS = (1.25, 2.0)
@@ -127,16 +130,19 @@ def main() -> None:
         except Exception as exc:  # SPMDCapacityError: the factor was too small for this routing
             overflowed.append(f"{c}: {type(exc).__name__}")
 
-    # the row moves alone: Q rows each way (dispatch, combine) vs the routed rows' bytes in one even exchange
-    S = slot_rows(T, K, E // n, n, None)
+    # the row moves alone: Q rows each way (dispatch, combine) vs the rows the sync transport sends (a token
+    # once per rank it needs, this run's first layer's routing) in one even exchange each way
+    S, _ = capacity_rows(T, K, E // n, n, None)
     rows_free = torch.randn(n * S, D, device=device, dtype=dtype)
     out_free = torch.empty_like(rows_free)
-    routed = T * K // n * n
-    rows_even = torch.randn(routed, D, device=device, dtype=dtype)
+    first = stacks["sync eager"][0]
+    ids_TK = first.router(x.detach(), first.expert_bias, first.router.gate.weight).ids_TK
+    sent = int(destinations(ids_TK, E // n, n).sum()) // n * n
+    rows_even = torch.randn(sent, D, device=device, dtype=dtype)
     out_even = torch.empty_like(rows_even)
     moves = timed({
-        "sync-free dispatch + combine (2 x Q rows)": lambda: [dist.all_to_all_single(out_free, rows_free) for _ in range(2)],
-        "even all_to_all_single of the routed rows x 2": lambda: [dist.all_to_all_single(out_even, rows_even) for _ in range(2)],
+        f"sync-free dispatch + combine (2 x Q = 2 x {n * S} rows)": lambda: [dist.all_to_all_single(out_free, rows_free) for _ in range(2)],
+        f"even all_to_all_single of the rows sent ({sent}) x 2": lambda: [dist.all_to_all_single(out_even, rows_even) for _ in range(2)],
     }, args.iters, args.reps)
 
     base = t["sync eager"]

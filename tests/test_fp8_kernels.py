@@ -332,3 +332,22 @@ def test_fan_out_fp8_quantizes_once_per_source_row(S, J, D, dtype):
         out, q, s = impl(x, index, S * J, copies=False)
         assert out.shape == (0, D)
         _assert_equal([q, s], got[1:], f"{impl}, copies=False")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fan_out_fp8_skips_copies_marked_minus_one(dtype):
+    """A ``-1`` in the index skips that copy (the EP receiver's fan-out: a received token's copies for other
+    ranks' experts): the named rows bit for bit the reference's, nothing written elsewhere."""
+    S, J, D = 11, 4, 40
+    gen = torch.Generator().manual_seed(5)
+    x = _rows_input(S, D, dtype, gen)
+    rows = S * J + 3
+    index = torch.randperm(rows, generator=gen)[: S * J].view(S, J)
+    index = torch.where(torch.rand(S, J, generator=gen) < 0.4, -1, index).to(DEVICE)
+    named = torch.zeros(rows + 1, dtype=torch.bool, device=DEVICE)
+    named[torch.where(index >= 0, index, rows).reshape(-1)] = True
+    named = named[:rows]
+    got = K.fan_out_fp8_triton(x, index, rows)
+    want = K.fan_out_fp8_reference(x, index, rows)
+    _assert_equal([t[named] for t in got], [t[named] for t in want], "fan_out_fp8 with skipped copies")
+    assert (got[0][~named] == 0).all(), "rows past M*J no copy names are zero"

@@ -26,54 +26,68 @@ def _ulp(dtype: torch.dtype) -> dict[str, float]:
     return {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _perm(S: int, J: int, rows: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randperm(rows, generator=gen)[: S * J].view(S, J).to(DEVICE)
+def _perm(S: int, J: int, rows: int, gen: torch.Generator, skips: bool = False) -> torch.Tensor:
+    """Distinct output rows for the ``S*J`` copies; ``skips``: about a third of them ``-1`` (skipped)."""
+    index = torch.randperm(rows, generator=gen)[: S * J].view(S, J)
+    if skips:
+        index = torch.where(torch.rand(S, J, generator=gen) < 1 / 3, -1, index)
+    return index.to(DEVICE)
+
+
+def _named(index: torch.Tensor, rows: int) -> torch.Tensor:
+    """The output rows ``index`` names (its ``-1`` entries name none)."""
+    named = torch.zeros(rows + 1, dtype=torch.bool, device=index.device)
+    named[torch.where(index >= 0, index, rows).reshape(-1)] = True
+    return named[:rows]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("S,J,D", SHAPES)
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("extra_rows", [0, 5])
-def test_fan_out(S, J, D, dtype, weighted, extra_rows):
+@pytest.mark.parametrize("skips", [False, True])
+def test_fan_out(S, J, D, dtype, weighted, extra_rows, skips):
     gen = torch.Generator().manual_seed(S * 1000 + J * 10 + D)
     rows = S * J + extra_rows
     src = torch.randn(S, D, generator=gen).to(DEVICE, dtype)
-    index = _perm(S, J, rows, gen)
+    index = _perm(S, J, rows, gen, skips)
     w = torch.rand(S, J, generator=gen).to(DEVICE) if weighted else None
     other = torch.randn(rows, D, generator=gen).to(DEVICE, dtype)
+    other[~_named(index, rows)] = float("nan")  # never read: a skipped copy's dot is 0
     got, dots = K.fan_out_triton(src, index, rows, w, other)
     want, want_dots = K.fan_out_reference(src, index, rows, w, other)
+    # rows no index names: zero past M*J rows, else unspecified (skipped copies)
+    named = _named(index, rows) if skips and not extra_rows else torch.ones(rows, dtype=torch.bool, device=DEVICE)
     # unweighted: an exact copy; weighted: one rounding of the same fp32 product (the interpreter
     # rounds fp32 -> bf16 its own way, so 1 bf16 ulp)
-    torch.testing.assert_close(got, want, **(_ulp(dtype) if weighted else {"rtol": 0, "atol": 0}))
+    torch.testing.assert_close(got[named], want[named], **(_ulp(dtype) if weighted else {"rtol": 0, "atol": 0}))
     torch.testing.assert_close(dots, want_dots, rtol=1e-4, atol=1e-4 * max(D, 1) ** 0.5)
+    assert (dots[index < 0] == 0).all()
     if extra_rows:
-        unnamed = torch.ones(rows, dtype=torch.bool, device=DEVICE)
-        unnamed[index.reshape(-1)] = False
-        assert (got[unnamed] == 0).all()
+        assert (got[~_named(index, rows)] == 0).all()
     plain, empty = K.fan_out_triton(src, index, rows)
     assert empty.numel() == 0
-    torch.testing.assert_close(plain, K.fan_out_reference(src, index, rows)[0], rtol=0, atol=0)
+    torch.testing.assert_close(plain[named], K.fan_out_reference(src, index, rows)[0][named], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("S,J,D", SHAPES)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_gather_sum_ignores_unnamed_rows(S, J, D, dtype, weighted):
+@pytest.mark.parametrize("skips", [False, True])
+def test_gather_sum_ignores_unnamed_rows(S, J, D, dtype, weighted, skips):
     gen = torch.Generator().manual_seed(S * 7 + J * 3 + D)
     rows = S * J + 4
     src = torch.randn(rows, D, generator=gen).to(DEVICE, dtype)
-    index = _perm(S, J, rows, gen)
-    unnamed = torch.ones(rows, dtype=torch.bool, device=DEVICE)
-    unnamed[index.reshape(-1)] = False
-    src[unnamed] = float("nan")  # a capacity buffer: rows past the valid ones hold anything
+    index = _perm(S, J, rows, gen, skips)
+    src[~_named(index, rows)] = float("nan")  # a capacity buffer: rows past the valid ones hold anything
     w = torch.rand(S, J, generator=gen).to(DEVICE) if weighted else None
     got = K.gather_sum_triton(src, index, w)
     want = K.gather_sum_reference(src, index, w)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, **_ulp(dtype))
     # against an fp64 sum: the kernel accumulates in fp32 and rounds once
-    exact = (src.double()[index] * (w.double() if weighted else torch.ones_like(index, dtype=torch.float64)).unsqueeze(-1)).sum(1)
+    picked = torch.where(index.unsqueeze(-1) >= 0, src.double()[index.clamp(min=0)], 0)  # -1: adds nothing
+    exact = (picked * (w.double() if weighted else torch.ones_like(index, dtype=torch.float64)).unsqueeze(-1)).sum(1)
     torch.testing.assert_close(got.double(), exact.to(dtype).double(), **_ulp(dtype))
 
 

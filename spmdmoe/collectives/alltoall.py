@@ -98,18 +98,17 @@ def exchange_with_codes(
 
 
 def exchange_split_sizes(
-    counts_ne: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
-) -> tuple[list[int], list[int], list[int], list[int], torch.Tensor]:
-    """The EP dispatch's count exchange: :func:`exchange_with_codes` of ``(n, e)`` per-(rank, local expert)
-    counts, with the sums the dispatch needs taken on the device first, so the one host read carries
-    ``3n + e`` ints, not ``2n(e + 1)``, and no host loop grows with ``n * e``. Returns the rows to send to
-    and receive from each rank, the received rows per local expert, every rank's problem bits, and the
-    received ``(n, e)`` counts on the device."""
-    n, e = counts_ne.shape
-    payload, received = _counts_with_codes(counts_ne, code, axis)
-    recv_ne = received[:, :e]
-    host = to_host(torch.cat([payload[:, :e].sum(1), recv_ne.sum(1), recv_ne.sum(0), received[:, e]]))
-    return host[:n], host[n:2 * n], host[2 * n:2 * n + e], host[2 * n + e:], recv_ne
+    copies_ne: torch.Tensor, rows_n: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The EP dispatch's count exchange: :func:`exchange_with_codes` of ``(n, e + 1)`` counts per destination
+    rank (the copies for each of its ``e`` local experts, then the rows sent to it: ``moe/dedup.py`` sends a
+    token once per rank), with the sums the dispatch needs taken on the device first, so the one host read
+    carries ``3n + e`` ints and no host loop grows with ``n * e``. Returns the rows to send to and receive
+    from each rank, the copies received per local expert, and every rank's problem bits."""
+    n, e = copies_ne.shape
+    payload, received = _counts_with_codes(torch.cat([copies_ne, rows_n.view(n, 1)], dim=1), code, axis)
+    host = to_host(torch.cat([payload[:, e], received[:, e], received[:, :e].sum(0), received[:, e + 1]]))
+    return host[:n], host[n:2 * n], host[2 * n:2 * n + e], host[2 * n + e:]
 
 
 def _exchange(send_counts: torch.Tensor, axis: MeshAxis, rows: Optional[int], width: int, op: str,

@@ -3,10 +3,12 @@
 Legend: ``M`` source rows, ``J`` copies per source row, ``R`` output rows
 (``R >= M*J``), ``D`` row width.
 
-``index_MJ`` must name ``M*J`` distinct output rows (a permutation when
-``R == M*J``): every output row is written by exactly one program, so the
-kernel is deterministic with no atomics. Output rows no index names (a
-capacity-sized ``out``, ``R > M*J``) are zero. The product is taken in fp32
+``index_MJ`` names distinct output rows (a permutation when ``R == M*J``), or
+``-1``: that copy is skipped (nothing written, its dot is 0; DeepEP's
+convention). Every output row is written by at most one program, so the
+kernel is deterministic with no atomics. Output rows no index names are zero
+when ``R > M*J`` (a capacity-sized ``out``); with skipped copies and
+``R <= M*J`` they are unspecified (the EP transports never read them). The product is taken in fp32
 and rounded once to the output dtype (``src``'s); without weights the copy is
 exact. ``dots`` accumulate in fp32. (fp64 rows take the reference, in fp64.)
 
@@ -30,7 +32,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.fx.experimental.symbolic_shapes import guard_or_true
+from torch.fx.experimental.symbolic_shapes import guard_or_true, statically_known_true
 from torch.library import triton_op, wrap_triton
 
 from .backend import cast, use_triton
@@ -57,8 +59,9 @@ def _fan_out_kernel(
         inv, scale = e4m3_inverse(amax), e4m3_scale(amax)
     for j in tl.static_range(J):
         r = tl.load(index_ptr + s * J + j).to(tl.int64)
+        keep = r >= 0  # -1: a skipped copy
         if QUANT:
-            tl.store(qs_ptr + r, scale)
+            tl.store(qs_ptr + r, scale, mask=keep)
         if HAS_W:
             w = tl.load(w_ptr + s * J + j).to(tl.float32)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -66,6 +69,7 @@ def _fan_out_kernel(
             offs = d0 + tl.arange(0, BLOCK_D)
             m = offs < D
             v = tl.load(src_ptr + s * stride_src + offs, mask=m, other=0.0)
+            m = m & (offs * 0 + r >= 0)  # & keep, as a vector (Triton's interpreter refuses a scalar & vector mask)
             if HAS_W:
                 tl.store(out_ptr + r * stride_out + offs, (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty), mask=m)
             elif COPIES:
@@ -85,9 +89,17 @@ CONFIG = {"block_d": 2048, "num_warps": 8}
 
 
 def _output(src_MD: torch.Tensor, rows: int, copies: int) -> torch.Tensor:
-    """The ``(rows, D)`` output: zeros where no copy lands (``rows > copies``; unknown under compile: zeros)."""
-    make = torch.zeros if guard_or_true(rows > copies) else torch.empty
+    """The ``(rows, D)`` output: zeros where no copy lands (``rows > copies``; under compile, unless provably
+    not: no guard on the token counts, which would recompile when their order flips)."""
+    make = torch.empty if statically_known_true(rows <= copies) else torch.zeros
     return make((rows, src_MD.shape[1]), dtype=src_MD.dtype, device=src_MD.device)
+
+
+def _or_dump(index_MJ: torch.Tensor, rows: int) -> torch.Tensor:
+    """The flat index with each skipped copy (``-1``) sent to row ``rows``, one past the output (the references
+    write there and drop it)."""
+    flat = index_MJ.reshape(-1)
+    return torch.where(flat >= 0, flat, rows)
 
 
 def _block_d(D: int) -> int:
@@ -147,10 +159,10 @@ def fan_out_fp8_reference(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: in
     M, J = index_MJ.shape
     out_RD = fan_out_reference(src_MD, index_MJ, rows)[0] if copies else src_MD.new_empty((0, src_MD.shape[1]))
     q_MD, s_M = quantize_rows_reference(src_MD)
-    flat = index_MJ.reshape(-1)
-    q_RD = torch.zeros((rows, src_MD.shape[1]), dtype=torch.uint8, device=src_MD.device).index_copy(
-        0, flat, q_MD.view(torch.uint8).repeat_interleave(J, dim=0))  # out of place, as fan_out_reference
-    s_R = s_M.new_zeros(rows).index_copy(0, flat, s_M.repeat_interleave(J))
+    flat = _or_dump(index_MJ, rows)
+    q_RD = torch.zeros((rows + 1, src_MD.shape[1]), dtype=torch.uint8, device=src_MD.device).index_copy(
+        0, flat, q_MD.view(torch.uint8).repeat_interleave(J, dim=0))[:rows]  # out of place, as fan_out_reference
+    s_R = s_M.new_zeros(rows + 1).index_copy(0, flat, s_M.repeat_interleave(J))[:rows]
     return out_RD, q_RD.view(FP8), s_R
 
 
@@ -172,12 +184,16 @@ def fan_out_reference(
     copies = src_MD.unsqueeze(1).expand(M, J, D)
     if weights_MJ is not None:
         copies = cast(copies.to(acc) * weights_MJ.to(acc).unsqueeze(-1), src_MD.dtype)
-    # out of place (index_copy, not index_copy_): an autograd.Function's forward runs this (backend.cast)
-    out_RD = _output(src_MD, rows, M * J).index_copy(0, index_MJ.reshape(-1), copies.reshape(M * J, D))
+    # out of place (index_copy, not index_copy_): an autograd.Function's forward runs this (backend.cast);
+    # a skipped copy (-1) lands in one more row, dropped
+    flat = _or_dump(index_MJ, rows)
+    out_RD = torch.cat([_output(src_MD, rows, M * J), src_MD.new_empty((1, D))]).index_copy(
+        0, flat, copies.reshape(M * J, D))[:rows]
     if other_RD is None:
         return out_RD, torch.empty((0, J), dtype=acc, device=src_MD.device)
-    picked_MJD = other_RD.index_select(0, index_MJ.reshape(-1)).view(M, J, D)
-    return out_RD, torch.bmm(picked_MJD.to(acc), src_MD.to(acc).unsqueeze(-1)).squeeze(-1)
+    picked_MJD = other_RD.index_select(0, index_MJ.reshape(-1).clamp(min=0)).view(M, J, D)
+    dots_MJ = torch.bmm(picked_MJD.to(acc), src_MD.to(acc).unsqueeze(-1)).squeeze(-1)
+    return out_RD, torch.where(index_MJ >= 0, dots_MJ, 0)
 
 
 def fan_out(

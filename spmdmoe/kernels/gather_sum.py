@@ -5,8 +5,9 @@ Legend: ``M`` output rows, ``J`` rows summed into each, ``R`` source rows,
 
 One program per (output row, block of ``D``): it reads its ``J`` source rows,
 sums them in fp32 in the order ``j = 0 .. J-1`` and rounds once to ``src``'s
-dtype (fp64 rows take the reference, in fp64). No atomics, deterministic. Rows of ``src`` no index names are never
-read (a capacity-sized ``src`` may hold anything there, NaN included).
+dtype (fp64 rows take the reference, in fp64). No atomics, deterministic. An index ``-1`` adds nothing (a
+skipped copy: DeepEP's convention). Rows of ``src`` no index names are never read (a capacity-sized ``src``
+may hold anything there, NaN included).
 
 Uses: the weighted combine ``out[t] = sum_k w[t, k] * y[pos[t, k]]`` (the
 reverse permutation fused in), the dispatch permute's backward (the gradient
@@ -44,7 +45,7 @@ def _gather_sum_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(J):
         r = tl.load(index_ptr + s * J + j).to(tl.int64)
-        v = tl.load(src_ptr + r * stride_src + offs, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(src_ptr + r * stride_src + offs, mask=m & (offs * 0 + r >= 0), other=0.0)  # -1: adds nothing.to(tl.float32)
         if HAS_W:
             v = v * tl.load(w_ptr + s * J + j).to(tl.float32)
         acc += v
@@ -83,7 +84,8 @@ def gather_sum_reference(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_M
     M, J = index_MJ.shape
     D = src_RD.shape[1]
     acc = torch.promote_types(src_RD.dtype, torch.float32)
-    picked_MJD = src_RD.index_select(0, index_MJ.reshape(-1)).view(M, J, D).to(acc)
+    picked_MJD = src_RD.index_select(0, index_MJ.reshape(-1).clamp(min=0)).view(M, J, D).to(acc)
+    picked_MJD = torch.where(index_MJ.unsqueeze(-1) >= 0, picked_MJD, 0)  # a skipped copy (-1) adds nothing
     w_MJ = torch.ones((M, J), dtype=acc, device=src_RD.device) if weights_MJ is None else weights_MJ.to(acc)
     # copy=True: a base tensor, never a view of the bmm's (callers, an MoE layer's output, may modify it in
     # place); not bmm(out=...), which makes Dynamo on torch 2.11 specialize M

@@ -167,10 +167,9 @@ class _Layer(nn.Module):
             if own is not None:
                 finite_TE = finite_TE | ~own.unsqueeze(1)
             problem.bits = problem.bits | (~finite_TE.all()).to(torch.int64) * BIT["nonfinite"]
-        routed = transport.dispatch(h_TD, r.ids_TK, problem=problem, capacity=capacity,
-                                    fp8_rows=self.experts.precision == "fp8_rowwise", weights_TK=weights_TK)
-        y_RD = self.experts(routed)
-        return transport.combine(y_RD, routed, weights_TK)
+        routed = transport.dispatch(h_TD, r.ids_TK, weights_TK, problem=problem, capacity=capacity,
+                                    fp8_rows=self.experts.precision == "fp8_rowwise")
+        return transport.combine(self.experts(routed), routed)
 
     def _plus_shared(self, out_TD: torch.Tensor, x_TD: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """``out_TD`` plus the shared experts of ``x_TD`` (when the layer has them)."""

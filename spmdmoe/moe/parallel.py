@@ -121,8 +121,9 @@ def parallelize_moe(
     rows on a rank raise ``SPMDCapacityError`` on every rank at the step
     boundary), or, when that is ``None``, one host all-reduce of the token
     counts per forward (the only sync left, not CUDA-graph capturable).
-    ``capacity_factor=None`` is lossless (``S = T_max * min(K, e)``); a factor
-    ``c`` sizes ``S`` to ``c`` times balanced traffic, and an overflow is
+    ``capacity_factor=None`` is lossless (``S = T_max``: a token crosses to a
+    rank once); a factor ``c`` sizes the buffers to ``c`` times balanced
+    traffic (``sync_free.capacity_rows``), and an overflow is
     raised by :meth:`ParallelMoE.check_capacity` and ``update_expert_bias`` as
     ``SPMDCapacityError`` on every rank of the layer. Without EP both modes are
     the local, sync-free transport.

@@ -26,8 +26,8 @@ import torch
 from ..autograd import differentiable
 from ..kernels import fan_out, fan_out_fp8, gather_sum
 
-__all__ = ["scatter_rows", "scatter_rows_fp8", "count_per_expert", "sort_by_expert", "expert_major",
-           "spread_weights", "weighted_combine"]
+__all__ = ["scatter_rows", "scatter_rows_fp8", "count_per_expert", "sort_by_expert", "spread_weights",
+           "weighted_combine"]
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -49,8 +49,9 @@ _scatter = differentiable(_ScatterRows, lambda src_MD, index_MJ, rows: fan_out(s
 def scatter_rows(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
     """``out[index_MJ[s, j]] = src[s]``: each source row into its ``J`` slots of ``rows`` output rows.
 
-    ``rows`` defaults to ``M*J`` (a permutation when ``J = 1``); slots no index
-    names are zero. The backward sums each row's ``J`` slots in fp32.
+    ``rows`` defaults to ``M*J`` (a permutation when ``J = 1``). An index ``-1`` skips that copy. Rows no
+    index names are zero when ``rows > M*J``, else (skipped copies) unspecified. The backward sums each
+    row's named slots in fp32.
     """
     return _scatter(src_MD, index_MJ, index_MJ.numel() if rows is None else rows)
 
@@ -71,11 +72,12 @@ class _ScatterRowsFp8(torch.autograd.Function):
         return (gather_sum(grad_RD.contiguous(), index_MJ) if grad_RD is not None else None), None, None
 
 
-def scatter_rows_fp8(src_MD: torch.Tensor, index_MJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`scatter_rows` (``rows = M*J``) plus the rowwise e4m3 of every copy and its fp32 scale, quantized
-    once per source row in the same pass (:func:`spmdmoe.kernels.fan_out_fp8`): ``(out, q, s)``, bit for bit
-    ``out`` and ``quantize_rows(out)``. Only ``out`` has a gradient."""
-    rows = index_MJ.numel()
+def scatter_rows_fp8(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: Optional[int] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`scatter_rows` plus the rowwise e4m3 of every copy and its fp32 scale, quantized once per source
+    row in the same pass (:func:`spmdmoe.kernels.fan_out_fp8`): ``(out, q, s)``, bit for bit ``out`` and
+    ``quantize_rows(out)`` on the rows ``index_MJ`` names. Only ``out`` has a gradient."""
+    rows = index_MJ.numel() if rows is None else rows
     if src_MD.requires_grad and torch.is_grad_enabled():
         return _ScatterRowsFp8.apply(src_MD, index_MJ, rows)
     return fan_out_fp8(src_MD, index_MJ, rows)
@@ -101,53 +103,6 @@ def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     pos_N = torch.empty_like(order_N)
     pos_N.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
     return pos_N.view(ids_TK.shape), count_per_expert(ids_N, num_experts)
-
-
-def expert_major(recv_ne: torch.Tensor, rows: int, slot: Optional[int] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The map between the rows an EP rank receives (source-major) and its experts' rows (expert-major).
-
-    Each of ``n`` sources sends this rank its copies for the ``e`` local experts
-    in expert order: source ``i``'s block holds ``recv_ne[i, l]`` rows for expert
-    ``l`` and starts right after source ``i - 1``'s (``slot=None``: the sync
-    transport's exact buffer) or at row ``i * slot`` (the sync-free transport's
-    fixed slots; a slot's rows past ``recv_ne[i].sum()`` are dead). The experts
-    read expert-major order: expert 0's rows from source 0, 1, ..., then expert 1's.
-
-    Args:
-        recv_ne: int ``(n, e)`` device counts, rows received from source ``i`` for local expert ``l``.
-        rows: host int, the rows of both buffers: ``recv_ne.sum()`` when ``slot`` is ``None``, else
-            ``n * slot``.
-        slot: the rows of one source's block, or ``None``: blocks packed.
-
-    Returns ``(read_R, write_R, offsets_e)``: int64 ``read_R[r]``, the received row that expert-major row
-    ``r`` reads (``rows``: none, a row past the valid ones); int64 ``write_R[j]``, its inverse, the
-    expert-major row of received row ``j`` (``rows``: a dead row); int32 ``offsets_e``, the end row of
-    each expert's group. Device work only: no host sync, no host-to-device copy.
-    """
-    n, e = recv_ne.shape
-    dev = recv_ne.device
-    lengths_ne = recv_ne.to(torch.int64)
-    if slot is None:
-        src_start_ne = lengths_ne.reshape(-1).cumsum(0).view(n, e) - lengths_ne
-    else:
-        src_start_ne = lengths_ne.cumsum(1) - lengths_ne + torch.arange(n, device=dev).unsqueeze(1) * slot
-    lengths_en = lengths_ne.t().reshape(-1)
-    ends_en = lengths_en.cumsum(0)
-    shift_en = src_start_ne.t().reshape(-1) - (ends_en - lengths_en)
-    r_R = torch.arange(rows, device=dev)
-    if slot is None:  # every row valid
-        read_R = r_R + torch.repeat_interleave(shift_en, lengths_en, output_size=rows)
-        write_R = torch.empty_like(read_R).scatter_(0, read_R, r_R)
-    else:  # one more segment, the dead tail, reads nothing; dead received rows scatter past ``rows``, dropped
-        tail = rows - ends_en[-1:]
-        read_R = r_R + torch.repeat_interleave(torch.cat([shift_en, shift_en.new_zeros(1)]),
-                                               torch.cat([lengths_en, tail]), output_size=rows)
-        live_R = r_R < ends_en[-1]
-        read_R = torch.where(live_R, read_R, rows)
-        write_R = torch.full((2 * rows,), rows, dtype=torch.int64, device=dev)
-        write_R = write_R.scatter_(0, torch.where(live_R, read_R, rows + r_R), r_R)[:rows]
-    return read_R, write_R, lengths_ne.sum(0).cumsum(0).to(torch.int32)
 
 
 class _WeightedCombine(torch.autograd.Function):
@@ -183,9 +138,11 @@ _sum_copies = differentiable(_SumCopies, lambda y_RD, pos_TK: gather_sum(y_RD, p
 
 
 def spread_weights(weights_TK: torch.Tensor, pos_TK: torch.Tensor, rows: int) -> torch.Tensor:
-    """``w_R[pos[t, k]] = weights[t, k]``: each routed copy's weight at its row (rows no position names:
-    zero); differentiable (its backward gathers the rows' gradients back)."""
-    return weights_TK.new_zeros(rows).scatter(0, pos_TK.reshape(-1), weights_TK.reshape(-1))
+    """``w_R[pos[t, k]] = weights[t, k]``: each routed copy's weight at its row (a position ``-1``: none;
+    rows no position names: zero); differentiable (its backward gathers the rows' gradients back)."""
+    pos_N = pos_TK.reshape(-1)
+    dump = weights_TK.new_zeros(rows + 1)  # skipped copies write row ``rows``, dropped
+    return dump.scatter(0, torch.where(pos_N >= 0, pos_N, rows), weights_TK.reshape(-1))[:rows]
 
 
 def weighted_combine(y_RD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: Optional[torch.Tensor]) -> torch.Tensor:

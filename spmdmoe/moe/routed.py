@@ -15,7 +15,9 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["RoutedTokens"]
+from .permute import scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights
+
+__all__ = ["RoutedTokens", "routed_copies"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,39 @@ class RoutedTokens:
     def __post_init__(self) -> None:
         if self.valid_rows is None:
             object.__setattr__(self, "valid_rows", self.group_offsets[-1:])
+
+
+def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torch.Tensor, experts: int, rows: int,
+                  *, fp8_rows: bool = False, group_sizes: Optional[list[int]] = None, handle: Any = None
+                  ) -> RoutedTokens:
+    """The copies of ``M`` rows for this rank's experts, in expert-major order, with the routing weights folded
+    into the experts (they return each row's weighted sum of its copies: ``copies_TK``). Every transport ends
+    its dispatch here: the local one on its own tokens, the EP ones on the rows they received (a token once
+    per rank, with all its ``J = K`` expert ids, those of other ranks marked ``-1``).
+
+    Args:
+        x_MD: ``(M, D)``, the rows (bf16 / fp32); ``M`` may be 0.
+        experts_MJ: int64 ``(M, J)``: the local expert (``0 <= l < experts``) of row ``s``'s ``j``-th copy, or
+            ``-1``: no copy here. A row's ids are distinct.
+        weights_MJ: fp32 ``(M, J)`` routing weights (differentiable); those of ``-1`` copies are unused.
+        experts: ``e``, the experts here.
+        rows: host int, the experts' buffer rows: at least the copies (the exact count, or a static capacity
+            whose rows past ``valid_rows`` are never read), or fewer: the copies past it, in expert-major
+            order, are dropped (a sync-free capacity; the transport records that overflow).
+        fp8_rows: also the rowwise e4m3 of the copies, quantized once per row (``RoutedTokens.fp8_rows``).
+        group_sizes, handle: what the transport knows on the host and needs in its combine.
+
+    Order: by local expert, then by row (so by source rank for received rows), then by ``j``; the stable sort
+    of :func:`permute.sort_by_expert`. No host sync."""
+    key_MJ = torch.where(experts_MJ >= 0, experts_MJ, experts)  # no copy here: a last bucket, sorted last
+    pos_MJ, counts = sort_by_expert(key_MJ, experts + 1)
+    pos_MJ = torch.where((key_MJ < experts) & (pos_MJ < rows), pos_MJ, -1)
+    offsets = counts[:experts].cumsum(0).clamp(max=rows).to(torch.int32)
+    q = None
+    if fp8_rows:
+        x_RD, q_RD, s_R = scatter_rows_fp8(x_MD, pos_MJ, rows)
+        q = (q_RD, s_R)
+    else:
+        x_RD = scatter_rows(x_MD, pos_MJ, rows)
+    return RoutedTokens(x_RD, offsets, rows, group_sizes, handle, weights_R=spread_weights(weights_MJ, pos_MJ, rows),
+                        fp8_rows=q, copies_TK=pos_MJ)

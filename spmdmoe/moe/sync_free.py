@@ -2,39 +2,37 @@
 
 Legend: ``T`` tokens routed here, ``D`` model dim, ``K`` top-k, ``E`` experts,
 ``e`` local experts, ``n`` EP ranks, ``S`` rows of one (source, destination)
-slot, ``Q = n*S`` rows of a send or receive buffer and of the experts'
-capacity buffer, ``R`` the experts' rows (``RoutedTokens.x_RD``: here ``R = Q``).
+slot, ``Q = n*S`` rows of a send or receive buffer, ``R`` the experts' rows
+(``RoutedTokens.x_RD``, a static capacity).
 
 The sync transport (``AllToAllTransport``) reads the split sizes on the host
 once per forward. This one never does: every size is a host int fixed before
 any data is seen, so a forward and backward make no host sync and can be
-captured in a CUDA graph.
+captured in a CUDA graph. Like the sync one it sends a token once to each rank
+holding any of its experts (``dedup.py``), and the two agree bit for bit.
 
 * ``T_max``, the most tokens any rank routes, and the layer's overflow buffer come in a
   :class:`Capacity` from the layer (``ParallelMoE``): with EP on the SP axis ``T_max`` is the SP input's
   padded local count; otherwise ``max_tokens``, or one host all-reduce per forward when that is ``None``.
-* ``S = T_max * min(K, e)`` rows per (source, destination) slot is lossless
-  (a token picks at most ``min(K, e)`` of one rank's experts); with
-  ``capacity_factor = c``, ``S = ceil(c * T_max * K / n)`` (``c`` times
-  perfectly balanced traffic), never above the lossless size.
-* Counts: one ``all_gather`` of every rank's ``(E,)`` expert counts, so every
-  rank holds the same ``(n, E)`` table and computes from it, on the device,
-  the same per-slot demand, the same overflow verdict, the rows kept per
-  (source, destination, expert) (the first ``S`` of each slot in expert
-  order), its receive offsets and the group offsets.
-* Rows: each copy is fanned out straight from ``x_TD`` into its slot of the
-  ``(Q, D)`` send buffer (a copy past its slot's ``S`` rows goes to a dump
-  row that is never sent: nothing is written out of bounds), one even
-  ``all_to_all_single`` of ``S`` rows per rank pair (the padded-even
-  transport: NCCL, gloo, any backend), and a fan-out of the received rows
-  into expert-major order (``RoutedTokens.capacity = Q``, rows past the
-  device ``valid_rows`` are zero and never read by the experts).
-* Combine: the inverse fan-out, the reverse even exchange, and the weighted
-  gather-sum over the ``K`` copies (a dropped copy reads a zero row).
-  Backward: the same moves reversed (gathers and sums, no scatter-add).
+* Sizes (:func:`capacity_rows`): lossless, ``S = T_max`` (a token crosses to a rank at most once) and
+  ``R = n * S * min(K, e)`` (a received token has at most ``min(K, e)`` copies here). With
+  ``capacity_factor = c``, both are ``c`` times balanced traffic, never above the lossless sizes:
+  ``S = ceil(c * T_max * K / n)`` (the copies a balanced rank pair carries, an upper bound of its tokens)
+  and ``R = ceil(c * T_max * K)`` (the copies a balanced rank's experts get).
+* Counts: one ``all_gather`` of every rank's ``(E,)`` expert counts and ``(n,)`` rows per destination,
+  so every rank holds the same ``(n, E + n)`` table and computes from it, on the device, the same slot
+  demand, experts' demand and overflow verdict, and which rows of each received slot are live.
+* Rows: each token into its destinations' slots of the ``(Q, D)`` send buffer, in token order (a token past
+  its slot's ``S`` rows is not sent: nothing is written out of bounds), its ids and weights beside it
+  (``(Q, 2K)`` fp32), one even ``all_to_all_single`` of ``S`` rows per rank pair for each (the padded-even
+  transport: NCCL, gloo, any backend), then the received rows fanned out to the local experts
+  (``routed.routed_copies``; copies past ``R`` in expert-major order are dropped).
+* Combine: the experts' row per received token back (the reverse even exchange), a token's rows summed over
+  the ranks it visited (a dropped one adds nothing). Backward: the same moves reversed (gathers and sums, no
+  scatter-add).
 
 Overflow (with a ``capacity_factor``, or when a rank routes more than ``T_max``) is never silent:
-the worst slot demand since the last check is kept in the layer's buffer (identical on every rank of
+the worst demand since the last check is kept in the layer's buffer (identical on every rank of
 the EP group, computed from the same table). The layer's ``check_capacity()`` and
 ``update_expert_bias()`` read it (:meth:`SyncFreeTransport.overflow_message`, one host read) and
 record it as a problem in the sticky flag, which their collective over every rank of the layer turns
@@ -63,30 +61,36 @@ from ..collectives.alltoall import exchanged_op
 from ..host import to_host
 from ..types import layout
 from ..types.mesh import MeshAxis
-from .routed import RoutedTokens
-from .permute import expert_major, scatter_rows, sort_by_expert, weighted_combine
+from .dedup import destinations, pack_meta, send_positions, unpack_meta
+from .permute import count_per_expert, scatter_rows, weighted_combine
+from .routed import RoutedTokens, routed_copies
 from .token_exchange import exchange_tokens
 
-__all__ = ["Capacity", "SyncFreeTransport", "layer_capacity", "record_overflow", "slot_rows"]
+__all__ = ["Capacity", "SyncFreeTransport", "capacity_rows", "layer_capacity", "record_overflow"]
 
 
 class Capacity(NamedTuple):
     """What the layer hands the transport each forward: ``T_max`` (host int, the same on every rank of the EP
-    group) and its overflow buffer (int64 ``(4,)``: excess rows, needed rows, slot rows, ``T_max`` of the worst
-    overflow since the last check; a layer buffer, so it moves with the layer, has a static address for CUDA
-    graphs and is mutable under compile)."""
+    group) and its overflow buffer (int64 ``(4,)``: the excess factor in thousandths of balanced traffic,
+    the slot rows and the experts' rows needed, ``T_max``, of the worst overflow since the last check; a
+    layer buffer, so it moves with the layer, has a static address for CUDA graphs and is mutable under
+    compile)."""
 
     t_max: int
     overflow: torch.Tensor
 
 
-def slot_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capacity_factor: Optional[float]) -> int:
-    """``S``, the rows of one (source, destination) slot: lossless for ``None``, else ``capacity_factor``
-    times balanced traffic (``T_max * K / n``), rounded up and capped at the lossless size."""
-    lossless = t_max * min(top_k, local_experts)
+def capacity_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capacity_factor: Optional[float]
+                  ) -> tuple[int, int]:
+    """``(S, R)``: the rows of one (source, destination) slot and of the experts' buffer (module docstring):
+    lossless for ``None``, else ``capacity_factor`` times balanced traffic, rounded up and capped at the
+    lossless sizes."""
+    S = t_max
+    R = ranks * t_max * min(top_k, local_experts)
     if capacity_factor is None:
-        return lossless
-    return min(lossless, math.ceil(capacity_factor * t_max * top_k / ranks))
+        return S, R
+    S = min(S, math.ceil(capacity_factor * t_max * top_k / ranks))
+    return S, min(ranks * S * min(top_k, local_experts), math.ceil(capacity_factor * t_max * top_k))
 
 
 def layer_capacity(layer: Any, x: Any, x_TD: Optional[torch.Tensor], found: Found) -> Optional[Capacity]:
@@ -129,10 +133,8 @@ def record_overflow(layer: Any) -> None:
 
 @dataclass(frozen=True)
 class _Handle:
-    send_pos_TK: torch.Tensor  # copy (t, k)'s row in the send buffer (Q: dropped)
-    read_Q: torch.Tensor  # expert-major row r came from received row read_Q[r] (Q: none; permute.expert_major)
+    pos_Tn: torch.Tensor  # token t's row in the send buffer for rank d (-1: not sent there, or dropped; dedup.py)
     slot: int
-    droppable: bool
 
 
 class SyncFreeTransport:
@@ -145,98 +147,86 @@ class SyncFreeTransport:
         self.top_k = top_k
         self.capacity_factor = capacity_factor
 
-    def _count_table(self, counts_E: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``(E,)`` counts, ``(n, E)``, the same on every rank (one all-gather, no host read)."""
-        n, E = self.axis.size, counts_E.shape[0]
+    def _count_table(self, counts_W: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``(W,)`` counts, ``(n, W)``, the same on every rank (one all-gather, no host read)."""
+        n, W = self.axis.size, counts_W.shape[0]
         if torch.compiler.is_compiling():
-            return funcol.all_gather_tensor(counts_E, 0, self.axis.group).view(n, E)
-        mine = counts_E if counts_E.is_meta else counts_E.to(self.axis.metadata_device())  # meta: planning only
-        table = torch.empty((n * E,), dtype=mine.dtype, device=mine.device)
+            return funcol.all_gather_tensor(counts_W, 0, self.axis.group).view(n, W)
+        mine = counts_W if counts_W.is_meta else counts_W.to(self.axis.metadata_device())  # meta: planning only
+        table = torch.empty((n * W,), dtype=mine.dtype, device=mine.device)
         all_gather_single(table, mine, group=self.axis.group)
-        return table.view(n, E).to(counts_E.device)
+        return table.view(n, W).to(counts_W.device)
 
-    @staticmethod
-    def _record(state: torch.Tensor, needed: torch.Tensor, S: int, t_max: int) -> None:
-        now = torch.stack([needed - S, needed, torch.full_like(needed, S), torch.full_like(needed, t_max)])
+    def _record(self, state: torch.Tensor, slot_needed: torch.Tensor, rows_needed: torch.Tensor, S: int, R: int,
+                t_max: int) -> None:
+        """Keep the worst demand in ``state`` (the :class:`Capacity` buffer): its excess in thousandths of
+        balanced traffic (``> 0``: overflowed), the slot and expert rows needed, ``T_max``."""
+        balanced = max(t_max * self.top_k, 1)  # an experts' buffer's balanced rows; a slot's: that / n
+        excess = torch.maximum(((slot_needed - S) * self.axis.size * 1000 + balanced - 1) // balanced,
+                               ((rows_needed - R) * 1000 + balanced - 1) // balanced)
+        now = torch.stack([excess, slot_needed, rows_needed, torch.full_like(excess, t_max)])
         state.copy_(torch.where(now[0] > state[0], now, state))
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, *, problem: Optional[Problem] = None,
-                 capacity: Optional[Capacity] = None, fp8_rows: bool = False,
-                 weights_TK: Optional[torch.Tensor] = None) -> RoutedTokens:
-        """This rank's routed copies into its EP peers' experts, with no host read (module docstring).
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                 problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
+                 fp8_rows: bool = False) -> RoutedTokens:
+        """This rank's tokens to their experts' ranks, with no host read (module docstring; the arguments
+        are :meth:`Transport.dispatch`'s).
 
         Args:
-            x_TD: ``(T, D)`` rows routed here (bf16 / fp32; ``T`` may be 0 and may differ between ranks, at
-                most ``capacity.t_max`` unless a capacity factor may drop copies).
-            ids_TK: int64 ``(T, K)`` global expert ids of each row's ``K`` copies.
-            problem: this rank's problem bits, recorded in the layer's sticky flag (never read here).
-            capacity: ``T_max`` (host int, the same on every rank of the EP group) and the layer's
-                overflow buffer, updated on the device with this forward's worst slot demand.
-            fp8_rows, weights_TK: ignored (FP8 experts quantize the rows that arrive; the combine weights
-                the rows that come back).
+            capacity: ``T_max`` (host int, the same on every rank of the EP group; ``x_TD`` has at most
+                ``T_max`` rows unless a capacity factor may drop tokens) and the layer's overflow buffer,
+                updated on the device with this forward's worst demand.
 
-        Returns ``RoutedTokens`` with ``x_RD`` ``(Q, D)``, ``Q = n * S``: this rank's ``e`` experts' rows in
-        expert-major order (source rank order within an expert), rows past the int32 ``group_offsets[-1]``
-        zero; ``capacity = Q``; ``group_sizes = None`` (never on the host); the handle the combine needs
-        (each copy's send row, ``Q`` when dropped, and the inverse of the received rows' fan-out).
-        Collectives: one all-gather of the ``(E,)`` counts and one even all-to-all of ``Q`` rows over EP
-        (their reverse in the backward)."""
+        Returns ``RoutedTokens`` with ``x_RD`` ``(R, D)``, ``R`` from :func:`capacity_rows`: this rank's ``e``
+        experts' copies in expert-major order (source rank order within an expert), rows past the int32
+        ``group_offsets[-1]`` unspecified; ``capacity = R``; ``group_sizes = None`` (never on the host).
+        Collectives: one all-gather of the ``(E + n,)`` counts and three even all-to-alls of ``S`` rows per
+        rank pair over EP (rows, their ids and weights, and the combine's rows; their reverse in the
+        backward)."""
         if capacity is None:
             raise TypeError("SyncFreeTransport.dispatch needs a Capacity (T_max and the overflow buffer)")
         t_max = capacity.t_max
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
-        n, e, me = self.axis.size, self.local_experts, self.axis.rank
-        S = slot_rows(t_max, self.top_k, e, n, self.capacity_factor)
+        n, e, me, E = self.axis.size, self.local_experts, self.axis.rank, self.num_experts
+        S, R = capacity_rows(t_max, self.top_k, e, n, self.capacity_factor)
         Q = n * S
-        pos_TK, counts_E = sort_by_expert(ids_TK, self.num_experts)
-        table_nne = self._count_table(counts_E).view(n, n, e)  # [source, destination, local expert]
-        needed = table_nne.sum(-1).max()
-        self._record(capacity.overflow, needed, S, t_max)
-        # a copy of this rank's can be dropped only with a factor, or when it routes more than T_max rows
-        droppable = self.capacity_factor is not None or x_TD.shape[0] > t_max
-        # rows kept per (source, destination, expert): the first S of each slot, in expert order
-        kept_cum = table_nne.cumsum(-1).clamp(max=S)
-        kept_nne = torch.diff(kept_cum, dim=-1, prepend=kept_cum.new_zeros(n, n, 1))
-        # sender: copy (t, k) sits at pos in expert order; its slot is its expert's rank
-        mine_ne = table_nne[me]
-        slot_start_n = mine_ne.sum(-1).cumsum(0) - mine_ne.sum(-1)
-        dst_TK = ids_TK // e
-        within_TK = pos_TK - slot_start_n[dst_TK]
-        send_pos_TK = torch.where(within_TK < S, dst_TK * S + within_TK, Q)
-        send_QD = scatter_rows(x_TD, send_pos_TK, Q + 1)[:Q]
-        recv_QD = exchanged_op(send_QD, [S] * n, [S] * n, self.axis, 0)
-        # receiver: source i's rows sit in its slot, rows [i*S, i*S + kept) by local expert; to expert-major order
-        read_Q, write_Q, offsets_e = expert_major(kept_nne[:, me, :], Q, S)
-        x_RD = scatter_rows(recv_QD, write_Q.view(Q, 1), Q + 1)[:Q]
-        return RoutedTokens(x_RD, offsets_e, Q, None, _Handle(send_pos_TK, read_Q, S, droppable))
+        need_Tn = destinations(ids_TK, e, n)
+        table = self._count_table(torch.cat([count_per_expert(ids_TK, E), need_Tn.sum(0)]))  # [source, E + n]
+        self._record(capacity.overflow, table[:, E:].max(), table[:, :E].sum(0).view(n, e).sum(1).max(), S, R, t_max)
+        pos_Tn = send_positions(need_Tn, S)
+        x_QD = exchanged_op(scatter_rows(x_TD, pos_Tn, Q), [S] * n, [S] * n, self.axis, 0)
+        meta_QW = exchanged_op(scatter_rows(pack_meta(ids_TK, weights_TK), pos_Tn, Q), [S] * n, [S] * n, self.axis, 0)
+        # received slot i's first min(rows sent, S) rows are live, the rest of it never read
+        live_Q = (torch.arange(Q, device=x_TD.device) % S) < table[:, E + me].clamp(max=S).repeat_interleave(S, output_size=Q)
+        local_QK, weights_QK = unpack_meta(meta_QW, me, e, live_Q)
+        return routed_copies(x_QD, local_QK, weights_QK, e, R, fp8_rows=fp8_rows, handle=_Handle(pos_Tn, S))
 
-    def combine(self, y_RD: torch.Tensor, routed: RoutedTokens, weights_TK: torch.Tensor) -> torch.Tensor:
+    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """:meth:`Transport.combine`: the rows back (the reverse even exchange), a token's summed over the
+        ranks it visited."""
         h: _Handle = routed.handle
         n = self.axis.size
-        Q = n * h.slot
-        y_recv = scatter_rows(y_RD, h.read_Q.view(-1, 1), Q + 1)[:Q]  # rows past valid: into the dump row
-        y_send = exchanged_op(y_recv, [h.slot] * n, [h.slot] * n, self.axis, 0)
-        if h.droppable:  # a dropped copy reads this zero row
-            y_send = torch.cat([y_send, y_send.new_zeros((1, y_send.shape[1]))])
-        return weighted_combine(y_send, h.send_pos_TK, weights_TK)
+        return weighted_combine(exchanged_op(y_QD, [h.slot] * n, [h.slot] * n, self.axis, 0), h.pos_Tn, None)
 
     def overflow_message(self, state: torch.Tensor, layer: str) -> Optional[str]:
         """What overflowed since the last check (``None``: nothing), read from ``state`` (one host read; the
         same on every rank of the EP group), which then starts afresh."""
-        excess, needed, slot, t_max = to_host(state)
+        excess, slot_needed, rows_needed, t_max = to_host(state)
         state.zero_()
         if excess <= 0:
             return None
         n, K = self.axis.size, self.top_k
+        S, R = capacity_rows(t_max, K, self.local_experts, n, self.capacity_factor)
         head = (f"{layer}: rank {self.axis.rank}: sync-free EP capacity exceeded: a (source, destination) slot "
-                f"needed {needed} rows, the buffers hold {slot} per slot; the rows past them were dropped (their "
-                f"expert outputs counted as zero) since the last check")
+                f"needed {slot_needed} rows and a rank's experts {rows_needed} rows, the buffers hold {S} and {R}; "
+                "the tokens and copies past them were dropped (their expert outputs counted as zero) since the "
+                "last check")
         if self.capacity_factor is None:  # lossless buffers overflow only when a rank routed more than T_max
             return head + (f"; a rank routed more than T_max={t_max} tokens (max_tokens): split its batch or "
                            "raise max_tokens")
-        balanced = t_max * K / n
-        fits = math.ceil(needed / balanced * 100) / 100 if balanced else float("inf")
-        return head + (f" (capacity_factor={self.capacity_factor} x balanced traffic T_max*K/ep = {t_max}*{K}/{n}). "
-                       f"Use capacity_factor >= {fits} (or None: lossless), or rerun the step with "
-                       "layer.set_ep_mode('sync')")
+        fits = math.ceil(self.capacity_factor * 100 + excess / 10) / 100
+        return head + (f" (capacity_factor={self.capacity_factor} x balanced traffic: T_max*K/ep = {t_max}*{K}/{n} "
+                       f"rows a slot, T_max*K = {t_max * K} a rank's experts). Use capacity_factor >= {fits} (or "
+                       "None: lossless), or rerun the step with layer.set_ep_mode('sync')")

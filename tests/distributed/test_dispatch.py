@@ -1,9 +1,10 @@
 """The EP transports on their own: counts, offsets, the permutation, its round trip, empty ranks
-and idle experts, problem bits; against references built from every rank's inputs (the same
-seeds on every rank). Exact comparisons: dispatch moves rows; combine sums K fp64 products.
+and idle experts, a token sent once per rank, problem bits; against references built from every
+rank's inputs (the same seeds on every rank). Exact comparisons: dispatch moves rows; combine sums
+K fp64 products.
 
 Legend: ``T`` tokens of a rank, ``K`` top-k, ``D`` model dim, ``E`` experts, ``e`` local experts,
-``R`` rows received by a rank's experts.
+``Q`` rows received (a token once per rank), ``R`` rows of a rank's experts (their copies).
 """
 
 import pytest
@@ -14,6 +15,7 @@ from spmdmoe import SPMDShapeError
 from spmdmoe.agreement import BIT
 from spmdmoe.sticky import Problem, ProblemFlag
 from spmdmoe.moe import AllToAllTransport, LocalTransport
+from spmdmoe.moe.permute import weighted_combine
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
 
 D, K = 3, 2
@@ -38,6 +40,13 @@ def _expert_rows(x_TD, ids_TK, expert):
     return [x_TD[t] for t in range(ids_TK.shape[0]) for k in range(K) if int(ids_TK[t, k]) == expert]
 
 
+def _experts(routed, expert_of_row):
+    """What the experts return for a row-wise "expert" (row * (global expert id + 1)): each received row's
+    sum of its copies, weighted with the folded routing weights (``GroupedExperts.forward``'s contract)."""
+    y_RD = routed.x_RD * expert_of_row[:, None] * routed.weights_R[:, None].to(routed.x_RD.dtype)
+    return weighted_combine(y_RD, routed.copies_TK, None)
+
+
 @pytest.mark.parametrize("tokens_of", [lambda n: [5] * n, lambda n: [0] + [7] * (n - 1), lambda n: [0] * n,
                                        lambda n: [1, 0, 9, 2][:n]], ids=["even", "empty_first", "all_empty", "mixed"])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "idle_experts"])
@@ -49,8 +58,9 @@ def test_all_to_all_transport(world, device, tokens_of, skew):
     inputs = [_inputs(q, tokens, E, 1, skew) for q in range(n)]
     x_TD, ids_TK, w_TK = (t.to(device).clone() for t in inputs[r])
     x_TD.requires_grad_()
+    w_TK.requires_grad_()
     transport = AllToAllTransport(spmdmoe.mesh_axis(world), E)
-    routed = transport.dispatch(x_TD, ids_TK)
+    routed = transport.dispatch(x_TD, ids_TK, w_TK)
 
     # what this rank's experts receive: expert-major, then source rank, then the source's stable order
     want_rows, sizes = [], []
@@ -63,21 +73,26 @@ def test_all_to_all_transport(world, device, tokens_of, skew):
     assert routed.group_sizes == sizes and routed.capacity == sum(sizes)
     assert routed.group_offsets.dtype == torch.int32
     assert routed.group_offsets.tolist() == torch.tensor(sizes).cumsum(0).tolist()
-    ex = routed.handle
-    assert torch.equal(ex.read_R[ex.write_R], torch.arange(ex.read_R.numel(), device=device))  # inverse permutations
+    # a token crosses once to each rank holding any of its experts, not once per copy
+    visits = [{int(i) // e for i in inputs[q][1][t]} for q in range(n) for t in range(tokens[q])]
+    sent = [sum(d in v for v in visits[sum(tokens[:r]):sum(tokens[:r + 1])]) for d in range(n)]
+    assert routed.handle.send == sent
+    assert routed.handle.recv == [sum(r in {int(i) // e for i in inputs[q][1][t]} for t in range(tokens[q]))
+                                  for q in range(n)]
 
-    # combine of a row-wise "expert" (row * (global expert id + 1)) and its gradient
+    # combine of a row-wise "expert" (row * (global expert id + 1)) and its gradients
     expert_of_row = torch.repeat_interleave(torch.arange(e, device=device) + r * e + 1,
                                             torch.tensor(sizes, device=device)).to(torch.float64)
-    y_RD = routed.x_RD * expert_of_row[:, None]
-    out_TD = transport.combine(y_RD, routed, w_TK)
-    ref_x = inputs[r][0].to(device).clone().requires_grad_()  # a separate leaf, also on the CPU
-    ref = (ref_x[:, None, :] * (ids_TK[:, :, None] + 1) * w_TK[:, :, None]).sum(1)
+    out_TD = transport.combine(_experts(routed, expert_of_row), routed)
+    ref_x = inputs[r][0].to(device).clone().requires_grad_()  # separate leaves, also on the CPU
+    ref_w = inputs[r][2].to(device).clone().requires_grad_()
+    ref = (ref_x[:, None, :] * (ids_TK[:, :, None] + 1) * ref_w[:, :, None]).sum(1)
     assert_close_everywhere(out_TD, ref.detach(), rtol=1e-12, atol=1e-12, name="combined rows")
     g = reference_tensor(tuple(out_TD.shape), 900 + r, dtype=torch.float64, device=device)
     (out_TD * g).sum().backward()
     (ref * g).sum().backward()
     assert_close_everywhere(x_TD.grad, ref_x.grad, rtol=1e-12, atol=1e-12, name="input gradient")
+    assert_close_everywhere(w_TK.grad, ref_w.grad, rtol=1e-12, atol=1e-12, name="routing weights' gradient")
 
 
 @pytest.mark.parametrize("T", [0, 1, 6])
@@ -85,13 +100,13 @@ def test_all_to_all_transport(world, device, tokens_of, skew):
 def test_local_transport(device, T, skew):
     E = 4
     x_TD, ids_TK, w_TK = (t.to(device) for t in _inputs(0, [T], E, 2, skew))
-    routed = LocalTransport(E).dispatch(x_TD, ids_TK)
+    routed = LocalTransport(E).dispatch(x_TD, ids_TK, w_TK)
     want_rows = [row for j in range(E) for row in _expert_rows(x_TD, ids_TK, j)]
     sizes = [len(_expert_rows(x_TD, ids_TK, j)) for j in range(E)]
     want = torch.stack(want_rows) if want_rows else torch.zeros(0, D, dtype=torch.float64, device=device)
     assert torch.equal(routed.x_RD, want) and routed.capacity == T * K and routed.group_sizes is None
     assert routed.group_offsets.tolist() == torch.tensor(sizes).cumsum(0).tolist()
-    out = LocalTransport(E).combine(routed.x_RD * 3, routed, w_TK)
+    out = LocalTransport(E).combine(_experts(routed, torch.full((T * K,), 3.0, dtype=torch.float64, device=device)), routed)
     torch.testing.assert_close(out, 3 * x_TD * w_TK.sum(1, keepdim=True), rtol=1e-12, atol=1e-12)
 
 
@@ -100,15 +115,15 @@ def test_problem_bits_ride_the_count_exchange(world, device):
     recorded in the sticky flag and the dispatch completes on every rank (raises=False)."""
     n, r = world.size(), world.get_local_rank()
     E = 2 * n
-    x_TD, ids_TK, _ = (t.to(device) for t in _inputs(r, [4] * n, E, 3))
+    x_TD, ids_TK, w_TK = (t.to(device) for t in _inputs(r, [4] * n, E, 3))
     bits = BIT["width"] if r == n - 1 else 0
     axis = spmdmoe.mesh_axis(world)
     assert_raises_everywhere(
         SPMDShapeError,
-        lambda: AllToAllTransport(axis, E).dispatch(x_TD, ids_TK, problem=Problem(bits, [f"rank {r}: mine"])),
+        lambda: AllToAllTransport(axis, E).dispatch(x_TD, ids_TK, w_TK, problem=Problem(bits, [f"rank {r}: mine"])),
         match=rf"MoE dispatch rejected the input on 1 of {n} ranks \(rank {n - 1}: input width",
     )
     flag = ProblemFlag()
-    routed = AllToAllTransport(axis, E, raises=False).dispatch(x_TD, ids_TK, problem=Problem(bits, [], flag))
+    routed = AllToAllTransport(axis, E, raises=False).dispatch(x_TD, ids_TK, w_TK, problem=Problem(bits, [], flag))
     assert routed.x_RD.shape[0] == routed.capacity
     assert_raises_everywhere(SPMDShapeError, spmdmoe.check_errors, match=rf"\(rank {n - 1}: input width")

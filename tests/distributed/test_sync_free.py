@@ -101,15 +101,20 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     g = reference_tensor((TOTAL, D), 10, device=device)[plan.rows]
     dropped = _step(plan.layer, x, g)
     t_max = -(-TOTAL // n)
-    S = sync_free.slot_rows(t_max, 2, E // n, n, 1.0)
-    assert sent and all(s == (n * S, D) for s in sent), (sent, n * S)  # the static buffers, nothing more
+    S, R = sync_free.capacity_rows(t_max, 2, E // n, n, 1.0)
+    assert sent and all(s[0] == n * S for s in sent), (sent, n * S)  # the static buffers, nothing more
     state = plan.layer.capacity_overflow.clone()
     table = [torch.empty_like(state) for _ in range(n)]
     dist.all_gather(table, state)
     assert all(torch.equal(t, table[0]) for t in table), "every rank sees the same verdict"
-    assert int(state[0]) > 0 and int(state[1]) == t_max * 2 and int(state[2]) == S
-    fits = f"{t_max * 2 / (t_max * 2 / n):.2f}".rstrip("0").rstrip(".")
-    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match=f"capacity_factor >= {fits}")
+    # the most rows one rank sends another (a token once per rank: its own rows) and every copy on rank 0
+    assert int(state[0]) > 0 and int(state[1]) == t_max and int(state[2]) == TOTAL * 2 and int(state[3]) == t_max
+    with pytest.raises(SPMDCapacityError) as raised:
+        plan.layer.check_capacity()
+    fits = float(str(raised.value).split("capacity_factor >= ")[1].split(" ")[0])
+    S_fit, R_fit = sync_free.capacity_rows(t_max, 2, E // n, n, fits)
+    assert S_fit >= t_max and R_fit >= TOTAL * 2, f"capacity_factor >= {fits} is named, and it must fit"
+    assert fits <= TOTAL * 2 / (t_max * 2) + 0.02, "and not much more than what fits"
     plan.layer.check_capacity()  # raised once, then cleared
     # the recovery: the same step over the sync transport, exact; its outputs differ from the dropped ones
     plan.layer.set_ep_mode("sync")
@@ -123,34 +128,47 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     assert_raises_everywhere(SPMDCapacityError, plan.layer.update_expert_bias, match="EP capacity exceeded")
 
 
+def _kept_copies(ids_by_rank, n, e, S, R):
+    """The documented capacity rule, in plain Python over every rank's expert ids: rank ``d`` gets the first
+    ``S`` tokens of each source that need it (in token order), and keeps the first ``R`` of its copies in
+    expert-major order (local expert, then source rank, then token). Returns, per source rank, a list of
+    ``(t, k)`` copies kept."""
+    kept = [set() for _ in range(n)]
+    for d in range(n):
+        arrived = []  # (local expert, source, token, k)
+        for i, ids in enumerate(ids_by_rank):
+            visits = [t for t in range(len(ids)) if any(x // e == d for x in ids[t])][:S]
+            arrived += [(ids[t][k] - d * e, i, t, k) for t in visits for k in range(len(ids[t])) if ids[t][k] // e == d]
+        for _, i, t, k in sorted(arrived)[:R]:
+            kept[i].add((t, k))
+    return kept
+
+
 def test_dropped_copies_count_as_zero(world, device, request):
-    """With a tiny capacity, each output row is the weighted sum of the copies that fit, nothing else:
-    against the same layer whose dropped copies' routing weights are zeroed by hand."""
+    """With a tiny capacity, each output row is the weighted sum of the copies that fit, nothing else: the
+    rule of ``sync_free.py`` (a slot keeps its first ``S`` tokens, an experts' buffer its first ``R`` copies in
+    expert-major order) simulated from every rank's routing, against the layer."""
     n = world.size()
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
     moe = reference_moe(cfg, 5, device)
     plan = build_plan("ep", moe, TOTAL, world, request, ep_mode="sync_free", capacity_factor=0.25, max_tokens=TOTAL)
     x = reference_tensor((TOTAL, D), 11, device=device)[plan.rows]
-    routed = {}
-    real = plan.layer.transport.combine
-    plan.layer.transport.combine = lambda y, r, w: (routed.setdefault("pos", r.handle.send_pos_TK), real(y, r, w))[1]
     y = plan.layer(x)
-    Q = n * sync_free.slot_rows(TOTAL, 2, E // n, n, 0.25)
-    kept = routed["pos"] < Q  # (T, K): the copies that fit
     r = moe.router(x, moe.expert_bias, moe.router.gate.weight)
+    ids_by_rank = [None] * n
+    dist.all_gather_object(ids_by_rank, r.ids_TK.tolist())
+    S, R = sync_free.capacity_rows(TOTAL, 2, E // n, n, 0.25)  # 6 and 21 on 4 ranks
+    kept = _kept_copies(ids_by_rank, n, E // n, S, R)[world.get_local_rank()]
     want = torch.zeros_like(x)
-    for k in range(2):
-        for t in range(x.shape[0]):
-            if kept[t, k]:
-                e_ = int(r.ids_TK[t, k])
-                h = torch.nn.functional.silu(x[t] @ moe.experts.w1[e_].T) * (x[t] @ moe.experts.w3[e_].T)
-                want[t] += r.weights_TK[t, k] * (h @ moe.experts.w2[e_].T)
+    for t, k in kept:
+        e_ = int(r.ids_TK[t, k])
+        h = torch.nn.functional.silu(x[t] @ moe.experts.w1[e_].T) * (x[t] @ moe.experts.w3[e_].T)
+        want[t] += r.weights_TK[t, k] * (h @ moe.experts.w2[e_].T)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
-    dropped = torch.tensor([int((~kept).sum())], device=device)
+    dropped = torch.tensor([x.shape[0] * 2 - len(kept)], device=device)
     dist.all_reduce(dropped)
     assert int(dropped) > 0, "the test must drop copies somewhere"
-    S = sync_free.slot_rows(TOTAL, 2, E // n, n, 0.25)  # 6 on 4 ranks
-    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match=f"the buffers hold {S} per slot")
+    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match=f"the buffers hold {S} and {R}")
 
 
 def test_max_tokens_exceeded_on_one_rank(world, device):
