@@ -42,10 +42,10 @@ def send_positions(need_Tn: torch.Tensor, slot: Optional[int] = None) -> torch.T
     the rows for ranks ``< d``: the sync transport's exact buffer); ``slot=S``: rank ``d``'s block at
     ``d * S``, and a token past its block's ``S`` rows is not sent (``-1``: dropped, the sync-free
     capacity's overflow)."""
-    need = need_Tn.to(torch.int64)
-    within_Tn = need.cumsum(0) - 1
+    need_nT = need_Tn.t().to(torch.int64).contiguous()  # a scan along the inner dim: a (T, n) one along dim 0
+    within_Tn = (need_nT.cumsum(1) - 1).t()  # took 1.6 ms at T = 16k, n = 2 on an H100 (an outer-dim scan)
     if slot is None:
-        rows_n = need.sum(0)
+        rows_n = need_nT.sum(1)
         start_n = rows_n.cumsum(0) - rows_n
         return torch.where(need_Tn, start_n + within_Tn, -1)
     start_n = torch.arange(need_Tn.shape[1], device=need_Tn.device) * slot
