@@ -18,14 +18,15 @@ at or below it at three, 2.4 % above at Qwen3-30B-A3B and 64k tokens, where
 token counts the eager peak can exceed the bf16 layer's by a few percent;
 ``benchmarks/RESULTS.md``, issue 23):
 
-* forward: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by the local
-  dispatch in its fan-out pass, once per token: ``RoutedTokens.fp8_rows``; other
-  transports: quantized here, :func:`spmdmoe.kernels.quantize_rows`), an op of its own
+* forward: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by every
+  transport's dispatch in its fan-out pass, once per (received) token:
+  ``RoutedTokens.fp8_rows``; without it: quantized here,
+  :func:`spmdmoe.kernels.quantize_rows`), an op of its own
   before the autograd node, so ``x``'s e4m3 is dead before the down projection
   allocates; ``h = w * silu(h1) * h3`` (``w`` the routing weight when the dispatch folded it in) and ``h``'s
   rowwise e4m3 from the same registers (:func:`spmdmoe.kernels.swiglu_quant_forward`);
   ``y = h @ w2^T`` on that e4m3, and with the weights folded (``RoutedTokens.copies_TK``,
-  the local transport) each token's copies summed (the combine). Kept for the
+  every transport) each (received) token's copies summed. Kept for the
   backward: the bf16 ``x``, ``h13`` and ``h``.
 * backward, weight gradients before input gradients: ``dy`` fanned out to each
   token's copies with its rowwise e4m3, quantized once per token in the same pass

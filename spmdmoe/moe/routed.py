@@ -26,8 +26,7 @@ class RoutedTokens:
 
     Attributes:
         x_RD: the rows, grouped by local expert (expert 0's rows first), in the
-            order of their source rank and, within a source, of the source's
-            stable sort.
+            order of their source rank and, within a source, of its tokens.
         group_offsets: int32 device tensor ``(e,)``: the end row of each local
             expert's group (the ``offs`` of ``torch.nn.functional.grouped_mm``).
             Device-resident, so a consumer never needs ``.item()``.
@@ -47,12 +46,12 @@ class RoutedTokens:
         fp8_rows: ``(q_RD, s_R)``, the rowwise e4m3 of ``x_RD`` and its fp32 scales, when the transport
             made them (asked to, and able to quantize once per token before its fan-out); ``None``: the
             FP8 experts quantize ``x_RD`` themselves.
-        copies_TK: int64 ``(T, K)``, the row of each token's ``k``-th copy, when the combine is the
-            unweighted sum of each token's copies (the weights folded into the experts): the experts then
-            return ``y_TD``, that sum, themselves (the FP8 experts fuse it into their down-projection's
-            autograd node; its backward fans each token's output gradient out and quantizes it once for
-            its ``K`` copies) and the transport's combine passes it through. ``None``: the experts return
-            ``y_RD``.
+        copies_TK: int64 ``(T, K)``, the row of each (received) token's ``k``-th copy here, ``-1`` for
+            none (another rank's expert), when the weights are folded into the experts (every transport's
+            dispatch, ``routed_copies``): the experts then return ``y_TD``, each token's sum, themselves
+            (the FP8 experts fuse it into their down-projection's autograd node; its backward fans each
+            token's output gradient out and quantizes it once for its copies), which the transport's
+            combine returns to the token's rank. ``None``: the experts return ``y_RD``.
     """
 
     x_RD: torch.Tensor
