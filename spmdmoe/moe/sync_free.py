@@ -199,7 +199,7 @@ class SyncFreeTransport:
         x_QD = exchanged_op(scatter_rows(x_TD, pos_Tn, Q), [S] * n, [S] * n, self.axis, 0)
         meta_QW = exchanged_op(scatter_rows(pack_meta(ids_TK, weights_TK), pos_Tn, Q), [S] * n, [S] * n, self.axis, 0)
         # received slot i's first min(rows sent, S) rows are live, the rest of it never read
-        live_Q = (torch.arange(Q, device=x_TD.device) % S) < table[:, E + me].clamp(max=S).repeat_interleave(S, output_size=Q)
+        live_Q = (torch.arange(S, device=x_TD.device) < table[:, E + me, None]).reshape(Q)
         local_QK, weights_QK = unpack_meta(meta_QW, me, e, live_Q)
         return routed_copies(x_QD, local_QK, weights_QK, e, R, fp8_rows=fp8_rows, handle=_Handle(pos_Tn, S))
 
