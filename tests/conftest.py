@@ -45,3 +45,14 @@ def torchrun_job():
             out, err = proc.communicate()
         return proc.returncode, out, err
     return run
+
+
+@pytest.fixture
+def nan_empty():
+    """For the test's duration ``torch.empty`` hands out NaN (integers: their largest value; torch's
+    ``fill_uninitialized_memory`` under deterministic algorithms, warnings only), so a kernel or transport
+    that reads a row it never wrote (a dead sync-free slot, a buffer's tail) shows up."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(was, warn_only=warn_only)

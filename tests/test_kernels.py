@@ -176,3 +176,28 @@ def test_launchers_take_a_data_dependent_row_count_under_compile(rows):
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.shape[0] == rows
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_skipped_copies_into_fewer_rows_than_copies(dtype, nan_empty):
+    """The EP receiver's regime: about half the copies skipped (``-1``, another rank's experts) into fewer
+    output rows than copies, the output from ``torch.empty`` (NaN here): the named rows equal the reference's,
+    and the gather-sum back reads only them (finite, each source row times its named copies)."""
+    gen = torch.Generator().manual_seed(42)
+    S, J, D = 13, 4, 40
+    keep = torch.rand(S, J, generator=gen) < 0.5
+    rows = int(keep.sum()) + 2
+    assert rows < S * J
+    index = torch.full((S, J), -1, dtype=torch.int64)
+    index[keep] = torch.randperm(rows, generator=gen)[: int(keep.sum())]
+    index = index.to(DEVICE)
+    src = torch.randn(S, D, generator=gen).to(DEVICE, dtype)
+    got, _ = K.fan_out_triton(src, index, rows)
+    want, _ = K.fan_out_reference(src, index, rows)
+    named = _named(index, rows)
+    torch.testing.assert_close(got[named], want[named], rtol=0, atol=0)
+    back = K.gather_sum_triton(got, index)
+    assert torch.isfinite(back).all()
+    copies = (index >= 0).sum(1, keepdim=True).to(torch.float32)
+    torch.testing.assert_close(back.float(), src.float() * copies, **_ulp(dtype))
+    torch.testing.assert_close(back, K.gather_sum_reference(got, index), **_ulp(dtype))

@@ -1,7 +1,7 @@
 """Fan-out of rows: ``out[index[s, j]] = w[s, j] * src[s]``, and optionally ``dots[s, j] = <src[s], other[index[s, j]]>``.
 
-Legend: ``M`` source rows, ``J`` copies per source row, ``R`` output rows
-(``R >= M*J``), ``D`` row width.
+Legend: ``M`` source rows, ``J`` copies per source row, ``R`` output rows,
+``D`` row width.
 
 ``index_MJ`` names distinct output rows (a permutation when ``R == M*J``), or
 ``-1``: that copy is skipped (nothing written, its dot is 0; DeepEP's
@@ -12,10 +12,11 @@ when ``R > M*J`` (a capacity-sized ``out``); with skipped copies and
 and rounded once to the output dtype (``src``'s); without weights the copy is
 exact. ``dots`` accumulate in fp32. (fp64 rows take the reference, in fp64.)
 
-Uses: the MoE dispatch permute (``x_TD`` into ``K`` expert-major copies,
-``J = K``, no weights), the EP source-major -> expert-major permutation
-(``J = 1``), and the weighted combine's backward (the gradient rows of ``y``
-with the routing weights, and the weights' gradient as the dots with ``y``).
+Uses: the MoE dispatch permute (a rank's rows, its own or received, into their
+expert-major copies, ``J = K``, ``-1`` for another rank's expert), the EP send
+buffers (a token into the slot of each rank it visits, ``J = n``), and the
+weighted combine's backward (the gradient rows of ``y`` with the routing
+weights, and the weights' gradient as the dots with ``y``).
 Its backward, a sum over the ``J`` copies, is :mod:`spmdmoe.kernels.gather_sum`.
 
 Measured (H200, torch 2.11, Triton 3.6, bf16, T=16,384, K=6, D=2048; ``benchmarks/kernels.py``):
@@ -80,8 +81,8 @@ def _fan_out_kernel(
             if HAS_DOT:
                 y = tl.load(other_ptr + r * stride_other + offs, mask=m, other=0.0)
                 acc += v.to(tl.float32) * y.to(tl.float32)
-        if HAS_DOT:
-            tl.store(dots_ptr + s * J + j, tl.sum(acc, axis=0))
+        if HAS_DOT:  # a skipped copy's dot is 0 (not sum(v * 0), NaN for an inf in the row)
+            tl.store(dots_ptr + s * J + j, tl.where(keep, tl.sum(acc, axis=0), 0.0))
 
 
 # launch configuration (benchmarks/kernels.py sweeps it on the GPU)
@@ -135,7 +136,8 @@ def fan_out_fp8_triton(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, 
     """``(out_RD, q_RD e4m3, s_R fp32)``: the copies (no weights) and, from the same read of each source row,
     its rowwise e4m3 (:mod:`spmdmoe.kernels.fp8_rows`' rule) in the same ``J`` slots: quantized once per
     source row, bit for bit what :func:`spmdmoe.kernels.quantize_rows` makes of ``out_RD``. Rows no index
-    names: ``out`` zero, ``q`` and ``s`` unspecified. ``copies=False``: the e4m3 only (``out_RD`` empty,
+    names: ``out`` as :func:`fan_out_triton`'s (zero past ``M*J`` rows, else unspecified), ``q`` and ``s``
+    unspecified. ``copies=False``: the e4m3 only (``out_RD`` empty,
     ``(0, D)``), for a caller that made the bf16 copies earlier and freed them."""
     M, J = index_MJ.shape
     D = src_MD.shape[1]
@@ -155,7 +157,7 @@ def fan_out_fp8_triton(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, 
 
 def fan_out_fp8_reference(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, copies: bool = True
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain torch, same signature as :func:`fan_out_fp8_triton` (rows no index names: all zero)."""
+    """Plain torch, same signature as :func:`fan_out_fp8_triton` (rows no index names: zero here)."""
     M, J = index_MJ.shape
     out_RD = fan_out_reference(src_MD, index_MJ, rows)[0] if copies else src_MD.new_empty((0, src_MD.shape[1]))
     q_MD, s_M = quantize_rows_reference(src_MD)

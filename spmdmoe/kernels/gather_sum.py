@@ -6,13 +6,15 @@ Legend: ``M`` output rows, ``J`` rows summed into each, ``R`` source rows,
 One program per (output row, block of ``D``): it reads its ``J`` source rows,
 sums them in fp32 in the order ``j = 0 .. J-1`` and rounds once to ``src``'s
 dtype (fp64 rows take the reference, in fp64). No atomics, deterministic. An index ``-1`` adds nothing (a
-skipped copy: DeepEP's convention). Rows of ``src`` no index names are never read (a capacity-sized ``src``
-may hold anything there, NaN included).
+skipped copy: DeepEP's convention), whatever its weight. Rows of ``src`` no index names are never read
+(a capacity-sized ``src`` may hold anything there, NaN included).
 
-Uses: the weighted combine ``out[t] = sum_k w[t, k] * y[pos[t, k]]`` (the
-reverse permutation fused in), the dispatch permute's backward (the gradient
-of a row is the sum over its ``K`` copies, no weights), and the ``J = 1``
-permutations' backward. Its backward is :mod:`spmdmoe.kernels.fan_out`.
+Uses: the sum of each token's copies (``out[t] = sum_k y[pos[t, k]]``, the
+routing weights folded into the experts; the reverse permutation fused in), the
+EP combine's sum of a token's rows over the ranks it visited (``-1`` where it
+visited none), the weighted combine of a caller's own ``RoutedTokens``, and the
+fan-outs' backward (the gradient of a row is the sum over its copies). Its
+backward is :mod:`spmdmoe.kernels.fan_out`.
 
 Measured (H200, torch 2.11, Triton 3.6, bf16, T=16,384, K=6, D=2048; ``benchmarks/kernels.py``):
 the combine 0.131 ms, 3.59 TB/s (85 % of the 4.2 TB/s copy ceiling); the permute backward
@@ -45,9 +47,10 @@ def _gather_sum_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(J):
         r = tl.load(index_ptr + s * J + j).to(tl.int64)
-        v = tl.load(src_ptr + r * stride_src + offs, mask=m & (offs * 0 + r >= 0), other=0.0)  # -1: adds nothing.to(tl.float32)
-        if HAS_W:
-            v = v * tl.load(w_ptr + s * J + j).to(tl.float32)
+        # -1: adds nothing (the mask & r >= 0 as a vector: Triton's interpreter refuses a scalar & vector mask)
+        v = tl.load(src_ptr + r * stride_src + offs, mask=m & (offs * 0 + r >= 0), other=0.0).to(tl.float32)
+        if HAS_W:  # a skipped copy's weight may be anything (NaN too): it multiplies nothing
+            v = v * tl.where(r >= 0, tl.load(w_ptr + s * J + j).to(tl.float32), 0.0)
         acc += v
     tl.store(out_ptr + s * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -87,6 +90,7 @@ def gather_sum_reference(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_M
     picked_MJD = src_RD.index_select(0, index_MJ.reshape(-1).clamp(min=0)).view(M, J, D).to(acc)
     picked_MJD = torch.where(index_MJ.unsqueeze(-1) >= 0, picked_MJD, 0)  # a skipped copy (-1) adds nothing
     w_MJ = torch.ones((M, J), dtype=acc, device=src_RD.device) if weights_MJ is None else weights_MJ.to(acc)
+    w_MJ = torch.where(index_MJ >= 0, w_MJ, 0)
     # copy=True: a base tensor, never a view of the bmm's (callers, an MoE layer's output, may modify it in
     # place); not bmm(out=...), which makes Dynamo on torch 2.11 specialize M
     return torch.bmm(w_MJ.unsqueeze(1), picked_MJD).squeeze(1).to(src_RD.dtype, copy=True)

@@ -135,7 +135,7 @@ class AllToAllTransport:
     """Expert parallel over ``axis``: experts are contiguous blocks of ``e = E / n`` per rank.
 
     Dispatch: each token once to each rank holding any of its experts (``dedup.py``); exchange the
-    ``(n, e)`` copy counts, the rows per rank and every rank's problem bits with one
+    ``(n, e + 1)`` counts (copies per remote expert, rows per rank) and every rank's problem bits with one
     ``all_to_all_single`` plus ONE explicit host transfer (the documented sync of sync mode, counted by
     ``spmdmoe.host.host_sync_count``); ``all_to_all_single`` of the rows and of their ids and weights;
     then the received rows fanned out to the local experts (``routed.routed_copies``). ``raises``: whether

@@ -223,7 +223,7 @@ class SyncFreeTransport:
                 f"needed {slot_needed} rows and a rank's experts {rows_needed} rows, the buffers hold {S} and {R}; "
                 "the tokens and copies past them were dropped (their expert outputs counted as zero) since the "
                 "last check")
-        if self.capacity_factor is None:  # lossless buffers overflow only when a rank routed more than T_max
+        if self.capacity_factor is None or slot_needed > t_max:  # no factor fits a rank above T_max
             return head + (f"; a rank routed more than T_max={t_max} tokens (max_tokens): split its batch or "
                            "raise max_tokens")
         fits = math.ceil(self.capacity_factor * 100 + excess / 10) / 100

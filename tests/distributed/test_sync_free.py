@@ -37,7 +37,7 @@ def _options(plan_name, total, factor=None):
 
 @pytest.mark.parametrize("total", TOKENS)
 @pytest.mark.parametrize("plan_name", EP_PLANS)
-def test_parity_with_single_device(world, device, request, plan_name, total):
+def test_parity_with_single_device(world, device, request, plan_name, total, nan_empty):
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2 + total % 3, num_shared_experts=1,
                     aux_loss_coeff=0.01)
     plan = run_parity(plan_name, total, cfg, world, device, request, seed=total, **_options(plan_name, total))
@@ -67,9 +67,10 @@ TOTAL = 41
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_rowwise"])
 @pytest.mark.parametrize("plan_name", ["sp_ep", "ep"])
-def test_bitwise_equal_to_the_sync_transport(world, device, request, plan_name, precision):
+def test_bitwise_equal_to_the_sync_transport(world, device, request, plan_name, precision, nan_empty):
     """The experts see the same rows in the same order as with the sync transport: equal bit for bit (the
-    FP8 experts too: their quantizers read the capacity buffer's valid rows only)."""
+    FP8 experts too: their quantizers read the capacity buffer's valid rows only; every uninitialised row,
+    the dead slots' included, holds NaN)."""
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=3, expert_precision=precision)
     plan = build_plan(plan_name, reference_moe(cfg, 3, device), TOTAL, world, request, ep_mode="sync_free",
                       **({"max_tokens": TOTAL} if plan_name == "ep" else {}))
@@ -144,7 +145,7 @@ def _kept_copies(ids_by_rank, n, e, S, R):
     return kept
 
 
-def test_dropped_copies_count_as_zero(world, device, request):
+def test_dropped_copies_count_as_zero(world, device, request, nan_empty):
     """With a tiny capacity, each output row is the weighted sum of the copies that fit, nothing else: the
     rule of ``sync_free.py`` (a slot keeps its first ``S`` tokens, an experts' buffer its first ``R`` copies in
     expert-major order) simulated from every rank's routing, against the layer."""
