@@ -26,7 +26,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta"]
+from ..collectives.alltoall import exchanged_op
+from ..types.mesh import MeshAxis
+from .permute import scatter_rows, weighted_combine
+
+__all__ = ["destinations", "send_positions", "send_tokens", "send_back"]
 
 
 def destinations(ids_TK: torch.Tensor, local_experts: int, ranks: int) -> torch.Tensor:
@@ -52,14 +56,14 @@ def send_positions(need_Tn: torch.Tensor, slot: Optional[int] = None) -> torch.T
     return torch.where(need_Tn & (within_Tn < slot), start_n + within_Tn, -1)
 
 
-def pack_meta(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+def _pack_meta(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """``(T, 2K)`` in the weights' dtype (fp32, or fp64 for fp64 weights): a token's routing weights then its
     expert ids (exact below 2**24), to travel with it."""
     dtype = torch.promote_types(weights_TK.dtype, torch.float32)
     return torch.cat([weights_TK.to(dtype), ids_TK.to(dtype)], dim=1)
 
 
-def unpack_meta(meta_QW: torch.Tensor, rank: int, local_experts: int, valid_Q: Optional[torch.Tensor] = None
+def _unpack_meta(meta_QW: torch.Tensor, rank: int, local_experts: int, valid_Q: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(local_QK, weights_QK)`` of the received rows: each copy's expert on this rank (``0 <= l < e``) or
     ``-1`` (another rank's, or a row ``valid_Q`` marks dead: a sync-free slot's unused tail), and the
@@ -70,3 +74,24 @@ def unpack_meta(meta_QW: torch.Tensor, rank: int, local_experts: int, valid_Q: O
     if valid_Q is not None:
         here_QK = here_QK & valid_Q.unsqueeze(1)
     return torch.where(here_QK, local_QK, -1), meta_QW[:, :K]
+
+
+def send_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, pos_Tn: torch.Tensor,
+                send: list[int], recv: list[int], axis: MeshAxis, local_experts: int,
+                live_Q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token to the ranks ``pos_Tn`` names (:func:`send_positions`), with its ids and weights:
+    ``(x_QD, local_QK, weights_QK)``, the rows received (source-major, ``recv`` from each rank), each copy's
+    expert here or ``-1`` (another rank's, or a row ``live_Q`` marks dead), and the weights (differentiable).
+    Two ``all_to_all_single`` over ``axis`` (``send`` rows to each rank), the rows and the ids-and-weights;
+    their reverse in the backward."""
+    rows = sum(send)
+    x_QD = exchanged_op(scatter_rows(x_TD, pos_Tn, rows), send, recv, axis, 0)
+    meta_QW = exchanged_op(scatter_rows(_pack_meta(ids_TK, weights_TK), pos_Tn, rows), send, recv, axis, 0)
+    return (x_QD, *_unpack_meta(meta_QW, axis.rank, local_experts, live_Q))
+
+
+def send_back(y_QD: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis
+              ) -> torch.Tensor:
+    """The experts' row per received token back to its rank (the reverse of :func:`send_tokens`' exchange),
+    and each token's rows summed over the ranks it visited (fp32, rounded once): ``(T, D)``."""
+    return weighted_combine(exchanged_op(y_QD, recv, send, axis, 0), pos_Tn, None)

@@ -39,11 +39,11 @@ from typing import Any, Optional, Protocol
 import torch
 
 from ..agreement import GRAD_OFF, grad_mode_codes, raise_problems
-from ..collectives.alltoall import exchange_split_sizes, exchanged_op
+from ..collectives.alltoall import exchange_split_sizes
 from ..sticky import Problem
 from ..types.mesh import MeshAxis
-from .dedup import destinations, pack_meta, send_positions, unpack_meta
-from .permute import count_per_expert, scatter_rows, weighted_combine
+from .dedup import destinations, send_back, send_positions, send_tokens
+from .permute import count_per_expert, weighted_combine
 from .routed import RoutedTokens, routed_copies
 from .sync_free import SyncFreeTransport
 
@@ -173,17 +173,14 @@ class AllToAllTransport:
             for c in send + recv + sizes:
                 torch._check(c >= 0)
         pos_Tn = send_positions(need_Tn)
-        rows = sum(send)
-        x_QD = exchanged_op(scatter_rows(x_TD, pos_Tn, rows), send, recv, self.axis, 0)
-        meta_QW = exchanged_op(scatter_rows(pack_meta(ids_TK, weights_TK), pos_Tn, rows), send, recv, self.axis, 0)
-        local_QK, weights_QK = unpack_meta(meta_QW, self.axis.rank, e)
+        x_QD, local_QK, weights_QK = send_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e)
         return routed_copies(x_QD, local_QK, weights_QK, e, sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
                              handle=_Exchange(pos_Tn, send, recv))
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """:meth:`Transport.combine`: the rows back, a token's summed over the ranks it visited."""
         ex: _Exchange = routed.handle
-        return weighted_combine(exchanged_op(y_QD, ex.recv, ex.send, self.axis, 0), ex.pos_Tn, None)
+        return send_back(y_QD, ex.pos_Tn, ex.send, ex.recv, self.axis)
 
 
 def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k: int,

@@ -57,12 +57,11 @@ import torch.distributed._functional_collectives as funcol
 from .._dist import all_gather_single, all_reduce
 from ..agreement import BIT, Found, global_rank
 from ..sticky import Problem
-from ..collectives.alltoall import exchanged_op
 from ..host import to_host
 from ..types import layout
 from ..types.mesh import MeshAxis
-from .dedup import destinations, pack_meta, send_positions, unpack_meta
-from .permute import count_per_expert, scatter_rows, weighted_combine
+from .dedup import destinations, send_back, send_positions, send_tokens
+from .permute import count_per_expert
 from .routed import RoutedTokens, routed_copies
 from .token_exchange import exchange_tokens
 
@@ -196,11 +195,10 @@ class SyncFreeTransport:
         table = self._count_table(torch.cat([count_per_expert(ids_TK, E), need_Tn.sum(0)]))  # [source, E + n]
         self._record(capacity.overflow, table[:, E:].max(), table[:, :E].sum(0).view(n, e).sum(1).max(), S, R, t_max)
         pos_Tn = send_positions(need_Tn, S)
-        x_QD = exchanged_op(scatter_rows(x_TD, pos_Tn, Q), [S] * n, [S] * n, self.axis, 0)
-        meta_QW = exchanged_op(scatter_rows(pack_meta(ids_TK, weights_TK), pos_Tn, Q), [S] * n, [S] * n, self.axis, 0)
         # received slot i's first min(rows sent, S) rows are live, the rest of it never read
         live_Q = (torch.arange(S, device=x_TD.device) < table[:, E + me, None]).reshape(Q)
-        local_QK, weights_QK = unpack_meta(meta_QW, me, e, live_Q)
+        x_QD, local_QK, weights_QK = send_tokens(x_TD, ids_TK, weights_TK, pos_Tn, [S] * n, [S] * n, self.axis, e,
+                                                 live_Q)
         return routed_copies(x_QD, local_QK, weights_QK, e, R, fp8_rows=fp8_rows, handle=_Handle(pos_Tn, S))
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
@@ -208,7 +206,7 @@ class SyncFreeTransport:
         ranks it visited."""
         h: _Handle = routed.handle
         n = self.axis.size
-        return weighted_combine(exchanged_op(y_QD, [h.slot] * n, [h.slot] * n, self.axis, 0), h.pos_Tn, None)
+        return send_back(y_QD, h.pos_Tn, [h.slot] * n, [h.slot] * n, self.axis)
 
     def overflow_message(self, state: torch.Tensor, layer: str) -> Optional[str]:
         """What overflowed since the last check (``None``: nothing), read from ``state`` (one host read; the

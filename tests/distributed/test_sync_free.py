@@ -17,7 +17,7 @@ import spmdmoe
 from moe_plans import build_plan, reference_moe
 from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
 from spmdmoe.moe import MoEConfig, parallelize_moe
-from spmdmoe.moe import sync_free
+from spmdmoe.moe import dedup, sync_free
 from spmdmoe.testing import assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
 from test_moe_parity import run_parity
@@ -96,8 +96,8 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     moe.expert_bias[:2] = 1e3
     plan = build_plan("sp_ep", moe, TOTAL, world, request, ep_mode="sync_free", capacity_factor=1.0)
     sent = []
-    real = sync_free.exchanged_op
-    monkeypatch.setattr(sync_free, "exchanged_op", lambda t, *a: (sent.append(tuple(t.shape)), real(t, *a))[1])
+    real = dedup.exchanged_op  # the transports' token exchanges (dedup.send_tokens / send_back)
+    monkeypatch.setattr(dedup, "exchanged_op", lambda t, *a: (sent.append(tuple(t.shape)), real(t, *a))[1])
     x = reference_tensor((TOTAL, D), 9, device=device)[plan.rows]
     g = reference_tensor((TOTAL, D), 10, device=device)[plan.rows]
     dropped = _step(plan.layer, x, g)
