@@ -64,17 +64,20 @@ dist_suite() {  # $1 ranks: $OUT/tests_nccl_$1.md, a row per file, a total, a ro
   cat "$table"
 }
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
+CPU_CASE="tests/test_compile_moe.py::test_compiled_block_matches_eager[inductor-True-False]"
 if [ "$PART" = tests ] || [ "$PART" = single ] || [ "$PART" = all ]; then
   # on the first visible GPU while the NCCL suites run; waited for below. The README (its GPU block) before the
-  # compile tests; a test past --timeout gets its stacks dumped (pytest-timeout) and ends the run: the CPU inductor
-  # case of test_compile_moe did not finish on the GPU hosts (issue 41, not yet diagnosed)
+  # compile tests; a test past --timeout gets its stacks dumped (pytest-timeout) and ends the run. The one case of
+  # inductor on the CPU device runs after the suites (CPU_CASE): on these hosts inductor's C++ builds are slow (61-94 s
+  # to compile `x.sin() + 1`, the probe below), and beside 6 NCCL torchruns the case did not finish in 200 s
   # a probe: does inductor compile for the CPU in this image at all (the C++ toolchain, its worker pool)?
   { { command -v g++ c++ gcc; timeout 120 python3 -c 'import time, torch; t = time.time()
 print("inductor on the CPU:", torch.compile(lambda x: x.sin() + 1)(torch.ones(8))[0].item(), f"{time.time() - t:.1f} s")'
       echo "probe exit $?"; } > "$OUT/inductor_cpu_probe.txt" 2>&1 &
     timeout "${SINGLE_TIMEOUT:-480}" python3 -m pytest -v --durations=20 --timeout=200 -p no:cacheprovider -rs \
       tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py tests/test_moe.py tests/test_agreement.py \
-      tests/test_readme.py tests/test_compile_moe.py > "$OUT/tests_single.txt" 2>&1; wait; } &
+      tests/test_dedup.py tests/test_readme.py tests/test_compile_moe.py --deselect "$CPU_CASE" > "$OUT/tests_single.txt" 2>&1
+    wait; } &
   SINGLE=$!
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
@@ -88,8 +91,9 @@ if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
 fi
 if [ -n "${SINGLE:-}" ]; then
   wait "$SINGLE"
-  echo "== single-process GPU tests (kernels, FP8, the MoE layer, compile, the README's blocks)"
-  tail -4 "$OUT/inductor_cpu_probe.txt"; tail -15 "$OUT/tests_single.txt"
+  timeout 300 python3 -m pytest -v --timeout=280 -p no:cacheprovider "$CPU_CASE" > "$OUT/tests_single_cpu_inductor.txt" 2>&1
+  echo "== single-process GPU tests (kernels, FP8, the MoE layer, compile, the README's blocks), then the CPU inductor case"
+  tail -4 "$OUT/inductor_cpu_probe.txt"; tail -15 "$OUT/tests_single.txt"; tail -1 "$OUT/tests_single_cpu_inductor.txt"
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
   echo "== main job on NCCL"

@@ -49,6 +49,18 @@ CASES = [(p, {}) for p in PLANS] + [(p, SYNC_FREE) for p in ("sp_ep", "ep", "sp_
 
 @pytest.mark.parametrize("plan_name,options", CASES, ids=[p + ("-sync_free" if o else "") for p, o in CASES])
 def test_compiled_layer_matches_eager_with_one_graph(world, device, request, plan_name, options):
+    _compare(plan_name, options, True, world, device, request)
+
+
+@pytest.mark.parametrize("options", [{}, SYNC_FREE], ids=["sync", "sync_free"])
+def test_compiled_ep_with_torchs_default_shapes(world, device, request, options):
+    """``torch.compile``'s default (``dynamic=None``): the first graph has static sizes (inductor on CUDA
+    could not generate code for the EP positions' scan at static sizes, torch 2.11: issue 41), a second
+    one dynamic sizes, at most one more when a rank first sees its rows and ``T`` change."""
+    _compare("ep", options, None, world, device, request, max_graphs=3)
+
+
+def _compare(plan_name, options, dynamic, world, device, request, max_graphs=1):
     if plan_name == "sp_ep" and options:
         options = {"ep_mode": "sync_free"}  # EP on the SP axis: T_max from the layout (symbolic in T)
     torch._dynamo.reset()
@@ -58,7 +70,7 @@ def test_compiled_layer_matches_eager_with_one_graph(world, device, request, pla
     moe = reference_moe(cfg, 3, device)
     eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
     compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
-    run = torch.compile(compiled, backend=compile_backend(device), fullgraph=True, dynamic=True)
+    run = torch.compile(compiled, backend=compile_backend(device), fullgraph=True, dynamic=dynamic)
     for i, total in enumerate(STEPS):
         X = reference_tensor((total, D), 100 + i, device=device)
         G = reference_tensor((total, D), 200 + i, device=device)
@@ -72,7 +84,7 @@ def test_compiled_layer_matches_eager_with_one_graph(world, device, request, pla
             close(p.grad, q.grad, f"step {i} {name} gradient")
         close(compiled.tokens_per_expert, eager.tokens_per_expert, f"step {i} load counts", 0)
         graphs = len(_debug_get_cache_entry_list(type(compiled).forward.__code__))
-        assert graphs == 1, f"step {i} (T={total}): {graphs} graphs compiled"
+        assert graphs <= max_graphs, f"step {i} (T={total}): {graphs} graphs compiled (at most {max_graphs})"
     eager.update_expert_bias()
     compiled.update_expert_bias()
     assert torch.equal(compiled.expert_bias, eager.expert_bias)

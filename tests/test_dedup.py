@@ -1,0 +1,77 @@
+"""The rank-deduplicated dispatch's index maths (``spmdmoe.moe.dedup``), in one process.
+
+``destinations`` and ``send_positions`` against a loop over the tokens, packed and with a slot (tokens past
+a block's slot dropped), with zero tokens, one rank, and every token on one rank; on a GPU also compiled with
+inductor, static and dynamic shapes, equal to eager (torch 2.11's inductor could not generate code for the
+scan the positions were computed with before, static shapes only: ``vs_torchtitan.py`` at EP 4).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from spmdmoe.moe.dedup import destinations, send_positions
+
+# T tokens, K top-k, E experts, e local experts, n EP ranks
+
+
+def _positions_by_loop(need_Tn: torch.Tensor, slot: Optional[int]) -> torch.Tensor:
+    T, n = need_Tn.shape
+    out_Tn = torch.full((T, n), -1, dtype=torch.int64)
+    start = 0
+    for d in range(n):
+        within = 0
+        for t in range(T):
+            if need_Tn[t, d]:
+                if slot is None:
+                    out_Tn[t, d] = start + within
+                elif within < slot:
+                    out_Tn[t, d] = d * slot + within
+                within += 1
+        start += within
+    return out_Tn
+
+
+def _routing(T: int, E: int, K: int, seed: int, one_rank: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=gen)
+    if one_rank:
+        scores[:, E // 2:] = -1  # every token's experts on the first ranks' half
+    return scores.topk(K, dim=1).indices
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("T", [0, 1, 7, 300])
+def test_destinations_and_positions_match_a_loop(n, T):
+    E, K = 16, 3
+    for seed, one_rank in ((0, False), (1, True)):
+        ids_TK = _routing(T, E, K, seed, one_rank)
+        need_Tn = destinations(ids_TK, E // n, n)
+        want = torch.zeros(T, n, dtype=torch.bool)
+        for t in range(T):
+            for k in range(K):
+                want[t, int(ids_TK[t, k]) // (E // n)] = True
+        assert torch.equal(need_Tn, want)
+        for slot in (None, 0, 1, max(T // 3, 1), T):
+            assert torch.equal(send_positions(need_Tn, slot), _positions_by_loop(need_Tn, slot)), (slot, one_rank)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_positions_compile_with_inductor_on_cuda(n, dynamic):
+    torch._dynamo.reset()
+    E, K = 64, 6
+
+    def positions(ids_TK: torch.Tensor, slot: Optional[int]) -> torch.Tensor:
+        return send_positions(destinations(ids_TK, E // n, n), slot)
+
+    run = torch.compile(positions, fullgraph=True, dynamic=dynamic)
+    for T in (16384, 1000):
+        ids_TK = _routing(T, E, K, T).cuda()
+        for slot in (None, T // (2 * n)):
+            assert torch.equal(run(ids_TK, slot), positions(ids_TK, slot)), (T, slot)
