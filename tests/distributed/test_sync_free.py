@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 import spmdmoe
-from moe_plans import build_plan, reference_moe
+from moe_plans import build_plan, expert_grad_slice, reference_moe, summed_over
 from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
 from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.moe import dedup, sync_free
 from spmdmoe.testing import assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
-from test_moe_parity import run_parity
+from test_moe_parity import close, run_parity
 
 D, F, E = 16, 16, 8
 EP_PLANS = ["sp_ep", "ep", "sp_x_ep", "gather_ep"]
@@ -148,24 +148,37 @@ def _kept_copies(ids_by_rank, n, e, S, R):
 def test_dropped_copies_count_as_zero(world, device, request, nan_empty):
     """With a tiny capacity, each output row is the weighted sum of the copies that fit, nothing else: the
     rule of ``sync_free.py`` (a slot keeps its first ``S`` tokens, an experts' buffer its first ``R`` copies in
-    expert-major order) simulated from every rank's routing, against the layer."""
+    expert-major order) simulated from every rank's routing, against the layer; so are the input gradient and
+    every parameter gradient (a dropped copy contributes zero to each, never a stale or uninitialised row)."""
     n = world.size()
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
     moe = reference_moe(cfg, 5, device)
     plan = build_plan("ep", moe, TOTAL, world, request, ep_mode="sync_free", capacity_factor=0.25, max_tokens=TOTAL)
-    x = reference_tensor((TOTAL, D), 11, device=device)[plan.rows]
+    x = reference_tensor((TOTAL, D), 11, device=device)[plan.rows].requires_grad_()
+    g = reference_tensor((TOTAL, D), 12, device=device)[plan.rows]
     y = plan.layer(x)
-    r = moe.router(x, moe.expert_bias, moe.router.gate.weight)
+    (y * g).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    r = moe.router(x_ref, moe.expert_bias, moe.router.gate.weight)
     ids_by_rank = [None] * n
     dist.all_gather_object(ids_by_rank, r.ids_TK.tolist())
     S, R = sync_free.capacity_rows(TOTAL, 2, E // n, n, 0.25)  # 6 and 21 on 4 ranks
     kept = _kept_copies(ids_by_rank, n, E // n, S, R)[world.get_local_rank()]
-    want = torch.zeros_like(x)
+    rows = [torch.zeros(D, device=device) for _ in range(x.shape[0])]
     for t, k in kept:
         e_ = int(r.ids_TK[t, k])
-        h = torch.nn.functional.silu(x[t] @ moe.experts.w1[e_].T) * (x[t] @ moe.experts.w3[e_].T)
-        want[t] += r.weights_TK[t, k] * (h @ moe.experts.w2[e_].T)
+        h = torch.nn.functional.silu(x_ref[t] @ moe.experts.w1[e_].T) * (x_ref[t] @ moe.experts.w3[e_].T)
+        rows[t] = rows[t] + r.weights_TK[t, k] * (h @ moe.experts.w2[e_].T)
+    want = torch.stack(rows) if rows else torch.zeros_like(x_ref)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    (want * g).sum().backward()
+    close(x.grad, x_ref.grad, "input gradient")
+    ref = dict(moe.named_parameters())
+    for name, p in plan.layer.named_parameters():  # the reference saw this rank's tokens: sum it over ranks
+        full = summed_over(ref[name].grad, dist.group.WORLD)
+        want_grad = expert_grad_slice(name, full, plan) if name.startswith("experts.") else full
+        got = p.grad if name.startswith("experts.") else summed_over(p.grad, plan.dp_group)
+        close(got, want_grad, f"{name} gradient")
     dropped = torch.tensor([x.shape[0] * 2 - len(kept)], device=device)
     dist.all_reduce(dropped)
     assert int(dropped) > 0, "the test must drop copies somewhere"
