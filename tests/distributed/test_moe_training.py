@@ -52,15 +52,21 @@ def test_gradient_accumulation_over_micro_batches(world, device, request, plan_n
     _check_grads(plan, moe, "accumulated ")
 
 
-@pytest.mark.parametrize("plan_name", ["sp_ep", "gather", "ep"])
+SYNC_FREE = {"ep_mode": "sync_free", "max_tokens": 23}
+CHECKPOINTED = [("sp_ep", {}), ("gather", {}), ("ep", {}), ("sp_ep", {"ep_mode": "sync_free"}), ("ep", SYNC_FREE)]
+
+
+@pytest.mark.parametrize("plan_name,options", CHECKPOINTED,
+                         ids=[p + ("-sync_free" if o else "") for p, o in CHECKPOINTED])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpoint(world, device, request, plan_name, reentrant):
-    """Recompute does not count the tokens twice, and the gradients stay exact."""
+def test_activation_checkpoint(world, device, request, plan_name, options, reentrant):
+    """Recompute does not count the tokens twice, and the gradients stay exact (both EP transports: the
+    recompute runs the dispatch and its exchanges again)."""
     moe = reference_moe(CFG, 2, device)
     X, G = reference_tensor((23, D), 30, device=device), reference_tensor((23, D), 31, device=device)
     leaf_ref = X.clone().requires_grad_()
     (moe(leaf_ref) * G).sum().backward()
-    plan = build_plan(plan_name, moe, 23, world, request)
+    plan = build_plan(plan_name, moe, 23, world, request, **options)
     leaf = X[plan.rows].clone().requires_grad_()
     run = lambda t: _local(plan.layer(plan.wrap(t)))  # noqa: E731
     (checkpoint(run, leaf, use_reentrant=reentrant) * G[plan.rows]).sum().backward()
