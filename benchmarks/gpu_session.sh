@@ -131,7 +131,8 @@ if [ "$PART" = titan ] || [ "$PART" = all ]; then
   peer_wheels
   # LAYOUTS: "GPUs EP [--compile]" entries (--compile: torchtitan's per-block compile, with EP + FSDP on torch >= 2.13
   # only: torchtitan_model.py says why); PEER_EPS: vs_torchtitan's EP degrees (`LAYOUTS="2 2" PEER_EPS=2
-  # gpu_session.sh titan` on GPUs 0,1 beside another part on 2,3)
+  # gpu_session.sh titan` on GPUs 0,1 beside another part on 2,3); PEER_ARGS: more vs_torchtitan options
+  # (`--precision bf16`); PEER_PROFILE=1: each spmdmoe candidate's top CUDA ops (eager against compiled)
   compiled=$(python3 -c 'import sys; sys.path.insert(0, "tests"); from torchtitan_models import fsdp_meshes_per_parameter
 print(",4 4 --compile" if fsdp_meshes_per_parameter() else "")')  # the benchmark's own test of that torch
   IFS=, read -ra layouts <<< "${LAYOUTS:-2 2,4 4,4 2$compiled}"
@@ -146,7 +147,8 @@ print(",4 4 --compile" if fsdp_meshes_per_parameter() else "")')  # the benchmar
   for n in ${PEER_EPS:-2 4}; do
     [ "$NGPU" -ge "$n" ] || continue
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 480 torchrun --standalone --nproc-per-node "$n" \
-      benchmarks/vs_torchtitan.py --shape "${SHAPE:-dsmoe16b}" --out "$OUT/bench_peer_ep$n.md" > "$OUT/log_peer_ep$n.txt" 2>&1
+      benchmarks/vs_torchtitan.py --shape "${SHAPE:-dsmoe16b}" --out "$OUT/bench_peer_ep$n.md" ${PEER_ARGS:-} \
+      $([ -n "${PEER_PROFILE:-}" ] && echo --profile "$OUT/profile_peer_ep$n.txt") > "$OUT/log_peer_ep$n.txt" 2>&1
     echo "vs_torchtitan, EP $n: exit $?"
   done
 fi

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --shape dsmoe16b [--out FILE]
     torchrun --nproc-per-node N benchmarks/vs_torchtitan.py --shape dsmoe16b --precision bf16   # N > 1: EP
     torchrun --nproc-per-node 2 benchmarks/vs_torchtitan.py --smoke     # CPU (gloo), tiny, no timing
+    torchrun --nproc-per-node 2 benchmarks/vs_torchtitan.py --precision bf16 --profile FILE  # + our top CUDA ops
 
 Shapes (``--shape``, ``benchmarks/shapes.py``): dsmoe16b (2048 / 1408 / 64 / 6, 16k tokens), dsmoe16b-64k,
 qwen3-30b (2048 / 768 / 128 / 8), qwen3-235b (4096 / 1536 / 128 / 8), dsv3-ep8 (7168 / 2048 / 32 / 8: one
@@ -81,7 +82,7 @@ from shapes import SHAPES, Shape
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.checkpoint import to_torchtitan
 from spmdmoe.moe.fp8 import fp8_wgrad
-from timing import report, timed
+from timing import kernel_table, report, timed
 
 Fwd = Callable[[torch.Tensor], torch.Tensor]
 TOLERANCE = 2e-2  # relative error of one row (output or input gradient) in bf16
@@ -299,6 +300,8 @@ def main() -> None:
     for flag, default in (("--reps", 15), ("--iters", 5)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="write rank 0's top CUDA ops of each timed spmdmoe candidate "
+                    "here (eager against compiled: where a compiled step's time goes)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims, fp32, compile with aot_eager, no timing")
     ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base`, an older spmdmoe renamed "
                     "(benchmarks/base_copy.sh): its bf16 and FP8 layers (eager, compiled) join the rotation")
@@ -482,6 +485,11 @@ def main() -> None:
                                       t_fp8, args.iters, args.reps)
         if rank == 0:
             report(text, args.out)
+        if args.profile:  # on every rank (the steps run collectives); rank 0 writes
+            tables = [f"## {n}\n{kernel_table(step)}" for n, step in steps.items() if n.startswith("spmdmoe")]
+            if rank == 0:
+                with open(args.profile, "w") as f:
+                    f.write("\n\n".join(tables) + "\n")
     if world > 1:
         dist.destroy_process_group()
 
