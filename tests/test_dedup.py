@@ -1,9 +1,10 @@
 """The rank-deduplicated dispatch's index maths (``spmdmoe.moe.dedup``), in one process.
 
 ``destinations`` and ``send_positions`` against a loop over the tokens, packed and with a slot (tokens past
-a block's slot dropped), with zero tokens, one rank, and every token on one rank; on a GPU also compiled with
-inductor, static and dynamic shapes, equal to eager (torch 2.11's inductor could not generate code for the
-scan the positions were computed with before, static shapes only: ``vs_torchtitan.py`` at EP 4).
+a block's slot dropped), with zero tokens, one rank, every token's experts on the lower half of the ranks (one
+rank at n = 2), and tokens that need no rank (a table given directly); on a GPU also compiled with inductor,
+static and dynamic shapes, equal to eager and to the loop (torch 2.11's inductor could not generate code for
+the scan the positions were computed with before, static shapes only: ``vs_torchtitan.py`` at EP 4).
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ def test_destinations_and_positions_match_a_loop(n, T):
             assert torch.equal(send_positions(need_Tn, slot), _positions_by_loop(need_Tn, slot)), (slot, one_rank)
 
 
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("fill", [0.0, 0.3, 1.0])
+def test_positions_of_any_table_match_a_loop(n, fill):
+    """Tables ``destinations`` never makes: tokens that need no rank (a token whose copies were all
+    dropped), or every rank."""
+    need_Tn = torch.rand(300, n, generator=torch.Generator().manual_seed(n)) < fill
+    for slot in (None, 0, 1, 50, 300):
+        assert torch.equal(send_positions(need_Tn, slot), _positions_by_loop(need_Tn, slot)), slot
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -71,7 +82,11 @@ def test_positions_compile_with_inductor_on_cuda(n, dynamic):
         return send_positions(destinations(ids_TK, E // n, n), slot)
 
     run = torch.compile(positions, fullgraph=True, dynamic=dynamic)
-    for T in (16384, 1000):
+    for T in (16384, 300):
         ids_TK = _routing(T, E, K, T).cuda()
         for slot in (None, T // (2 * n)):
-            assert torch.equal(run(ids_TK, slot), positions(ids_TK, slot)), (T, slot)
+            got = run(ids_TK, slot)
+            assert torch.equal(got, positions(ids_TK, slot)), (T, slot)
+            if T == 300:  # and the loop's, off the GPU
+                need_Tn = destinations(ids_TK.cpu(), E // n, n)
+                assert torch.equal(got.cpu(), _positions_by_loop(need_Tn, slot)), (T, slot)
