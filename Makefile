@@ -21,7 +21,7 @@ VENV_OLD  ?= .venv-torch-old
 OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchtitan.py tests/test_docs_torchtitan.py \
 	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_benchmark_smoke \
 	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_compiled_blocks_benchmark_smoke
-OLD_DIST   ?= tests/distributed/test_compile_moe.py tests/distributed/test_grad_overlap.py \
+OLD_DIST   ?= tests/distributed/test_compile_moe.py tests/distributed/test_compile_ep.py tests/distributed/test_grad_overlap.py \
 	tests/distributed/test_torchtitan.py
 # torchtitan for the swap tests (tests/test_torchtitan.py; Python >= 3.11), without its training-only dependencies
 TORCHTITAN ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.0

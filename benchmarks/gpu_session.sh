@@ -25,7 +25,7 @@ peer_wheels() {  # torchtitan, torchao and their pins from the carried .whl/ (..
 # lane, lanes = GPUs / ranks, several jobs a lane when JOBS is larger). A torchrun per file isolates failures: with
 # TORCH_NCCL_ASYNC_ERROR_HANDLING's default an NCCL timeout kills the process, and a mismatched collective can
 # poison its communicator, so one file's failure must not take other files down. Heaviest files first.
-FIRST="compile_moe data_parallel agreement grad_overlap moe_training torchtitan collectives cuda_graphs sync_free"
+FIRST="compile_moe compile_ep data_parallel agreement grad_overlap moe_training torchtitan collectives cuda_graphs sync_free"
 run_file() {  # $1 ranks, $2 test file, $3 CUDA_VISIBLE_DEVICES: one torchrun, its log and rows under $OUT/nccl_$1/
   local n=$1 f=$2 name dir t0 rc r
   name=$(basename "$f" .py); dir="$OUT/nccl_$n"; t0=$(date +%s)
@@ -64,7 +64,7 @@ dist_suite() {  # $1 ranks: $OUT/tests_nccl_$1.md, a row per file, a total, a ro
   cat "$table"
 }
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
-CPU_CASE="tests/test_compile_moe.py::test_compiled_block_matches_eager[inductor-True-False]"
+CPU_CASE="tests/test_compile_moe.py::test_compiled_block_matches_eager[inductor-True-False]"  # CPU_CASE_RUN=0: skipped
 if [ "$PART" = tests ] || [ "$PART" = single ] || [ "$PART" = all ]; then
   # on the first visible GPU while the NCCL suites run; waited for below. The README (its GPU block) before the
   # compile tests; a test past --timeout gets its stacks dumped (pytest-timeout) and ends the run. The one case of
@@ -90,7 +90,7 @@ if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
   wait $(jobs -rp | grep -vx "${SINGLE:-none}")
   cat "$OUT"/dist_*.log
 fi
-if [ -n "${SINGLE:-}" ]; then
+if [ -n "${SINGLE:-}" ] && [ "${CPU_CASE_RUN:-1}" = 1 ]; then
   wait "$SINGLE"
   timeout 300 python3 -m pytest -v --timeout=280 -p no:cacheprovider "$CPU_CASE" > "$OUT/tests_single_cpu_inductor.txt" 2>&1 &
   CPU_RUN=$!
@@ -100,13 +100,13 @@ if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
   timeout 200 torchrun --standalone --nproc-per-node "$NGPU" examples/train_moe.py --device cuda 2>&1 | grep -v "^W1" > "$OUT/train_moe_cuda.txt"; tail -3 "$OUT/train_moe_cuda.txt"
 fi
 if [ -n "${SINGLE:-}" ]; then
-  wait "$CPU_RUN"
+  wait "${CPU_RUN:-$SINGLE}"
   echo "== single-process GPU tests (kernels, FP8, the MoE layer, compile, the README's blocks), then the CPU inductor case"
-  tail -4 "$OUT/inductor_cpu_probe.txt"; tail -15 "$OUT/tests_single.txt"; tail -1 "$OUT/tests_single_cpu_inductor.txt"
+  tail -4 "$OUT/inductor_cpu_probe.txt"; tail -15 "$OUT/tests_single.txt"; tail -1 "$OUT/tests_single_cpu_inductor.txt" 2>/dev/null
 fi
-exits() {  # $1 name, $2 GPUs, then the command: EXIT_RUNS runs; a row each (exit, s, s from the last line to the exit)
-  local name=$1 gpus=$2 i t0 rc; shift 2
-  for i in $(seq 1 "${EXIT_RUNS:-10}"); do
+exits() {  # $1 name, $2 GPUs, $3 the run numbers, then the command: a row per run (exit, s, s from the last line to the exit)
+  local name=$1 gpus=$2 runs=$3 i t0 rc; shift 3
+  for i in $runs; do
     t0=$(date +%s.%N)
     CUDA_VISIBLE_DEVICES=$gpus timeout 300 "$@" 2>&1 | grep -v "^W1" | while IFS= read -r line; do
       printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$OUT/exit_${name}_$i.txt"
@@ -121,11 +121,20 @@ if [ "$PART" = exits ] || [ "$PART" = all ]; then
   # sync-free benchmark (CUDA graphs that captured NCCL work) EXIT_RUNS times each, on two GPU pairs at once
   echo "== clean exits on NCCL, ${EXIT_RUNS:-10} runs each; the main job's losses compared bit for bit across runs"
   printf '| program (2 GPUs, NCCL) | run | exit | s | s after its last line |\n|---|---|---|---|---|\n' > "$OUT/exits.md"
-  exits train_moe 0,1 torchrun --standalone --nproc-per-node 2 examples/train_moe.py --device cuda &
-  exits sync_free "$([ "$NGPU" -ge 4 ] && echo 2,3 || echo 0,1)" torchrun --standalone --nproc-per-node 2 \
-    benchmarks/sync_free.py --tokens 1024 --layers 1 --reps 2 --iters 1 &  # small: the exit is what is measured
+  # EXITS: the programs (default both); one program alone on a 4-GPU host takes both pairs, half the runs each
+  programs=(${EXITS:-train_moe sync_free}); pairs=(0,1 $([ "$NGPU" -ge 4 ] && echo 2,3)); runs=$(seq 1 "${EXIT_RUNS:-10}")
+  declare -A cmd=([train_moe]="examples/train_moe.py --device cuda"
+                  [sync_free]="benchmarks/sync_free.py --tokens 1024 --layers 1 --reps 2 --iters 1")  # small: the exit is measured
+  if [ ${#programs[@]} = 1 ] && [ ${#pairs[@]} = 2 ]; then
+    exits "${programs[0]}" 0,1 "$(echo $runs | tr ' ' '\n' | awk 'NR % 2')" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[0]}]} &
+    exits "${programs[0]}" 2,3 "$(echo $runs | tr ' ' '\n' | awk '!(NR % 2)')" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[0]}]} &
+  else
+    for k in "${!programs[@]}"; do
+      exits "${programs[$k]}" "${pairs[$((k % ${#pairs[@]}))]}" "$runs" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[$k]}]} &
+    done
+  fi
   wait
-  for i in $(seq 1 "${EXIT_RUNS:-10}"); do grep -h "parallel losses, exact" "$OUT/exit_train_moe_$i.txt" | cut -d' ' -f5-; done \
+  for i in $runs; do grep -hs "parallel losses, exact" "$OUT/exit_train_moe_$i.txt" | cut -d' ' -f5-; done \
     | sort | uniq -c | awk '{printf "main job: %d run(s) with losses %s\n", $1, substr($0, index($0, $2))}' >> "$OUT/exits.md"
   cat "$OUT/exits.md"
 fi

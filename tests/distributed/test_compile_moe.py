@@ -52,14 +52,6 @@ def test_compiled_layer_matches_eager_with_one_graph(world, device, request, pla
     _compare(plan_name, options, True, world, device, request)
 
 
-@pytest.mark.parametrize("options", [{}, SYNC_FREE], ids=["sync", "sync_free"])
-def test_compiled_ep_with_torchs_default_shapes(world, device, request, options):
-    """``torch.compile``'s default (``dynamic=None``): the first graph has static sizes (inductor on CUDA
-    could not generate code for the EP positions' scan at static sizes, torch 2.11: issue 41), a second
-    one dynamic sizes, at most one more when a rank first sees its rows and ``T`` change."""
-    _compare("ep", options, None, world, device, request, max_graphs=3)
-
-
 def _compare(plan_name, options, dynamic, world, device, request, max_graphs=1):
     if plan_name == "sp_ep" and options:
         options = {"ep_mode": "sync_free"}  # EP on the SP axis: T_max from the layout (symbolic in T)
@@ -118,40 +110,3 @@ def test_the_traced_forward_reads_the_agreed_set_and_no_cache(world, device, req
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         close(p.grad, q.grad, f"{name} gradient")
 
-
-def test_compiled_sync_ep_zero_fills_no_row_buffer(world, device, request):
-    """The sync EP transport's buffers are sized by the exchanged counts (data-dependent under compile) and
-    every row of them is written: the dedup send buffer (a token to a rank once) and the experts' copies (at
-    most ``K`` per received row). The transport states both bounds (``torch._check``), so no traced op
-    zero-fills a ``(rows, D)`` buffer of such a size, forward or backward (inductor ran two fills per
-    fan-out before, 2.5 ms of GPU time per EP 4 step at 16k tokens on H100s: issue 41). bf16, so the
-    grouped GEMM is torch's (fp32 under compile takes a masked loop that zero-fills its output)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    fills = {torch.ops.aten.zeros.default, torch.ops.aten.new_zeros.default, torch.ops.aten.full.default,
-             torch.ops.aten.zeros_like.default, torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar,
-             torch.ops.aten.new_full.default}
-    found = []
-
-    def keep(gm, example_inputs):
-        for node in gm.graph.nodes:
-            val = node.meta.get("val")
-            if (node.target in fills and isinstance(val, torch.Tensor) and val.dim() == 2 and val.shape[1] == D
-                    and free_unbacked_symbols(val.shape[0])):
-                found.append(f"{node.format_node()} (rows {val.shape[0]})")
-        return make_boxed_func(gm.forward)
-
-    torch._dynamo.reset()
-    torch._dynamo.config.capture_scalar_outputs = True
-    cfg = MoEConfig(dim=D, hidden_dim=16, num_experts=8, top_k=2)
-    moe = reference_moe(cfg, 9, device, dtype=torch.bfloat16)
-    layer = build_plan("ep", moe, STEPS[0], world, request).layer
-    run = torch.compile(layer, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True,
-                        dynamic=True)
-    X = reference_tensor((STEPS[0], D), 11, device=device).to(torch.bfloat16)
-    G = reference_tensor((STEPS[0], D), 12, device=device).to(torch.bfloat16)
-    _step(build_plan("ep", moe, STEPS[0], world, request, layer=layer), run, X, G)
-    torch._dynamo.reset()
-    assert not found, "zero-filled row buffers of data-dependent size:\n" + "\n".join(found)
