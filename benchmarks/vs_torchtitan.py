@@ -27,6 +27,10 @@ Every candidate is timed in ONE rotation (``timing.timed``: interleaved, median 
   Where compiling fails (EP under its default ``spmd_types`` backend) the reason is shown and the
   compiled row runs under its ``partial_dtensor`` backend.
 
+At N > 1 also our bf16 and FP8 (cached) layers with all E experts on each GPU, run eagerly on the rank's
+own T tokens with no EP (no collective): the one-GPU layer at the same tokens per GPU, timed in the same
+rotation, so the table ends with EP's cost against one GPU (issue 42's gates).
+
 Also in the rotation: our FP8 layer with the weight-gradient precision ``fp8_wgrad="auto"`` did not pick
 (eager, compiled), and with ``--base DIR`` an older spmdmoe (``benchmarks/base_copy.sh``: bf16 eager and
 compiled, FP8 cached eager and compiled), so a change is measured against the code before it in one process.
@@ -230,6 +234,27 @@ def table(head: str, T: int, t: dict[str, float], mem: dict[str, float], cands: 
     return "\n".join(lines + [f"| {n} | {why} |" + " |" * (3 + len(refs)) for n, why in failed.items()])
 
 
+ONE_GPU_BF16 = "spmdmoe bf16 eager, one GPU (all experts here, no EP)"
+ONE_GPU_FP8 = "spmdmoe FP8 eager, cached (b), one GPU (all experts here, no EP)"
+
+
+def against_one_gpu(world: int, t: dict[str, float]) -> str:
+    """EP against the same layer on one GPU at the same tokens per GPU (issue 42's gates: EP 2 bf16 at most
+    1.25x, goal 1.15x; FP8 / bf16 under EP at least what it is on one GPU), from the same rotation."""
+    lines = []
+    if ONE_GPU_BF16 in t:
+        for n in ("spmdmoe bf16 eager", "spmdmoe bf16 compiled (fullgraph)"):
+            if n in t:
+                lines.append(f"{n} / one GPU's bf16 eager: {t[n] / t[ONE_GPU_BF16]:.3f}x the time")
+    pairs = (t.get("spmdmoe bf16 eager"), t.get("spmdmoe FP8 eager, cached (b)"), t.get(ONE_GPU_BF16), t.get(ONE_GPU_FP8))
+    if all(pairs):
+        ep_bf16, ep_fp8, one_bf16, one_fp8 = pairs
+        lines.append(f"FP8 cached (b) speedup over bf16, eager: EP {world} {ep_bf16 / ep_fp8:.3f}x, "
+                     f"one GPU {one_bf16 / one_fp8:.3f}x")
+    return f"EP {world} against one GPU (same rotation, {world} ranks each running the one-GPU layer on its own "\
+        "tokens):\n" + "\n".join(lines or ["(no one-GPU row)"])
+
+
 def copy_tbps() -> float:
     """Device-to-device copy bandwidth (bytes read + written) of a 2 GiB bf16 buffer, TB/s."""
     a = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
@@ -341,7 +366,7 @@ def main() -> None:
     torch.manual_seed(0)  # the same full weights on every rank
     state = {k: v.detach().clone() for k, v in MoE(cfg).to(device=device, dtype=dtype).state_dict().items()}
 
-    def ours(precision: str, cache: bool = True, lib: Any = None, **extra: Any) -> torch.nn.Module:
+    def ours(precision: str, cache: bool = True, lib: Any = None, ep: bool = True, **extra: Any) -> torch.nn.Module:
         if lib is None:
             m = MoE(dataclasses.replace(cfg, expert_precision=precision, **extra)).to(device=device, dtype=dtype)
         else:  # the older copy: its own config class
@@ -349,7 +374,7 @@ def main() -> None:
         m.load_state_dict(state)
         if not cache:
             m.experts.fp8_cache = None
-        return parallelize_moe(m, ep_mesh=dist.group.WORLD) if world > 1 else m
+        return parallelize_moe(m, ep_mesh=dist.group.WORLD) if world > 1 and ep else m
 
     def titan(m: torch.nn.Module) -> Fwd:
         return lambda t: m(t.view(1, T, D)).view(T, D)  # it takes (B, L, D)
@@ -408,6 +433,9 @@ def main() -> None:
         bf16 = ours("bf16")
         cands["spmdmoe bf16 eager"] = Candidate(bf16, bf16, False)
         compiled("spmdmoe bf16 compiled", bf16, False)
+        if world > 1:  # the same layer, all E experts on this GPU, on this rank's own T tokens: no EP
+            alone = ours("bf16", ep=False)
+            cands[ONE_GPU_BF16] = Candidate(alone, alone, False)
         if base is not None:
             old = ours("bf16", lib=base)
             cands["base bf16 eager"] = Candidate(old, old, False)
@@ -419,6 +447,9 @@ def main() -> None:
         cands["spmdmoe FP8 eager, cached (b)"] = Candidate(cached, cached, True, cache_gib=gib)
         cands["spmdmoe FP8 eager, weights changed every step (a)"] = Candidate(changed, changed, True, flipper(changed), gib)
         cands["spmdmoe FP8 eager, no cache (a)"] = Candidate(uncached, uncached, True)
+        if world > 1:
+            alone = ours("fp8_rowwise", ep=False)
+            cands[ONE_GPU_FP8] = Candidate(alone, alone, True, cache_gib=alone.experts.fp8_cache.nbytes() / 2**30)
         compiled("spmdmoe FP8 compiled, cached (b)", cached, True, cache_gib=gib)
         compiled("spmdmoe FP8 compiled, weights changed every step (a)", changed, True, before=flipper(changed),
                  cache_gib=gib)
@@ -483,6 +514,8 @@ def main() -> None:
                 t_fp8["b"] = t.get("spmdmoe FP8 eager, cached (b), wgrad fp8")
             text += "\n\n" + ceilings(shape, routed_sizes(cands["spmdmoe bf16 eager"].module, x), t["spmdmoe bf16 eager"],
                                       t_fp8, args.iters, args.reps)
+        if world > 1:
+            text += "\n\n" + against_one_gpu(world, t)
         if rank == 0:
             report(text, args.out)
         if args.profile:  # on every rank (the steps run collectives); rank 0 writes
