@@ -127,3 +127,44 @@ def test_problem_bits_ride_the_count_exchange(world, device):
     routed = AllToAllTransport(axis, E, raises=False).dispatch(x_TD, ids_TK, w_TK, problem=Problem(bits, [], flag))
     assert routed.x_RD.shape[0] == routed.capacity
     assert_raises_everywhere(SPMDShapeError, spmdmoe.check_errors, match=rf"\(rank {n - 1}: input width")
+
+
+@pytest.mark.parametrize("options", [{}, {"ep_mode": "sync_free", "max_tokens": 16}], ids=["sync", "sync_free"])
+def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkeypatch, options):
+    """``docs/design.md``: of an EP forward autograd keeps the index maps and the experts' own tensors,
+    nothing of the send or receive buffers (the rows and the ids-and-weights each way, the combine's rows).
+    Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, ``dedup.exchanged_op``'s
+    received rows) is recorded, and so is every tensor autograd saves in the forward; none of the saved
+    ones may share a buffer's storage."""
+    from moe_plans import build_plan, reference_moe
+    from spmdmoe.moe import MoEConfig, dedup
+
+    buffers = []
+
+    def recorded(fn):
+        def call(*args):
+            out = fn(*args)
+            buffers.append(out)
+            return out
+        return call
+
+    monkeypatch.setattr(dedup, "scatter_rows", recorded(dedup.scatter_rows))
+    monkeypatch.setattr(dedup, "exchanged_op", recorded(dedup.exchanged_op))
+    cfg = MoEConfig(dim=8, hidden_dim=16, num_experts=2 * world.size(), top_k=2, num_shared_experts=1)
+    moe = reference_moe(cfg, 4, device)
+    plan = build_plan("ep", moe, 16, world, request, **options)
+    X = reference_tensor((16, 8), 5, device=device)
+    leaf = X[plan.rows].clone().requires_grad_()
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        y = plan.layer(plan.wrap(leaf))
+    y.sum().backward()  # the step runs to the end with the hooks' tensors
+    assert len(buffers) == 5, f"expected 2 send buffers and 3 exchanges, recorded {len(buffers)}"
+    storages = {b.untyped_storage().data_ptr() for b in buffers if b.numel()}
+    held = [tuple(t.shape) for t in saved if t.numel() and t.untyped_storage().data_ptr() in storages]
+    assert saved and not held, f"rank {world.get_local_rank()}: autograd keeps exchange buffers of shapes {held}"
