@@ -11,7 +11,8 @@ EP-8 rank's 32 experts taking all 16k x 8 copies); ``--tokens`` overrides T. tor
 extra (``pip install --no-deps .whl/*.whl``: torchtitan, spmd_types, torchao, tyro, docstring_parser,
 typeguard); without it the script says so and exits 0.
 
-Both layers: same weights and inputs, bf16 activations, softmax scores, no shared experts,
+Both layers: same weights and inputs, bf16 activations, softmax scores, no shared experts (``--shared S``: S
+of the routed experts' hidden size each, in both),
 ``load_balance_coeff`` set (the bias update is not timed), the gate GEMM in fp32, T tokens per rank.
 N = 1: both on one GPU. N > 1: EP over all ranks (ours: ``parallelize_moe(ep_mesh=world)``; torchtitan's:
 its all-to-all dispatcher wired to a 1-D "ep" mesh, each rank holding its slice of the experts).
@@ -27,9 +28,11 @@ Every candidate is timed in ONE rotation (``timing.timed``: interleaved, median 
   Where compiling fails (EP under its default ``spmd_types`` backend) the reason is shown and the
   compiled row runs under its ``partial_dtensor`` backend.
 
-At N > 1 also our bf16 and FP8 (cached) layers with all E experts on each GPU, run eagerly on the rank's
-own T tokens with no EP (no collective): the one-GPU layer at the same tokens per GPU, timed in the same
-rotation, so the table ends with EP's cost against one GPU (issue 42's gates).
+At N > 1 also our bf16 layer compiled with inductor's comm reordering passes
+(``reorder_for_compute_comm_overlap``, off by default: may independent compute such as the shared experts
+run under the all-to-alls?), and our bf16 and FP8 (cached) layers with all E experts on each GPU, run
+eagerly on the rank's own T tokens with no EP (no collective): the one-GPU layer at the same tokens per
+GPU, timed in the same rotation, so the table ends with EP's cost against one GPU (issue 42's gates).
 
 Also in the rotation: our FP8 layer with the weight-gradient precision ``fp8_wgrad="auto"`` did not pick
 (eager, compiled), and with ``--base DIR`` an older spmdmoe (``benchmarks/base_copy.sh``: bf16 eager and
@@ -106,12 +109,16 @@ def build_torchtitan(cfg: MoEConfig, state: dict[str, torch.Tensor], dtype: torc
                      device: torch.device, ep_mesh: Any, fp8: bool = False) -> torch.nn.Module:
     """torchtitan's MoE with ``state`` (our names) loaded, parameters in ``dtype``, buffers fp32; ``fp8``: its
     experts converted by ``Float8GroupedExpertsConverter`` (torchao's rowwise FP8 grouped GEMMs)."""
-    from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config, make_router_config
+    from torchtitan.models.common.config_utils import (make_ffn_config, make_moe_config, make_routed_experts_config,
+                                                       make_router_config)
     from torchtitan.models.common.param_init import skip_param_init  # every weight is loaded below
 
     E, D, F, K = cfg.num_experts, cfg.dim, cfg.hidden_dim, cfg.top_k
     tt_cfg = make_moe_config(
-        num_experts=E, load_balance_coeff=cfg.load_balance_coeff, shared_experts=None,
+        num_experts=E, load_balance_coeff=cfg.load_balance_coeff,
+        shared_experts=make_ffn_config(dim=D, hidden_dim=cfg.num_shared_experts * F,
+                                       w1_param_init={"weight": skip_param_init},
+                                       w2w3_param_init={"weight": skip_param_init}) if cfg.num_shared_experts else None,
         router=make_router_config(dim=D, num_experts=E, top_k=K, score_func="softmax",
                                   gate_param_init={"weight": skip_param_init}),
         routed_experts=make_routed_experts_config(
@@ -322,6 +329,8 @@ def main() -> None:
     ap.add_argument("--shape", default="dsmoe16b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=None, help="override the shape's tokens per rank")
     ap.add_argument("--precision", default="both", choices=["both", "bf16", "fp8"])
+    ap.add_argument("--shared", type=int, default=0, help="shared experts (of the routed experts' hidden size) in "
+                    "both layers: the model's 2 at dsmoe16b")
     for flag, default in (("--reps", 15), ("--iters", 5)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", default=None)
@@ -354,7 +363,8 @@ def main() -> None:
     if args.tokens:
         shape = shape._replace(T=args.tokens)
     D, F, E, K, T = shape.D, shape.F, shape.E, shape.K, shape.T
-    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance_coeff=1e-3)
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance_coeff=1e-3,
+                    num_shared_experts=args.shared)
     ep_mesh = None
     if world > 1:
         dist.init_process_group("gloo" if args.smoke else "nccl", device_id=None if args.smoke else device)
@@ -395,10 +405,10 @@ def main() -> None:
     cands: dict[str, Candidate] = {}
     failed: dict[str, str] = {}
 
-    def compiled(name: str, module: torch.nn.Module, fp8: bool, **extra: Any) -> None:
+    def compiled(name: str, module: torch.nn.Module, fp8: bool, options: Optional[dict] = None, **extra: Any) -> None:
         err = None
         for fullgraph in (True, False):
-            fwd = torch.compile(module, fullgraph=fullgraph, backend=backend)
+            fwd = torch.compile(module, fullgraph=fullgraph, backend=backend, options=options)
             if (err := first_step(fwd, xs, g)) is None:
                 cands[f"{name} ({'fullgraph' if fullgraph else 'graph breaks'})"] = Candidate(fwd, module, fp8, **extra)
                 return
@@ -433,6 +443,10 @@ def main() -> None:
         bf16 = ours("bf16")
         cands["spmdmoe bf16 eager"] = Candidate(bf16, bf16, False)
         compiled("spmdmoe bf16 compiled", bf16, False)
+        if world > 1 and not args.smoke:  # inductor may move independent compute (the shared experts) under the
+            reordered = ours("bf16")      # all-to-alls: its comm reordering passes, off by default (issue 42)
+            compiled("spmdmoe bf16 compiled, inductor comm reordering", reordered, False,
+                     options={"reorder_for_compute_comm_overlap": True})
         if world > 1:  # the same layer, all E experts on this GPU, on this rank's own T tokens: no EP
             alone = ours("bf16", ep=False)
             cands[ONE_GPU_BF16] = Candidate(alone, alone, False)
