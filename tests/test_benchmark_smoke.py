@@ -9,6 +9,8 @@ script is known to work before a 2-GPU host is lent to time it. ``benchmarks/sp_
 --smoke`` builds its four stacks (no SP sums, sums waited for at their use, per layer, per block) on 2
 gloo processes and checks that the three real ones give the same gradients. ``benchmarks/fp8_numerics.py
 --smoke`` runs its layer study (every fast-accumulation setting against fp64) at a tiny shape.
+``benchmarks/vs_torchtitan.py --smoke --shared 1`` builds and steps every candidate at EP 2 (2 gloo processes)
+against torchtitan's layer.
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ def test_fp8_numerics_smoke():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 8 / 2, 40 |")]
     assert len(rows) == 4 and all(float(r.split("|")[-2]) > 0 for r in rows), out.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_vs_torchtitan_ep_benchmark_smoke():
+    """``benchmarks/vs_torchtitan.py --smoke --shared 1`` on 2 gloo processes: every spmdmoe candidate (the
+    one-GPU rows beside EP among them) builds, steps, and agrees with torchtitan's EP layer with a shared
+    expert in both."""
+    pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(ROOT / "benchmarks" / "vs_torchtitan.py"), "--smoke", "--shared", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    done = next((line for line in out.stdout.splitlines() if line.startswith("OK: smoke, world 2")), "")
+    assert "'spmdmoe bf16 eager, one GPU (all experts here, no EP)'" in done, out.stdout[-2000:]
+    assert "'spmdmoe FP8 eager, cached (b), one GPU (all experts here, no EP)'" in done, out.stdout[-2000:]
+    assert "'spmdmoe" not in done.partition("failed")[2], done
 
 
 @pytest.mark.timeout(300)
