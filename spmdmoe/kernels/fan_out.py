@@ -124,8 +124,7 @@ def fan_out_triton(
     dots_MJ = torch.empty((M, J) if other_RD is not None else (0, J), dtype=torch.float32, device=src_MD.device)
     w = weights_MJ.contiguous() if weights_MJ is not None else index_MJ
     other = other_RD.contiguous() if other_RD is not None else src_MD
-    # q_ptr / qs_ptr (unused: QUANT=False) get dots_MJ, never out_RD: given one tensor in two written slots,
-    # inductor made a second (rows, D) buffer, zero-filled, for the kernel to write
+    # q_ptr / qs_ptr are unused (QUANT=False: never written); they get dots_MJ, so the output sits in one slot only
     if guard_or_true(M > 0) and D > 0:  # M: data-dependent under compile (EP); an empty grid launches nothing
         wrap_triton(_fan_out_kernel)[(M,)](
             src_MD, index_MJ, w, other, out_RD, dots_MJ, dots_MJ, dots_MJ, D, src_MD.stride(0), other.stride(0),

@@ -109,4 +109,3 @@ def test_the_traced_forward_reads_the_agreed_set_and_no_cache(world, device, req
         close(a.reshape(-1), b.reshape(-1), name)
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         close(p.grad, q.grad, f"{name} gradient")
-

@@ -141,15 +141,15 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
 
     buffers = []
 
-    def recorded(fn):
+    def recorded(fn, inputs=False):
         def call(*args):
             out = fn(*args)
-            buffers.append(out)
+            buffers.extend([args[0], out] if inputs else [out])  # an exchange's input: the combine's rows too
             return out
         return call
 
     monkeypatch.setattr(dedup, "scatter_rows", recorded(dedup.scatter_rows))
-    monkeypatch.setattr(dedup, "exchanged_op", recorded(dedup.exchanged_op))
+    monkeypatch.setattr(dedup, "exchanged_op", recorded(dedup.exchanged_op, inputs=True))
     cfg = MoEConfig(dim=8, hidden_dim=16, num_experts=2 * world.size(), top_k=2, num_shared_experts=1)
     moe = reference_moe(cfg, 4, device)
     plan = build_plan("ep", moe, 16, world, request, **options)
@@ -164,7 +164,7 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         y = plan.layer(plan.wrap(leaf))
     y.sum().backward()  # the step runs to the end with the hooks' tensors
-    assert len(buffers) == 5, f"expected 2 send buffers and 3 exchanges, recorded {len(buffers)}"
+    assert len(buffers) == 8, f"expected 2 send buffers and 3 exchanges (input, output), recorded {len(buffers)}"
     storages = {b.untyped_storage().data_ptr() for b in buffers if b.numel()}
     held = [tuple(t.shape) for t in saved if t.numel() and t.untyped_storage().data_ptr() in storages]
     assert saved and not held, f"rank {world.get_local_rank()}: autograd keeps exchange buffers of shapes {held}"
