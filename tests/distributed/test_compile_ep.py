@@ -24,9 +24,9 @@ def test_compiled_sync_ep_zero_fills_no_row_buffer(world, device, request):
     """The sync EP transport's buffers are sized by the exchanged counts (data-dependent under compile) and
     every row of them is written: the dedup send buffer (a token to a rank once) and the experts' copies (at
     most ``K`` per received row). The transport states both bounds (``torch._check``), so no traced op
-    zero-fills a 2-D buffer (rows, any width) with that many rows, forward or backward (the fan-outs' fills took 2.5 ms of GPU
-    time per EP 4 step at 16k tokens on H100s before: issue 41). bf16, so the grouped GEMM is torch's
-    (fp32 under compile takes a masked loop that zero-fills its output)."""
+    zero-fills a 2-D buffer (any width) with that many rows, forward or backward (the fan-outs' fills took
+    2.5 ms of GPU time per EP 4 step at 16k tokens on H100s before: issue 41). bf16, so the grouped GEMM is
+    torch's (fp32 under compile takes a masked loop that zero-fills its output)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
