@@ -126,8 +126,8 @@ if [ "$PART" = exits ] || [ "$PART" = all ]; then
   declare -A cmd=([train_moe]="examples/train_moe.py --device cuda"
                   [sync_free]="benchmarks/sync_free.py --tokens 1024 --layers 1 --reps 2 --iters 1")  # small: the exit is measured
   if [ ${#programs[@]} = 1 ] && [ ${#pairs[@]} = 2 ]; then
-    exits "${programs[0]}" 0,1 "$(echo $runs | tr ' ' '\n' | awk 'NR % 2')" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[0]}]} &
-    exits "${programs[0]}" 2,3 "$(echo $runs | tr ' ' '\n' | awk '!(NR % 2)')" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[0]}]} &
+    exits "${programs[0]}" 0,1 "$(seq 1 2 "${EXIT_RUNS:-10}")" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[0]}]} &
+    exits "${programs[0]}" 2,3 "$(seq 2 2 "${EXIT_RUNS:-10}")" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[0]}]} &
   else
     for k in "${!programs[@]}"; do
       exits "${programs[$k]}" "${pairs[$((k % ${#pairs[@]}))]}" "$runs" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[$k]}]} &

@@ -169,14 +169,14 @@ class AllToAllTransport:
             if self.raises:
                 raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
             problem.record(mine, x_TD.device)
-        compiling = torch.compiler.is_compiling()
-        if compiling:  # facts about the traced counts that the tracer cannot see
+        if torch.compiler.is_compiling():  # facts about the traced counts that the tracer cannot see
             for c in send + recv + sizes:
                 torch._check(c >= 0)
-        pos_Tn = send_positions(need_Tn)
-        if compiling:  # a token goes to a rank once, a row received has at most K copies here: the row
-            torch._check(sum(send) <= pos_Tn.numel())  # buffers are exact, none is zero-filled (kernels/fan_out.py)
+            # a token goes to a rank once, a row received has at most K copies here: the row buffers are exact,
+            # so none is zero-filled (kernels/fan_out.py)
+            torch._check(sum(send) <= ids_TK.shape[0] * n)
             torch._check(sum(sizes) <= sum(recv) * ids_TK.shape[1])
+        pos_Tn = send_positions(need_Tn)
         x_QD, local_QK, weights_QK = send_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e)
         return routed_copies(x_QD, local_QK, weights_QK, e, sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
                              handle=_Exchange(pos_Tn, send, recv))
