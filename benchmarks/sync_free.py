@@ -15,6 +15,14 @@ bf16, D=2048, F=1408, E=64, K=6, EP = N (each rank its own T tokens; ``max_token
   after the timing, as ``update_expert_bias`` would).
 
 ``--profile FILE``: rank 0's top CUDA ops of each timed candidate (3 steps each, graphs replayed).
+``--host-profile FILE``: where an eager step's host time goes (rank 0, cProfile of 3 steps of each eager
+candidate, by own time) and the host cost of one call of each launch the step makes many of (the row
+kernels through their custom op and launched directly, an NCCL all-to-all, a plain torch op).
+
+Each graph is captured on a stack of its own (same seed, same weights), in ``--graph-order`` (the capacity
+factors and ``lossless``, comma-separated): the lossless graph's grouped GEMMs ran 19-37 % slower than eager
+when it was the first graph, captured on the eager candidate's stack, while the ``capacity_factor 2.0``
+graph of the same shapes ran them at eager speed (RESULTS, issue 42); the order tells the two apart.
 
 Also: peak memory of one step per candidate, and the row moves alone: the sync-free dispatch + combine
 exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows each) against an even exchange of the rows
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,6 +68,47 @@ def graphed(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor):
     return graph.replay
 
 
+def host_profile(eager: dict[str, Callable[[], None]], x: torch.Tensor, n: int, D: int, dtype: torch.dtype,
+                 device: torch.device) -> str:
+    """Where an eager step's host time goes: cProfile of 3 steps of each candidate (top 30 by own time), and
+    the host time of one call (us, max over ranks) of each launch a step makes many of, small inputs."""
+    import cProfile
+    import io
+    import pstats
+
+    from spmdmoe.kernels.fan_out import fan_out_triton
+    from spmdmoe.kernels.gather_sum import gather_sum_triton
+    from timing import host_us
+
+    parts = []
+    for name, step in eager.items():
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        parts.append(f"## {name}: cProfile of 3 steps\n{out.getvalue()}")
+    src = torch.randn(256, D, device=device, dtype=dtype)
+    index = torch.randint(0, 512, (256, 2), device=device)
+    big = torch.randn(512, D, device=device, dtype=dtype)
+    rows = torch.randn(64 * n, D, device=device, dtype=dtype)
+    got = torch.empty_like(rows)
+    calls = {
+        "torch.add (a plain aten op)": lambda: torch.add(src, src),
+        "spmdmoe fan_out (custom op)": lambda: fan_out_triton(src, index, 512),
+        "spmdmoe fan_out (launcher called directly)": lambda: fan_out_triton._init_fn(src, index, 512),
+        "spmdmoe gather_sum (custom op)": lambda: gather_sum_triton(big, index),
+        "spmdmoe gather_sum (launcher called directly)": lambda: gather_sum_triton._init_fn(big, index),
+        "dist.all_to_all_single (64 rows a rank)": lambda: dist.all_to_all_single(got, rows),
+    }
+    lines = ["| one call | host us |", "|---|---|"] + [f"| {k} | {host_us(f):.1f} |" for k, f in calls.items()]
+    return "\n".join(lines) + "\n\n" + "\n".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
@@ -68,6 +118,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny dims, fp32: every candidate once, no timing")
     ap.add_argument("--profile", default=None, help="write rank 0's top CUDA ops of each timed candidate here")
+    ap.add_argument("--host-profile", default=None, help="write where an eager step's host time goes here")
+    ap.add_argument("--graph-order", default="lossless,1.25,2.0",
+                    help="the order the graphs are captured in: capacity factors and 'lossless'")
     args = ap.parse_args()
     smoke = args.smoke
     if smoke:
@@ -83,11 +136,13 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(T, D, device=device, dtype=dtype, generator=gen).requires_grad_()
     g = torch.randn(T, D, device=device, dtype=torch.float32, generator=gen)
-    stacks = {"sync eager": build(cfg, L, dtype, device, T),
-              "sync-free eager": build(cfg, L, dtype, device, T, ep_mode="sync_free", max_tokens=T)}
+
+    def sync_free(c: Optional[float]) -> torch.nn.ModuleList:
+        return build(cfg, L, dtype, device, T, ep_mode="sync_free", max_tokens=T, capacity_factor=c)
+
+    stacks = {"sync eager": build(cfg, L, dtype, device, T), "sync-free eager": sync_free(None)}
     for c in FACTORS:
-        stacks[f"sync-free, capacity_factor {c}"] = build(cfg, L, dtype, device, T, ep_mode="sync_free",
-                                                          max_tokens=T, capacity_factor=c)
+        stacks[f"sync-free, capacity_factor {c}"] = sync_free(c)
 
     # the lossless sync-free stack and the sync stack agree bit for bit (same rows, same order)
     outs = {}
@@ -118,9 +173,14 @@ def main() -> None:
         mem[name] = (torch.cuda.max_memory_allocated() - start) / 2**30
         if name in ("sync eager", "sync-free eager"):
             steps[name] = eager
-        if name != "sync eager":
-            xs = x.detach().clone().requires_grad_()
-            steps[name.replace("eager", "graphed") if "eager" in name else f"{name} (graphed)"] = graphed(stack, xs, g)
+    # the graphs, each on a stack of its own, in --graph-order (module docstring)
+    for key in args.graph_order.split(","):
+        c = None if key == "lossless" else float(key)
+        name = "sync-free graphed" if c is None else f"sync-free, capacity_factor {c} (graphed)"
+        own = sync_free(c)
+        if c is not None:
+            stacks[f"sync-free, capacity_factor {c}"] = own  # its overflow is checked below
+        steps[name] = graphed(own, x.detach().clone().requires_grad_(), g)
     t = timed(steps, args.iters, args.reps)
     overflowed = []
     for c in FACTORS:
@@ -158,6 +218,11 @@ def main() -> None:
     lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
     if rank == 0:
         report("\n".join(lines), args.out)
+    if args.host_profile:
+        text = host_profile({k: v for k, v in steps.items() if "eager" in k}, x, n, D, dtype, device)
+        if rank == 0:
+            with open(args.host_profile, "w") as f:
+                f.write(text)
     if args.profile:  # where each candidate's step goes (the graphed ones replayed): kernels, copies, fills
         tables = [f"## {name}\n{kernel_table(step)}" for name, step in steps.items()]
         if rank == 0:
