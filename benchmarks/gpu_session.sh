@@ -11,11 +11,15 @@ PART=${1:-all}
 # (TAG: a suffix for a second run of one part in the same call, e.g. the titan part's 4-GPU layouts after its 2-GPU ones)
 NAME=gpu_session_$PART${TAG:-}; DEST=${OUT:-/tmp/out}; OUT=/tmp/$NAME; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
 trap 'tar czf "$DEST/$NAME.tgz" -C /tmp "$NAME"' EXIT
-# killed from outside (timeout 560 bash ...): stop what it started (a hung NCCL job holds its GPUs), its own
+# killed from outside (timeout --foreground -k 10 560 bash ...): stop what it started (a hung NCCL job holds its GPUs), its own
 # descendants only (not by name: that would kill other people's runs on a shared machine), and still pack
 # (the suite's jobs by their sessions, the rest by walking this script's children)
 kill_tree() { local p; for p in $(pgrep -P "$1"); do kill_tree "$p"; kill -9 "$p" 2>/dev/null; done; }
 trap 'kill_tree $$; for f in "$OUT"/nccl_*/*.sid; do [ -f "$f" ] && pkill -9 -s "$(cat "$f")"; done; exit 124' TERM
+# (every inner `timeout` runs with --foreground: a plain one moves its command into a process group of its own,
+# which the outer `timeout` does not signal, and bash runs the trap above only after its foreground command
+# ends (checked: `timeout 2 bash -c 'trap ... TERM; timeout 6 sleep 30'` ends after 6 s, with --foreground after 2):
+# a 4x H100 call whose outer limit fell inside a benchmark's run returned nothing that way, issue 42)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 peer_wheels() {  # torchtitan, torchao and their pins from the carried .whl/ (../shared/tools/peer_wheels.sh)
@@ -72,7 +76,7 @@ if [ "$PART" = tests ] || [ "$PART" = single ] || [ "$PART" = all ]; then
   # builds are slow (61-94 s to compile `x.sin() + 1`, the probe below), and beside 6 NCCL torchruns the case ran
   # into the part's 480 s limit (issue 41)
   # a probe: does inductor compile for the CPU in this image at all (the C++ toolchain, its worker pool)?
-  { { command -v g++ c++ gcc; timeout 120 python3 -c 'import time, torch; t = time.time()
+  { { command -v g++ c++ gcc; timeout --foreground -k 10 120 python3 -c 'import time, torch; t = time.time()
 print("inductor on the CPU:", torch.compile(lambda x: x.sin() + 1)(torch.ones(8))[0].item(), f"{time.time() - t:.1f} s")'
       echo "probe exit $?"; } > "$OUT/inductor_cpu_probe.txt" 2>&1 &
     timeout "${SINGLE_TIMEOUT:-480}" python3 -m pytest -v --durations=20 --timeout=200 -p no:cacheprovider -rs \
@@ -92,12 +96,12 @@ if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
 fi
 if [ -n "${SINGLE:-}" ] && [ "${CPU_CASE_RUN:-1}" = 1 ]; then
   wait "$SINGLE"
-  timeout 300 python3 -m pytest -v --timeout=280 -p no:cacheprovider "$CPU_CASE" > "$OUT/tests_single_cpu_inductor.txt" 2>&1 &
+  timeout --foreground -k 10 300 python3 -m pytest -v --timeout=280 -p no:cacheprovider "$CPU_CASE" > "$OUT/tests_single_cpu_inductor.txt" 2>&1 &
   CPU_RUN=$!
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
   echo "== main job on NCCL"
-  timeout 200 torchrun --standalone --nproc-per-node "$NGPU" examples/train_moe.py --device cuda 2>&1 | grep -v "^W1" > "$OUT/train_moe_cuda.txt"; tail -3 "$OUT/train_moe_cuda.txt"
+  timeout --foreground -k 10 200 torchrun --standalone --nproc-per-node "$NGPU" examples/train_moe.py --device cuda 2>&1 | grep -v "^W1" > "$OUT/train_moe_cuda.txt"; tail -3 "$OUT/train_moe_cuda.txt"
 fi
 if [ -n "${SINGLE:-}" ]; then
   wait "${CPU_RUN:-$SINGLE}"
@@ -108,7 +112,7 @@ exits() {  # $1 name, $2 GPUs, $3 the run numbers, then the command: a row per r
   local name=$1 gpus=$2 runs=$3 i t0 rc; shift 3
   for i in $runs; do
     t0=$(date +%s.%N)
-    CUDA_VISIBLE_DEVICES=$gpus timeout 300 "$@" 2>&1 | grep -v "^W1" | while IFS= read -r line; do
+    CUDA_VISIBLE_DEVICES=$gpus timeout --foreground -k 10 300 "$@" 2>&1 | grep -v "^W1" | while IFS= read -r line; do
       printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$OUT/exit_${name}_$i.txt"
     rc=${PIPESTATUS[0]}
     awk -v n="$name" -v i="$i" -v rc="$rc" -v t0="$t0" -v t1="$(date +%s.%N)" 'END {
@@ -153,14 +157,14 @@ print(",4 4 --compile" if fsdp_meshes_per_parameter() else "")')  # the benchmar
   for layout in "${layouts[@]}"; do
     set -- $layout; [ $# -ge 2 ] || continue  # an empty entry (a trailing comma)
     [ "$NGPU" -ge "$1" ] || continue
-    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1))) timeout 300 torchrun --standalone --nproc-per-node "$1" \
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1))) timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$1" \
       benchmarks/torchtitan_model.py --part ep --ep "$2" --steps 20 ${3:-} --out "$OUT/bench_titan_ep.md" \
       > "$OUT/log_titan_ep_$1_$2${3:-}.txt" 2>&1
     echo "torchtitan parallelize, $1 GPUs, EP $2 ${3:-}: exit $?"
   done
   for n in ${PEER_EPS:-2 4}; do
     [ "$NGPU" -ge "$n" ] || continue
-    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 480 torchrun --standalone --nproc-per-node "$n" \
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout --foreground -k 10 480 torchrun --standalone --nproc-per-node "$n" \
       benchmarks/vs_torchtitan.py --shape "${SHAPE:-dsmoe16b}" --out "$OUT/bench_peer_ep$n.md" ${PEER_ARGS:-} \
       $([ "${PEER_PROFILE:-0}" = 1 ] && echo --profile "$OUT/profile_peer_ep$n.txt") > "$OUT/log_peer_ep$n.txt" 2>&1
     echo "vs_torchtitan, EP $n: exit $?"
@@ -168,9 +172,9 @@ print(",4 4 --compile" if fsdp_meshes_per_parameter() else "")')  # the benchmar
 fi
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
   echo "== benchmarks"
-  timeout 200 python3 benchmarks/kernels.py --sweep --out "$OUT/bench_kernels.md" 2>&1 | tail -12
-  timeout 200 torchrun --nproc-per-node 1 benchmarks/moe_layer.py --out "$OUT/bench_moe.md" --profile "$OUT/profile_moe_1gpu.txt" 2>&1 | grep -v "^W1" | tail -3
-  [ "$NGPU" -gt 1 ] && timeout 200 torchrun --nproc-per-node "$NGPU" benchmarks/moe_layer.py --out "$OUT/bench_moe.md" --profile "$OUT/profile_moe_ep.txt" 2>&1 | grep -v "^W1" | tail -3
+  timeout --foreground -k 10 200 python3 benchmarks/kernels.py --sweep --out "$OUT/bench_kernels.md" 2>&1 | tail -12
+  timeout --foreground -k 10 200 torchrun --nproc-per-node 1 benchmarks/moe_layer.py --out "$OUT/bench_moe.md" --profile "$OUT/profile_moe_1gpu.txt" 2>&1 | grep -v "^W1" | tail -3
+  [ "$NGPU" -gt 1 ] && timeout --foreground -k 10 200 torchrun --nproc-per-node "$NGPU" benchmarks/moe_layer.py --out "$OUT/bench_moe.md" --profile "$OUT/profile_moe_ep.txt" 2>&1 | grep -v "^W1" | tail -3
 fi
 if [ -n "${BASE_TAR:-}" ]; then  # an older spmdmoe beside this one (vs_torchtitan.py --base): BASE_TAR=`git archive REV spmdmoe`
   bash benchmarks/base_copy.sh "$BASE_TAR" /tmp/base_copy && export BASE=/tmp/base_copy
@@ -178,7 +182,7 @@ fi
 if [ "$PART" = profile ] || [ "$PART" = all ]; then
   echo "== where one step's time and memory go, bf16 and FP8 (benchmarks/profile_step.py)"
   for S in ${SHAPES:-dsmoe16b qwen3-30b}; do
-    timeout 200 python3 benchmarks/profile_step.py --shape "$S" --out "$OUT/profile_step.md" > "$OUT/log_profile_$S.txt" 2>&1; echo "$S: exit $?"
+    timeout --foreground -k 10 200 python3 benchmarks/profile_step.py --shape "$S" --out "$OUT/profile_step.md" > "$OUT/log_profile_$S.txt" 2>&1; echo "$S: exit $?"
   done
 fi
 if [ "$PART" = peer ] || [ "$PART" = all ]; then
@@ -187,27 +191,27 @@ if [ "$PART" = peer ] || [ "$PART" = all ]; then
   echo "== side by side with torchtitan, bf16 and FP8, per model shape"
   peer_wheels
   for S in ${SHAPES:-dsmoe16b dsmoe16b-64k qwen3-30b qwen3-235b dsv3-ep8}; do
-    timeout 480 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --shape "$S" --out "$OUT/bench_peer.md" ${BASE:+--base "$BASE"} \
+    timeout --foreground -k 10 480 torchrun --nproc-per-node 1 benchmarks/vs_torchtitan.py --shape "$S" --out "$OUT/bench_peer.md" ${BASE:+--base "$BASE"} \
       > "$OUT/log_peer_$S.txt" 2>&1; echo "$S: exit $?"; grep -v "^W1" "$OUT/log_peer_$S.txt" | tail -3
   done
 fi
 if [ "$PART" = fp8 ] || [ "$PART" = all ]; then
   echo "== FP8: GPU tests (compile on aot_eager and inductor, CUDA graphs), the weight cache's kernels, numerics"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_fp8.py tests/test_cuda_graphs.py \
+  timeout --foreground -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_fp8.py tests/test_cuda_graphs.py \
     -rs -s > "$OUT/tests_fp8.txt" 2>&1; grep SQNR "$OUT/tests_fp8.txt"; tail -4 "$OUT/tests_fp8.txt"
-  FP8_TEST_BACKEND=inductor timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k compiled \
+  FP8_TEST_BACKEND=inductor timeout --foreground -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k compiled \
     > "$OUT/tests_fp8_inductor.txt" 2>&1; tail -2 "$OUT/tests_fp8_inductor.txt"
   if [ -d .old/spmdmoe ]; then  # the same CUDA-graph test against the code before the weight cache's check
-    (cd .old && PYTHONPATH=$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider ../tests/test_cuda_graphs.py \
+    (cd .old && PYTHONPATH=$PWD timeout --foreground -k 10 120 python3 -m pytest -q -p no:cacheprovider ../tests/test_cuda_graphs.py \
       -k optimizer_steps > "$OUT/tests_cuda_graphs_old.txt" 2>&1); grep -E "passed|failed|AssertionError: \(" "$OUT/tests_cuda_graphs_old.txt" | tail -3
   fi
   peer_wheels
-  timeout 200 python3 benchmarks/kernels.py --sweep-only fingerprint --only "fingerprint,weight cache,FP8 weights" \
+  timeout --foreground -k 10 200 python3 benchmarks/kernels.py --sweep-only fingerprint --only "fingerprint,weight cache,FP8 weights" \
     --out "$OUT/bench_kernels.md" > "$OUT/log_kernels.txt" 2>&1; tail -9 "$OUT/log_kernels.txt"
 fi
 if [ "$PART" = numerics ] || [ "$PART" = all ]; then
   echo "== FP8 numerics: each GEMM with fast accumulation on and off, the layer's gates per setting"
-  timeout 270 python3 benchmarks/fp8_numerics.py --out "$OUT/bench_fp8_numerics.md" > "$OUT/log_numerics.txt" 2>&1
+  timeout --foreground -k 10 270 python3 benchmarks/fp8_numerics.py --out "$OUT/bench_fp8_numerics.md" > "$OUT/log_numerics.txt" 2>&1
   tail -3 "$OUT/log_numerics.txt"
 fi
 if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
@@ -218,7 +222,7 @@ if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
     ep=${EP:-2}; [ "$ep" -le "$NGPU" ] || ep=$NGPU
     echo "== sync-free EP $ep: a 4-layer stack, sync eager vs sync-free eager and graphed (issues 13, 42)"
     for T in ${TOKENS:-4096 16384}; do
-      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((ep - 1))) timeout 300 torchrun --standalone --nproc-per-node "$ep" \
+      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((ep - 1))) timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$ep" \
         benchmarks/sync_free.py --tokens $T --out "$OUT/bench_sync_free.md" --profile "$OUT/profile_sync_free_$T.txt" \
         --host-profile "$OUT/host_sync_free_$T.txt" ${GRAPH_ORDER:+--graph-order "$GRAPH_ORDER"} \
         > "$OUT/log_sync_free_$T.txt" 2>&1; tail -2 "$OUT/log_sync_free_$T.txt"
@@ -227,10 +231,10 @@ if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
 fi
 if [ "$PART" = overlap ] || [ "$PART" = all ]; then
   echo "== SP gradient sums: CUDA check on one GPU (gloo, 2 ranks on cuda:0), exposed communication on NCCL (issue 14)"
-  timeout 200 torchrun --nproc-per-node 2 benchmarks/sp_grad_overlap.py --same-gpu > "$OUT/log_overlap_same_gpu.txt" 2>&1
+  timeout --foreground -k 10 200 torchrun --nproc-per-node 2 benchmarks/sp_grad_overlap.py --same-gpu > "$OUT/log_overlap_same_gpu.txt" 2>&1
   grep -h "OK\|Error" "$OUT/log_overlap_same_gpu.txt" | head -5
   if [ "$NGPU" -gt 1 ]; then
-    timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/sp_grad_overlap.py --out "$OUT/bench_sp_grad_overlap.md" \
+    timeout --foreground -k 10 240 torchrun --nproc-per-node "$NGPU" benchmarks/sp_grad_overlap.py --out "$OUT/bench_sp_grad_overlap.md" \
       > "$OUT/log_overlap.txt" 2>&1; tail -2 "$OUT/log_overlap.txt"
   fi
 fi
