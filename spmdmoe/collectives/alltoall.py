@@ -12,14 +12,14 @@ extra collective. The sync-free path (static capacity, no host read) is
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_to_all_single
 from ..agreement import BIT, Field, Found, agree, raise_problems
-from ..autograd import always_recorded, collective_op, written
+from ..autograd import GRAD_LEAF, always_recorded, collective_op, written
 from ..host import to_host
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Varying
@@ -64,6 +64,66 @@ def exchanged_op(local: torch.Tensor, send: list[int], recv: list[int], axis: Me
         return _exchanged_op(local, send, recv, axis, dim)
     rows = always_recorded(rows_view(local, dim))
     return restore_dim(funcol.all_to_all_single_autograd(rows, recv, send, axis.group), dim)
+
+
+def _launched(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int
+              ) -> tuple[torch.Tensor, Any]:
+    """:func:`exchanged` issued asynchronously: ``(out, work)``; ``out`` holds the rows once ``work.wait()``
+    has run (eagerly on NCCL: the current stream then waits for NCCL's)."""
+    rows = rows_view(local, dim)
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    work = all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send, group=axis.group,
+                             async_op=True)
+    return restore_dim(out, dim), work
+
+
+class _AllToAllLaunched(torch.autograd.Function):
+    """:class:`_AllToAll` issued asynchronously: its output is read only through :class:`_Waited`, which waits
+    for it. The backward is the same synchronous reverse exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int,  # type: ignore[override]
+                box: list[Any], grad_leaf: torch.Tensor) -> torch.Tensor:
+        ctx.meta = (send, recv, axis, dim)
+        out, work = _launched(local, send, recv, axis, dim)
+        box.append(work)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        send, recv, axis, dim = ctx.meta
+        return _exchanged_op(grad, recv, send, axis, dim), None, None, None, None, None, None
+
+
+class _Waited(torch.autograd.Function):
+    """The rows of a launched exchange, once it has finished (its gradient passes through)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, work: Any) -> torch.Tensor:  # type: ignore[override]
+        work.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        return grad, None
+
+
+def exchange_launched(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int
+                      ) -> Callable[[], torch.Tensor]:
+    """:func:`exchanged_op` started now and finished by the call it returns, which gives its rows: work issued
+    in between runs while the rows travel (eagerly, NCCL moves them on its own stream; e.g. the shared
+    experts under the EP dispatch). Nothing may read the rows before that call; the backward, recorded as
+    :func:`exchanged_op` records it, is the synchronous reverse exchange. Under ``torch.compile`` it is
+    :func:`exchanged_op` (a functional collective, whose wait inductor places)."""
+    if torch.compiler.is_compiling():
+        out = exchanged_op(local, send, recv, axis, dim)
+        return lambda: out
+    if torch.is_grad_enabled() and (local.is_floating_point() or local.is_complex()):
+        box: list[Any] = []
+        out = _AllToAllLaunched.apply(local, send, recv, axis, dim, box, GRAD_LEAF)
+        return lambda: _Waited.apply(out, box[0])
+    out, work = _launched(local, send, recv, axis, dim)
+    return lambda: (work.wait(), out)[1]
 
 
 def _counts_with_codes(counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis

@@ -22,15 +22,15 @@ below 2**24 experts; fp64 with fp64 weights), differentiable in the weights: the
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from ..collectives.alltoall import exchanged_op
+from ..collectives.alltoall import exchange_launched, exchanged_op
 from ..types.mesh import MeshAxis
 from .permute import scatter_rows, weighted_combine
 
-__all__ = ["destinations", "send_positions", "send_tokens", "send_back"]
+__all__ = ["destinations", "send_positions", "launch_tokens", "send_back"]
 
 
 def destinations(ids_TK: torch.Tensor, local_experts: int, ranks: int) -> torch.Tensor:
@@ -85,22 +85,26 @@ def _unpack_meta(meta_QW: torch.Tensor, rank: int, local_experts: int, valid_Q: 
     return torch.where(here_QK, local_QK, -1), meta_QW[:, :K]
 
 
-def send_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, pos_Tn: torch.Tensor,
-                send: list[int], recv: list[int], axis: MeshAxis, local_experts: int,
-                live_Q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each token to the ranks ``pos_Tn`` names (:func:`send_positions`), with its ids and weights:
-    ``(x_QD, local_QK, weights_QK)``, the rows received (source-major, ``recv`` from each rank), each copy's
-    expert here or ``-1`` (another rank's, or a row ``live_Q`` marks dead), and the weights (differentiable).
-    Two ``all_to_all_single`` over ``axis`` (``send`` rows to each rank), the rows and the ids-and-weights;
-    their reverse in the backward."""
+Received = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def launch_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, pos_Tn: torch.Tensor,
+                  send: list[int], recv: list[int], axis: MeshAxis, local_experts: int,
+                  live_Q: Optional[torch.Tensor] = None) -> Callable[[], Received]:
+    """Each token to the ranks ``pos_Tn`` names (:func:`send_positions`), with its ids and weights, started
+    now; the call it returns waits and gives ``(x_QD, local_QK, weights_QK)``: the rows received
+    (source-major, ``recv`` from each rank), each copy's expert here or ``-1`` (another rank's, or a row
+    ``live_Q`` marks dead), and the weights (differentiable). Two ``all_to_all_single`` over ``axis``
+    (``send`` rows to each rank), the rows and the ids-and-weights, in flight until that call
+    (:func:`spmdmoe.collectives.alltoall.exchange_launched`); their reverse in the backward."""
     rows = sum(send)
-    x_QD = exchanged_op(scatter_rows(x_TD, pos_Tn, rows), send, recv, axis, 0)
-    meta_QW = exchanged_op(scatter_rows(_pack_meta(ids_TK, weights_TK), pos_Tn, rows), send, recv, axis, 0)
-    return (x_QD, *_unpack_meta(meta_QW, axis.rank, local_experts, live_Q))
+    x_wait = exchange_launched(scatter_rows(x_TD, pos_Tn, rows), send, recv, axis, 0)
+    meta_wait = exchange_launched(scatter_rows(_pack_meta(ids_TK, weights_TK), pos_Tn, rows), send, recv, axis, 0)
+    return lambda: (x_wait(), *_unpack_meta(meta_wait(), axis.rank, local_experts, live_Q))
 
 
 def send_back(y_QD: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis
               ) -> torch.Tensor:
-    """The experts' row per received token back to its rank (the reverse of :func:`send_tokens`' exchange),
+    """The experts' row per received token back to its rank (the reverse of :func:`launch_tokens`' exchange),
     and each token's rows summed over the ranks it visited (fp32, rounded once): ``(T, D)``."""
     return weighted_combine(exchanged_op(y_QD, recv, send, axis, 0), pos_Tn, None)

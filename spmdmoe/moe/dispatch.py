@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -42,10 +42,10 @@ from ..agreement import GRAD_OFF, grad_mode_codes, raise_problems
 from ..collectives.alltoall import exchange_split_sizes
 from ..sticky import Problem
 from ..types.mesh import MeshAxis
-from .dedup import destinations, send_back, send_positions, send_tokens
+from .dedup import destinations, launch_tokens, send_back, send_positions
 from .permute import count_per_expert, weighted_combine
-from .routed import RoutedTokens, routed_copies
-from .sync_free import SyncFreeTransport
+from .routed import Dispatching, RoutedTokens, routed_copies
+from .sync_free import Capacity, SyncFreeTransport
 
 __all__ = ["Transport", "LocalTransport", "AllToAllTransport", "transport_for"]
 
@@ -57,9 +57,12 @@ class Transport(Protocol):
     / ``combine`` do.
     """
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 problem: Optional[Problem] = None, capacity: Any = None, fp8_rows: bool = False) -> RoutedTokens:
-        """Send each row to the ranks of its ``K`` experts; return the copies this rank's experts receive.
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
+                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+        """Send each row to the ranks of its ``K`` experts, started now: the call it returns waits for the rows
+        and gives the copies this rank's experts receive. Work issued in between (the shared experts) runs
+        while the rows travel; :meth:`dispatch` is the two at once.
 
         Args:
             x_TD: ``(T, D)``, the layer's compute dtype (bf16 / fp32): the rows this rank routed. ``T`` may
@@ -73,18 +76,25 @@ class Transport(Protocol):
                 ``None``: no problem.
             capacity: ``sync_free.Capacity`` (``T_max``, a host int the same on every rank of the EP
                 group, and the layer's int64 ``(4,)`` overflow buffer); required by ``SyncFreeTransport``,
-                ignored by the others.
+                ``None`` for the others (their sizes are exact).
             fp8_rows: also the rowwise e4m3 of the experts' rows, quantized once per row before the fan-out
                 to the local experts (``RoutedTokens.fp8_rows``).
 
-        Returns: ``RoutedTokens`` (``routed.routed_copies``): ``x_RD`` ``(R, D)`` in ``x_TD``'s dtype,
+        Returns (from the call): ``RoutedTokens`` (``routed.routed_copies``): ``x_RD`` ``(R, D)`` in ``x_TD``'s dtype,
         grouped by local expert (expert 0 first; within an expert by source rank, then by token); int32
         ``group_offsets`` ``(e,)`` on the device; ``capacity`` ``R`` (host int; a sync-free buffer's rows,
         of which the device ``valid_rows`` hold data); ``group_sizes`` on the host when the transport read
         them; ``weights_R``, ``copies_TK`` (the received rows' copies); the handle :meth:`combine` needs.
         Differentiable with respect to ``x_TD`` and ``weights_TK``; the backward runs the reverse
-        collectives.
+        collectives. The returned call must be made once, on every rank, before the next collective of the
+        transport's group.
         """
+        ...
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                 problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
+                 fp8_rows: bool = False) -> RoutedTokens:
+        """:meth:`launch_dispatch` and its wait, nothing in between."""
         ...
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
@@ -101,7 +111,7 @@ class Transport(Protocol):
         ...
 
 
-class LocalTransport:
+class LocalTransport(Dispatching):
     """Every expert lives on this rank: sort, group, and un-sort. No communication, no sync.
 
     ``problem`` bits are recorded in the layer's sticky flag (``spmdmoe.sticky.ProblemFlag``).
@@ -110,13 +120,15 @@ class LocalTransport:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 problem: Optional[Problem] = None, capacity: Any = None, fp8_rows: bool = False) -> RoutedTokens:
-        """The copies of this rank's rows (:meth:`Transport.dispatch`; ``capacity`` ignored)."""
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
+                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+        """The copies of this rank's rows (:meth:`Transport.launch_dispatch`), made now: nothing travels."""
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         routed = routed_copies(x_TD, ids_TK, weights_TK, self.num_experts, ids_TK.numel(), fp8_rows=fp8_rows)
-        return dataclasses.replace(routed, handle=routed.copies_TK)
+        routed = dataclasses.replace(routed, handle=routed.copies_TK)
+        return lambda: routed
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """The experts summed each token's weighted copies already: ``y_QD`` is the output (experts that
@@ -131,7 +143,7 @@ class _Exchange:
     recv: list[int]  # rows from each EP rank
 
 
-class AllToAllTransport:
+class AllToAllTransport(Dispatching):
     """Expert parallel over ``axis``: experts are contiguous blocks of ``e = E / n`` per rank.
 
     Dispatch: each token once to each rank holding any of its experts (``dedup.py``); exchange the
@@ -151,9 +163,11 @@ class AllToAllTransport:
         self.local_experts = num_experts // axis.size
         self.raises = raises
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 problem: Optional[Problem] = None, capacity: Any = None, fp8_rows: bool = False) -> RoutedTokens:
-        """:meth:`Transport.dispatch` (``capacity`` ignored: the sizes are exact)."""
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
+                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+        """:meth:`Transport.launch_dispatch`: the count exchange and its host read now, then the rows and
+        their ids and weights launched."""
         problem = problem or Problem()
         n, e = self.axis.size, self.local_experts
         need_Tn = destinations(ids_TK, e, n)
@@ -177,9 +191,9 @@ class AllToAllTransport:
             torch._check(sum(send) <= ids_TK.shape[0] * n)
             torch._check(sum(sizes) <= sum(recv) * ids_TK.shape[1])
         pos_Tn = send_positions(need_Tn)
-        x_QD, local_QK, weights_QK = send_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e)
-        return routed_copies(x_QD, local_QK, weights_QK, e, sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
-                             handle=_Exchange(pos_Tn, send, recv))
+        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e)
+        return lambda: routed_copies(*received(), e, sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
+                                     handle=_Exchange(pos_Tn, send, recv))
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """:meth:`Transport.combine`: the rows back, a token's summed over the ranks it visited."""

@@ -57,6 +57,6 @@ def gathered(layer: Any, x: SPMDTensor, T: int, problem: Problem) -> torch.Tenso
     capacity = layer_capacity(layer, None, h_TD, over)
     if over:
         problem.bits, problem.details = problem.bits | over.bits, problem.details + over.details
-    partial_TD = layer._pipeline(h_TD, w, layer.transport, own=own_T, problem=problem, capacity=capacity)
-    out_TD = reduce_scatter(SPMDTensor._new(partial_TD, sp, Partial(), T, 0)).local
-    return layer._plus_shared(out_TD, x.local, w)
+    partial_TD, shared_TD = layer._pipeline(h_TD, w, layer.transport, own=own_T, problem=problem, capacity=capacity,
+                                            shared_of=x.local)
+    return layer._plus(reduce_scatter(SPMDTensor._new(partial_TD, sp, Partial(), T, 0)).local, shared_TD)

@@ -19,7 +19,7 @@ in its count exchange or records them in the sticky flag.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,7 @@ from .experts import GroupedExperts, SharedExperts
 from .init import init_parameters
 from .permute import count_per_expert
 from .router import Router
+from .sync_free import Capacity
 
 __all__ = ["MoE"]
 
@@ -134,15 +135,17 @@ class _Layer(nn.Module):
 
     def _pipeline(
         self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Transport, own: Optional[torch.Tensor] = None,
-        problem: Optional[Problem] = None, capacity: Any = None,
-    ) -> torch.Tensor:
-        """Route, count, dispatch, experts, combine. ``own``: a bool mask of the rows this rank holds
-        (load counting, aux loss, the non-finite check; ``None``: all). A mask, not a slice: its bounds
-        would make a compiled graph depend on the token count.
+        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None, shared_of: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Route, count, dispatch, experts, combine: ``(routed output, shared experts' output)``. ``own``: a bool
+        mask of the rows this rank holds (load counting, aux loss, the non-finite check; ``None``: all). A
+        mask, not a slice: its bounds would make a compiled graph depend on the token count.
 
         ``problem``: this rank's problem bits so far; the router adds non-finite
         logits of its own rows (checks on) and the transport carries or records them.
         ``capacity``: the sync-free transport's ``Capacity`` (``T_max`` and the overflow buffer), else ``None``.
+        ``shared_of``: the rows the shared experts take (``None``: no shared output), run while the dispatch's
+        rows travel (``Transport.launch_dispatch``); the caller adds their output.
         """
         cfg = self.config
         r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
@@ -167,15 +170,18 @@ class _Layer(nn.Module):
             if own is not None:
                 finite_TE = finite_TE | ~own.unsqueeze(1)
             problem.bits = problem.bits | (~finite_TE.all()).to(torch.int64) * BIT["nonfinite"]
-        routed = transport.dispatch(h_TD, r.ids_TK, weights_TK, problem=problem, capacity=capacity,
-                                    fp8_rows=self.experts.precision == "fp8_rowwise")
-        return transport.combine(self.experts(routed), routed)
+        received = transport.launch_dispatch(h_TD, r.ids_TK, weights_TK, problem=problem, capacity=capacity,
+                                             fp8_rows=self.experts.precision == "fp8_rowwise")
+        shared_TD = None  # under the dispatch's rows in flight
+        if shared_of is not None and self.shared_experts is not None:
+            shared_TD = self.shared_experts(shared_of, *(w[n] for n in SHARED_WEIGHTS))
+        routed = received()
+        return transport.combine(self.experts(routed), routed), shared_TD
 
-    def _plus_shared(self, out_TD: torch.Tensor, x_TD: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``out_TD`` plus the shared experts of ``x_TD`` (when the layer has them)."""
-        if self.shared_experts is None:
-            return out_TD
-        return out_TD + self.shared_experts(x_TD, *(w[n] for n in SHARED_WEIGHTS))
+    @staticmethod
+    def _plus(out_TD: torch.Tensor, shared_TD: Optional[torch.Tensor]) -> torch.Tensor:
+        """The routed experts' output plus the shared experts' (when the layer has them)."""
+        return out_TD if shared_TD is None else out_TD + shared_TD
 
 
 class MoE(_Layer):
@@ -227,7 +233,7 @@ class MoE(_Layer):
             )
         x_TD = x.reshape(-1, D)
         w = self.weights()
-        out_TD = self._plus_shared(self._pipeline(x_TD, w, self.transport), x_TD, w)
+        out_TD = self._plus(*self._pipeline(x_TD, w, self.transport, shared_of=x_TD))
         return out_TD.view(x.shape)
 
 

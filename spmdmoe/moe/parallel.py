@@ -319,7 +319,7 @@ class ParallelMoE(_Layer):
     def _local(self, x_TD: torch.Tensor, problem: Problem, capacity: Optional[Capacity]) -> torch.Tensor:
         """Local mode: this rank's rows through the pipeline, + shared experts."""
         w = self.weights()
-        return self._plus_shared(self._pipeline(x_TD, w, self.transport, problem=problem, capacity=capacity), x_TD, w)
+        return self._plus(*self._pipeline(x_TD, w, self.transport, problem=problem, capacity=capacity, shared_of=x_TD))
 
 
 

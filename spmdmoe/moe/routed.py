@@ -11,13 +11,17 @@ source layout. The experts only ever see ``x_RD`` and ``group_offsets``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from ..sticky import Problem
 from .permute import scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights
 
-__all__ = ["RoutedTokens", "routed_copies"]
+if TYPE_CHECKING:
+    from .sync_free import Capacity
+
+__all__ = ["RoutedTokens", "routed_copies", "Dispatching"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +107,19 @@ def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torc
         x_RD = scatter_rows(x_MD, pos_MJ, rows)
     return RoutedTokens(x_RD, offsets, rows, group_sizes, handle, weights_R=spread_weights(weights_MJ, pos_MJ, rows),
                         fp8_rows=q, copies_TK=pos_MJ)
+
+
+class Dispatching:
+    """:meth:`Transport.dispatch` from :meth:`Transport.launch_dispatch`, for the transports here."""
+
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
+                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+        raise NotImplementedError
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                 problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
+                 fp8_rows: bool = False) -> RoutedTokens:
+        """:meth:`Transport.dispatch`."""
+        return self.launch_dispatch(x_TD, ids_TK, weights_TK, problem=problem, capacity=capacity,
+                                    fp8_rows=fp8_rows)()

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -60,9 +60,9 @@ from ..sticky import Problem
 from ..host import to_host
 from ..types import layout
 from ..types.mesh import MeshAxis
-from .dedup import destinations, send_back, send_positions, send_tokens
+from .dedup import destinations, launch_tokens, send_back, send_positions
 from .permute import count_per_expert
-from .routed import RoutedTokens, routed_copies
+from .routed import Dispatching, RoutedTokens, routed_copies
 from .token_exchange import exchange_tokens
 
 __all__ = ["Capacity", "SyncFreeTransport", "capacity_rows", "layer_capacity", "record_overflow"]
@@ -136,7 +136,7 @@ class _Handle:
     slot: int
 
 
-class SyncFreeTransport:
+class SyncFreeTransport(Dispatching):
     """EP over ``axis`` with static capacity and no host sync (see the module docstring)."""
 
     def __init__(self, axis: MeshAxis, num_experts: int, top_k: int, capacity_factor: Optional[float]):
@@ -166,25 +166,25 @@ class SyncFreeTransport:
         now = torch.stack([excess, slot_needed, rows_needed, torch.full_like(excess, t_max)])
         state.copy_(torch.where(now[0] > state[0], now, state))
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
-                 fp8_rows: bool = False) -> RoutedTokens:
-        """This rank's tokens to their experts' ranks, with no host read (module docstring; the arguments
-        are :meth:`Transport.dispatch`'s).
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
+                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+        """This rank's tokens to their experts' ranks, with no host read, started now (module docstring; the
+        arguments and the call returned are :meth:`Transport.launch_dispatch`'s).
 
         Args:
             capacity: ``T_max`` (host int, the same on every rank of the EP group; ``x_TD`` has at most
                 ``T_max`` rows unless a capacity factor may drop tokens) and the layer's overflow buffer,
                 updated on the device with this forward's worst demand.
 
-        Returns ``RoutedTokens`` with ``x_RD`` ``(R, D)``, ``R`` from :func:`capacity_rows`: this rank's ``e``
+        The call returns ``RoutedTokens`` with ``x_RD`` ``(R, D)``, ``R`` from :func:`capacity_rows`: this rank's ``e``
         experts' copies in expert-major order (source rank order within an expert), rows past the int32
         ``group_offsets[-1]`` unspecified; ``capacity = R``; ``group_sizes = None`` (never on the host).
         Collectives: one all-gather of the ``(E + n,)`` counts and three even all-to-alls of ``S`` rows per
         rank pair over EP (rows, their ids and weights, and the combine's rows; their reverse in the
         backward)."""
         if capacity is None:
-            raise TypeError("SyncFreeTransport.dispatch needs a Capacity (T_max and the overflow buffer)")
+            raise TypeError("SyncFreeTransport.launch_dispatch needs a Capacity (T_max and the overflow buffer)")
         t_max = capacity.t_max
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
@@ -197,9 +197,8 @@ class SyncFreeTransport:
         pos_Tn = send_positions(need_Tn, S)
         # received slot i's first min(rows sent, S) rows are live, the rest of it never read
         live_Q = (torch.arange(S, device=x_TD.device) < table[:, E + me, None]).reshape(Q)
-        x_QD, local_QK, weights_QK = send_tokens(x_TD, ids_TK, weights_TK, pos_Tn, [S] * n, [S] * n, self.axis, e,
-                                                 live_Q)
-        return routed_copies(x_QD, local_QK, weights_QK, e, R, fp8_rows=fp8_rows, handle=_Handle(pos_Tn, S))
+        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, [S] * n, [S] * n, self.axis, e, live_Q)
+        return lambda: routed_copies(*received(), e, R, fp8_rows=fp8_rows, handle=_Handle(pos_Tn, S))
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """:meth:`Transport.combine`: the rows back (the reverse even exchange), a token's summed over the

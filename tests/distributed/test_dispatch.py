@@ -133,9 +133,9 @@ def test_problem_bits_ride_the_count_exchange(world, device):
 def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkeypatch, options):
     """``docs/design.md``: of an EP forward autograd keeps the index maps and the experts' own tensors,
     nothing of the send or receive buffers (the rows and the ids-and-weights each way, the combine's rows).
-    Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, ``dedup.exchanged_op``'s
-    received rows) is recorded, and so is every tensor autograd saves in the forward; none of the saved
-    ones may share a buffer's storage."""
+    Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, the received rows of
+    ``dedup.exchange_launched`` and ``dedup.exchanged_op``) is recorded, and so is every tensor autograd saves
+    in the forward; none of the saved ones may share a buffer's storage."""
     from moe_plans import build_plan, reference_moe
     from spmdmoe.moe import MoEConfig, dedup
 
@@ -150,6 +150,9 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
 
     monkeypatch.setattr(dedup, "scatter_rows", recorded(dedup.scatter_rows))
     monkeypatch.setattr(dedup, "exchanged_op", recorded(dedup.exchanged_op, inputs=True))
+    launch = dedup.exchange_launched  # the dispatch's exchanges: their input now, their rows at the wait
+    monkeypatch.setattr(dedup, "exchange_launched",
+                        lambda local, *a: (buffers.append(local), recorded(launch(local, *a)))[1])
     cfg = MoEConfig(dim=8, hidden_dim=16, num_experts=2 * world.size(), top_k=2, num_shared_experts=1)
     moe = reference_moe(cfg, 4, device)
     plan = build_plan("ep", moe, 16, world, request, **options)
@@ -168,3 +171,62 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
     storages = {b.untyped_storage().data_ptr() for b in buffers if b.numel()}
     held = [tuple(t.shape) for t in saved if t.numel() and t.untyped_storage().data_ptr() in storages]
     assert saved and not held, f"rank {world.get_local_rank()}: autograd keeps exchange buffers of shapes {held}"
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+@pytest.mark.parametrize("options", [{}, {"ep_mode": "sync_free", "max_tokens": 16}], ids=["sync", "sync_free"])
+def test_shared_experts_run_while_the_dispatch_travels(world, device, request, monkeypatch, options, grad):
+    """``Transport.launch_dispatch``: the layer issues the dispatch's two exchanges (the rows, their ids and
+    weights) asynchronously, runs its shared experts, and only then waits for the rows; the output is the
+    same as with the dispatch waited for at once (``Transport.dispatch``), bit for bit."""
+    from moe_plans import build_plan, reference_moe
+    from spmdmoe.collectives import alltoall
+    from spmdmoe.moe import MoEConfig, layer as layer_module
+
+    events = []
+    real = alltoall.all_to_all_single
+
+    class Logged:  # the work of an exchange, logging its wait
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("wait")
+            return self.work.wait()
+
+    def logged(*args, async_op=False, **kwargs):
+        work = real(*args, async_op=async_op, **kwargs)
+        if async_op:
+            events.append("launch")
+            return Logged(work)
+        return work
+
+    cfg = MoEConfig(dim=8, hidden_dim=16, num_experts=2 * world.size(), top_k=2, num_shared_experts=1)
+    moe = reference_moe(cfg, 6, device)
+    plan = build_plan("ep", moe, 16, world, request, **options)
+    X = reference_tensor((16, 8), 7, device=device)[plan.rows]
+    with torch.set_grad_enabled(grad):
+        at_once = plan.layer(plan.wrap(X))
+        monkeypatch.setattr(alltoall, "all_to_all_single", logged)
+        plan.layer.shared_experts.register_forward_pre_hook(lambda *_: events.append("shared"))
+        launched = plan.layer(plan.wrap(X))
+    assert events == ["launch", "launch", "shared", "wait", "wait"], events
+    monkeypatch.setattr(layer_module._Layer, "_pipeline", _waited_at_once(layer_module._Layer._pipeline))
+    with torch.set_grad_enabled(grad):
+        waited = plan.layer(plan.wrap(X))
+    local = lambda y: y.local if isinstance(y, spmdmoe.SPMDTensor) else y  # noqa: E731
+    assert_close_everywhere(local(launched), local(at_once), **EXACT)
+    assert_close_everywhere(local(waited), local(at_once), **EXACT)
+
+
+def _waited_at_once(pipeline):
+    """``_Layer._pipeline`` with the dispatch waited for before the shared experts run."""
+    def run(self, *args, **kwargs):
+        transport = args[2]
+        launch = transport.launch_dispatch
+        transport.launch_dispatch = lambda *a, **k: (lambda routed: lambda: routed)(launch(*a, **k)())
+        try:
+            return pipeline(self, *args, **kwargs)
+        finally:
+            del transport.launch_dispatch
+    return run
