@@ -77,34 +77,53 @@ def _launched(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshA
     return restore_dim(out, dim), work
 
 
+class _InFlight:
+    """One launched exchange, between its two autograd nodes: its splits, the forward's work, and the reverse
+    exchange the backward launches (:class:`_Waited`) and waits for (:class:`_AllToAllLaunched`)."""
+
+    def __init__(self, send: list[int], recv: list[int], axis: MeshAxis, dim: int):
+        self.send, self.recv, self.axis, self.dim = send, recv, axis, dim
+        self.work: Any = None
+        self.back: Optional[tuple[torch.Tensor, Any]] = None
+
+
 class _AllToAllLaunched(torch.autograd.Function):
     """:class:`_AllToAll` issued asynchronously: its output is read only through :class:`_Waited`, which waits
-    for it. The backward is the same synchronous reverse exchange."""
+    for it. Backward: the reverse exchange that :class:`_Waited`'s backward launched, waited for here."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int,  # type: ignore[override]
-                box: list[Any], grad_leaf: torch.Tensor) -> torch.Tensor:
-        ctx.meta = (send, recv, axis, dim)
-        out, work = _launched(local, send, recv, axis, dim)
-        box.append(work)
+    def forward(ctx: Any, local: torch.Tensor, flight: _InFlight, grad_leaf: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.flight = flight
+        out, flight.work = _launched(local, flight.send, flight.recv, flight.axis, flight.dim)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        send, recv, axis, dim = ctx.meta
-        return _exchanged_op(grad, recv, send, axis, dim), None, None, None, None, None, None
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, _grad: torch.Tensor) -> Any:  # type: ignore[override]
+        flight: _InFlight = ctx.flight
+        assert flight.back is not None, "the reverse exchange is launched by _Waited's backward"
+        out, work = flight.back
+        flight.back = None
+        work.wait()
+        return out, None, None
 
 
 class _Waited(torch.autograd.Function):
-    """The rows of a launched exchange, once it has finished (its gradient passes through)."""
+    """The rows of a launched exchange, once it has finished. Backward: launches the reverse exchange of the
+    gradient (``_AllToAllLaunched``'s backward waits for it), so what autograd runs between the two nodes
+    (the backward of what ran while the rows travelled: the shared experts) runs while it travels too."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, work: Any) -> torch.Tensor:  # type: ignore[override]
-        work.wait()
+    def forward(ctx: Any, out: torch.Tensor, flight: _InFlight) -> torch.Tensor:  # type: ignore[override]
+        ctx.flight = flight
+        flight.work.wait()
         return out.view_as(out)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        f: _InFlight = ctx.flight
+        f.back = _launched(grad, f.recv, f.send, f.axis, f.dim)
         return grad, None
 
 
@@ -112,16 +131,18 @@ def exchange_launched(local: torch.Tensor, send: list[int], recv: list[int], axi
                       ) -> Callable[[], torch.Tensor]:
     """:func:`exchanged_op` started now and finished by the call it returns, which gives its rows: work issued
     in between runs while the rows travel (eagerly, NCCL moves them on its own stream; e.g. the shared
-    experts under the EP dispatch). Nothing may read the rows before that call; the backward, recorded as
-    :func:`exchanged_op` records it, is the synchronous reverse exchange. Under ``torch.compile`` it is
-    :func:`exchanged_op` (a functional collective, whose wait inductor places)."""
+    experts under the EP dispatch). Nothing may read the rows before that call. The backward, recorded as
+    :func:`exchanged_op` records it, is the reverse exchange, launched where the gradient reaches the wait's
+    node and waited for at the launch's: the backward of the work issued in between (autograd runs the
+    nodes made later first) runs while it travels. Under ``torch.compile`` it is :func:`exchanged_op` (a
+    functional collective, whose wait inductor places)."""
     if torch.compiler.is_compiling():
         out = exchanged_op(local, send, recv, axis, dim)
         return lambda: out
     if torch.is_grad_enabled() and (local.is_floating_point() or local.is_complex()):
-        box: list[Any] = []
-        out = _AllToAllLaunched.apply(local, send, recv, axis, dim, box, GRAD_LEAF)
-        return lambda: _Waited.apply(out, box[0])
+        flight = _InFlight(send, recv, axis, dim)
+        out = _AllToAllLaunched.apply(local, flight, GRAD_LEAF)
+        return lambda: _Waited.apply(out, flight)
     out, work = _launched(local, send, recv, axis, dim)
     return lambda: (work.wait(), out)[1]
 

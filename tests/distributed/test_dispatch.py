@@ -177,8 +177,10 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
 @pytest.mark.parametrize("options", [{}, {"ep_mode": "sync_free", "max_tokens": 16}], ids=["sync", "sync_free"])
 def test_shared_experts_run_while_the_dispatch_travels(world, device, request, monkeypatch, options, grad):
     """``Transport.launch_dispatch``: the layer issues the dispatch's two exchanges (the rows, their ids and
-    weights) asynchronously, runs its shared experts, and only then waits for the rows; the output is the
-    same as with the dispatch waited for at once (``Transport.dispatch``), bit for bit."""
+    weights) asynchronously, runs its shared experts, and only then waits for the rows; in the backward the
+    two reverse exchanges are launched before the shared experts' backward and waited for after it. The
+    output and the gradients are the same as with the dispatch waited for at once (``Transport.dispatch``),
+    bit for bit."""
     from moe_plans import build_plan, reference_moe
     from spmdmoe.collectives import alltoall
     from spmdmoe.moe import MoEConfig, layer as layer_module
@@ -205,18 +207,32 @@ def test_shared_experts_run_while_the_dispatch_travels(world, device, request, m
     moe = reference_moe(cfg, 6, device)
     plan = build_plan("ep", moe, 16, world, request, **options)
     X = reference_tensor((16, 8), 7, device=device)[plan.rows]
-    with torch.set_grad_enabled(grad):
-        at_once = plan.layer(plan.wrap(X))
-        monkeypatch.setattr(alltoall, "all_to_all_single", logged)
-        plan.layer.shared_experts.register_forward_pre_hook(lambda *_: events.append("shared"))
-        launched = plan.layer(plan.wrap(X))
-    assert events == ["launch", "launch", "shared", "wait", "wait"], events
-    monkeypatch.setattr(layer_module._Layer, "_pipeline", _waited_at_once(layer_module._Layer._pipeline))
-    with torch.set_grad_enabled(grad):
-        waited = plan.layer(plan.wrap(X))
+    G = reference_tensor((16, 8), 8, device=device)[plan.rows]
     local = lambda y: y.local if isinstance(y, spmdmoe.SPMDTensor) else y  # noqa: E731
-    assert_close_everywhere(local(launched), local(at_once), **EXACT)
-    assert_close_everywhere(local(waited), local(at_once), **EXACT)
+
+    def step():
+        plan.layer.zero_grad(set_to_none=True)
+        leaf = X.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            y = local(plan.layer(plan.wrap(leaf)))
+        if grad:
+            events.append("backward")
+            (y * G).sum().backward()
+        return [y.detach()] + ([leaf.grad] + [p.grad for p in plan.layer.parameters()] if grad else [])
+
+    at_once = step()
+    events.clear()
+    monkeypatch.setattr(alltoall, "all_to_all_single", logged)
+    plan.layer.shared_experts.register_forward_pre_hook(lambda *_: events.append("shared"))
+    plan.layer.shared_experts.w1.weight.register_hook(lambda g: events.append("shared backward"))
+    launched = step()
+    bwd = ["backward", "launch", "launch", "shared backward", "wait", "wait"] if grad else []
+    assert events == ["launch", "launch", "shared", "wait", "wait"] + bwd, events
+    monkeypatch.setattr(layer_module._Layer, "_pipeline", _waited_at_once(layer_module._Layer._pipeline))
+    waited = step()
+    for a, b, c in zip(launched, waited, at_once, strict=True):
+        assert_close_everywhere(a, c, **EXACT)
+        assert_close_everywhere(b, c, **EXACT)
 
 
 def _waited_at_once(pipeline):
