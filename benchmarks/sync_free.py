@@ -99,10 +99,10 @@ def host_profile(eager: dict[str, Callable[[], None]], x: torch.Tensor, n: int, 
     got = torch.empty_like(rows)
     calls = {
         "torch.add (a plain aten op)": lambda: torch.add(src, src),
-        "spmdmoe fan_out (custom op)": lambda: fan_out_triton(src, index, 512),
-        "spmdmoe fan_out (launcher called directly)": lambda: fan_out_triton._init_fn(src, index, 512),
-        "spmdmoe gather_sum (custom op)": lambda: gather_sum_triton(big, index),
-        "spmdmoe gather_sum (launcher called directly)": lambda: gather_sum_triton._init_fn(big, index),
+        "spmdmoe fan_out (custom op)": lambda: fan_out_triton.op(src, index, 512),
+        "spmdmoe fan_out (launcher called directly)": lambda: fan_out_triton(src, index, 512),
+        "spmdmoe gather_sum (custom op)": lambda: gather_sum_triton.op(big, index),
+        "spmdmoe gather_sum (launcher called directly)": lambda: gather_sum_triton(big, index),
         "dist.all_to_all_single (64 rows a rank)": lambda: dist.all_to_all_single(got, rows),
     }
     lines = ["| one call | host us |", "|---|---|"] + [f"| {k} | {host_us(f):.1f} |" for k, f in calls.items()]

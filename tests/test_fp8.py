@@ -328,22 +328,26 @@ def test_fp8_layer_makes_no_host_sync(wgrad):
 def _same_bits_without(monkeypatch, wgrad: str, seed: int, offered, withheld) -> None:
     """The FP8 layer's output and every gradient (the router gate's too) with the local dispatch as it is,
     which must make what ``offered(routed)`` checks, equal bit for bit those with ``withheld(real)``, a
-    replacement of ``LocalTransport.dispatch`` built from the real one, in its place."""
+    replacement of ``LocalTransport.launch_dispatch`` built from the real one, in its place."""
     from spmdmoe.moe.dispatch import LocalTransport
 
     _, fp8 = _layers(wgrad=wgrad)
     gen = torch.Generator().manual_seed(seed)
     x, g = (torch.randn(300, D, generator=gen).to(DEVICE) for _ in range(2))
     seen = []
-    real = LocalTransport.dispatch
+    real = LocalTransport.launch_dispatch
 
     def spy(self, *args, **kwargs):
-        routed = real(self, *args, **kwargs)
-        seen.append(offered(routed))
-        return routed
-    monkeypatch.setattr(LocalTransport, "dispatch", spy)
+        received = real(self, *args, **kwargs)
+
+        def wait():
+            routed = received()
+            seen.append(offered(routed))
+            return routed
+        return wait
+    monkeypatch.setattr(LocalTransport, "launch_dispatch", spy)
     taken = _step(fp8, x, g) + [fp8.router.gate.weight.grad]  # the routing weights' gradient reaches the gate
-    monkeypatch.setattr(LocalTransport, "dispatch", withheld(real))
+    monkeypatch.setattr(LocalTransport, "launch_dispatch", withheld(real))
     without = _step(fp8, x, g) + [fp8.router.gate.weight.grad]
     assert seen == [True], "the FP8 layer's local dispatch takes the offer"
     for a, b in zip(taken, without):
@@ -368,7 +372,8 @@ def test_summing_the_copies_in_the_down_projection_changes_no_bit(monkeypatch, w
     import dataclasses
 
     _same_bits_without(monkeypatch, wgrad, 23, lambda routed: routed.copies_TK is not None,
-                       lambda real: lambda self, *a, **k: dataclasses.replace(real(self, *a, **k), copies_TK=None))
+                       lambda real: lambda self, *a, **k: (lambda routed: lambda: routed)(
+                           dataclasses.replace(real(self, *a, **k)(), copies_TK=None)))
 
 
 def test_a_second_backward_through_the_fp8_experts_says_why():

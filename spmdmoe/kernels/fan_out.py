@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true, statically_known_true
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from .backend import cast, use_triton
+from .backend import cast, kernel_op, use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
 
@@ -110,7 +110,7 @@ def _block_d(D: int) -> int:
     return max(16, min(triton.next_power_of_2(max(D, 1)), CONFIG["block_d"]))
 
 
-@triton_op("spmdmoe::fan_out", mutates_args=())
+@kernel_op("spmdmoe::fan_out", mutates_args=())
 def fan_out_triton(
     src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int,
     weights_MJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
@@ -134,7 +134,7 @@ def fan_out_triton(
     return out_RD, dots_MJ
 
 
-@triton_op("spmdmoe::fan_out_fp8", mutates_args=())
+@kernel_op("spmdmoe::fan_out_fp8", mutates_args=())
 def fan_out_fp8_triton(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, copies: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out_RD, q_RD e4m3, s_R fp32)``: the copies (no weights) and, from the same read of each source row,

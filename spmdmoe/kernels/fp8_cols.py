@@ -55,9 +55,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from .backend import use_triton
+from .backend import kernel_op, use_triton
 from .fp8_common import EPS_C, FP8, dequant_scale, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3
 
 __all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton"]
@@ -212,7 +212,7 @@ def _empty_outputs(a_RA: torch.Tensor, b_RB: torch.Tensor, e: int, P: int) -> li
             torch.empty((e, b_RB.shape[1]), dtype=torch.float32, device=dev)]
 
 
-@triton_op("spmdmoe::quantize_cols_pair", mutates_args=())
+@kernel_op("spmdmoe::quantize_cols_pair", mutates_args=())
 def quantize_cols_pair_triton(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton launcher: ``(qa_AP, qb_BP, sa_eA, sb_eB, padded_e)``; ``offsets_e`` the int32 group ends."""

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from .backend import use_triton
+from .backend import kernel_op, use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3
 
 __all__ = ["quantize_rows", "quantize_rows_reference", "quantize_rows_triton"]
@@ -86,7 +86,7 @@ def _launch(x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor, valid: Op
             BLOCK_R=CONFIG["block_r"], BLOCK_C=block_c, ONE_TILE=block_c >= C, num_warps=CONFIG["num_warps"])
 
 
-@triton_op("spmdmoe::quantize_rows", mutates_args=())
+@kernel_op("spmdmoe::quantize_rows", mutates_args=())
 def quantize_rows_triton(x_RC: torch.Tensor, valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton launcher: ``(q_RC e4m3, s_R fp32)``."""
     x_RC = x_RC.contiguous()

@@ -37,9 +37,9 @@ from typing import Any, Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from .backend import use_triton
+from .backend import kernel_op, use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3, write_where
 from .fp8_rows import quantize_rows_reference
 
@@ -172,7 +172,7 @@ def _empty_pair(w_eAC: torch.Tensor) -> Pair:
             torch.empty((e, C, A), dtype=FP8, device=dev), torch.empty((e, C), dtype=f32, device=dev))
 
 
-@triton_op("spmdmoe::quantize_weight_pair", mutates_args=())
+@kernel_op("spmdmoe::quantize_weight_pair", mutates_args=())
 def quantize_weight_pair_triton(w_eAC: torch.Tensor) -> Pair:
     """The Triton launcher. ``w_eAC``: ``(e, A, C)`` bf16 / fp16 / fp32 weights. Returns ``(q_eAC, s_eA, q_eCA,
     s_eC)``: e4m3 rows of each ``w[g]`` and their fp32 dequantization scales, then e4m3 rows of each

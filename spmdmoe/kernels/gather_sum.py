@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from .backend import use_triton
+from .backend import kernel_op, use_triton
 
 __all__ = ["gather_sum", "gather_sum_reference", "gather_sum_triton"]
 
@@ -63,7 +63,7 @@ def _block_d(D: int) -> int:
     return max(16, min(triton.next_power_of_2(max(D, 1)), CONFIG["block_d"]))
 
 
-@triton_op("spmdmoe::gather_sum", mutates_args=())
+@kernel_op("spmdmoe::gather_sum", mutates_args=())
 def gather_sum_triton(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_MJ: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton launcher (see the module docstring)."""
     M, J = index_MJ.shape

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from .backend import cast, use_triton
+from .backend import cast, kernel_op, use_triton
 
 __all__ = [
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
@@ -126,7 +126,7 @@ def _grid(R: int, F: int) -> tuple[int, int]:
     return (triton.cdiv(R, CONFIG["block_r"]), triton.cdiv(F, CONFIG["block_f"]))
 
 
-@triton_op("spmdmoe::swiglu_forward", mutates_args=())
+@kernel_op("spmdmoe::swiglu_forward", mutates_args=())
 def swiglu_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Triton launcher; ``valid``: a one-element integer device tensor (rows ``[0, valid)``); ``w_R``: the
     routing weight of each row (fp32), or ``None``."""
@@ -140,7 +140,7 @@ def swiglu_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optio
     return out_RF
 
 
-@triton_op("spmdmoe::swiglu_backward", mutates_args=())
+@kernel_op("spmdmoe::swiglu_backward", mutates_args=())
 def swiglu_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
                            w_R: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton launcher of the backward: ``(dh13 = [dh1 | dh3], dw_R)`` (``dw_R`` fp32, empty without

@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from .backend import use_triton
+from .backend import kernel_op, use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
 from .swiglu import (_valid_mask, chunk, load_pair, row_weights, swiglu_backward_reference, swiglu_forward_reference,
@@ -179,7 +179,7 @@ def _launch(R: int, F: int, config: dict) -> tuple[tuple[int], dict]:
         **extra}
 
 
-@triton_op("spmdmoe::swiglu_quant_forward", mutates_args=())
+@kernel_op("spmdmoe::swiglu_quant_forward", mutates_args=())
 def swiglu_quant_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton launcher: ``(h_RF, q_RF e4m3, s_R fp32)``; ``w_R``: each row's routing weight (fp32) or ``None``."""
@@ -195,7 +195,7 @@ def swiglu_quant_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R:
     return h_RF, q_RF, s_R
 
 
-@triton_op("spmdmoe::swiglu_quant_backward", mutates_args=())
+@kernel_op("spmdmoe::swiglu_quant_backward", mutates_args=())
 def swiglu_quant_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
                                  w_R: Optional[torch.Tensor] = None
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -208,7 +208,7 @@ def swiglu_quant_backward_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, vali
     return d13_R2F, q_R2F, s_R, dw_R
 
 
-@triton_op("spmdmoe::swiglu_quant_backward_", mutates_args=("g_RF",))
+@kernel_op("spmdmoe::swiglu_quant_backward_", mutates_args=("g_RF",))
 def swiglu_quant_backward_inplace_triton(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
                                          w_R: Optional[torch.Tensor] = None
                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

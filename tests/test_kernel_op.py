@@ -1,0 +1,58 @@
+"""``spmdmoe.kernels.backend.kernel_op``: a kernel's launcher reaches its custom op only where something must
+see the op whole (``torch.compile``, a dispatch mode); eagerly it runs directly."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spmdmoe.kernels.backend import kernel_op
+
+
+@kernel_op("spmdmoe_test::twice")
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class _Seen(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _profiled(fn) -> list[str]:  # type: ignore[no-untyped-def]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events()]
+
+
+def test_eager_call_skips_the_custom_op():
+    x = torch.arange(4.0)
+    assert torch.equal(twice(x), x * 2)
+    names = _profiled(lambda: twice(x))
+    assert "aten::mul" in names and not any("twice" in n for n in names), names
+    assert "spmdmoe_test::twice" in _profiled(lambda: twice.op(x))  # the op, called as such, is seen
+
+
+def test_a_dispatch_mode_sees_the_custom_op():
+    x = torch.arange(4.0)
+    with _Seen() as mode:
+        out = twice(x)
+    assert torch.equal(out, x * 2)
+    assert mode.ops == ["spmdmoe_test.twice.default"], mode.ops
+
+
+def test_compile_traces_the_custom_op():
+    graphs = []
+
+    def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    compiled = torch.compile(lambda x: twice(x) + 1, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(torch.arange(4.0)), torch.arange(4.0) * 2 + 1)
+    assert len(graphs) == 1 and any("spmdmoe_test.twice" in t for t in graphs[0]), graphs
