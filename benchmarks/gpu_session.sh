@@ -129,6 +129,7 @@ if [ "$PART" = exits ] || [ "$PART" = all ]; then
   programs=(${EXITS:-train_moe sync_free}); pairs=(0,1 $([ "$NGPU" -ge 4 ] && echo 2,3)); runs=$(seq 1 "${EXIT_RUNS:-10}")
   declare -A cmd=([train_moe]="examples/train_moe.py --device cuda"
                   [sync_free]="benchmarks/sync_free.py --tokens 1024 --layers 1 --reps 2 --iters 1")  # small: the exit is measured
+  for p in "${programs[@]}"; do [ -n "${cmd[$p]:-}" ] || { echo "EXITS: no program '$p' (train_moe, sync_free)" | tee -a "$OUT/exits.md"; exit 2; }; done
   if [ ${#programs[@]} = 1 ] && [ ${#pairs[@]} = 2 ]; then
     exits "${programs[0]}" 0,1 "$(seq 1 2 "${EXIT_RUNS:-10}")" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[0]}]} &
     exits "${programs[0]}" 2,3 "$(seq 2 2 "${EXIT_RUNS:-10}")" torchrun --standalone --nproc-per-node 2 ${cmd[${programs[0]}]} &

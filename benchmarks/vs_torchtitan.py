@@ -249,10 +249,12 @@ def against_one_gpu(world: int, t: dict[str, float]) -> str:
     """EP against the same layer on one GPU at the same tokens per GPU (issue 42's gates: EP 2 bf16 at most
     1.25x, goal 1.15x; FP8 / bf16 under EP at least what it is on one GPU), from the same rotation."""
     lines = []
-    if ONE_GPU_BF16 in t:
-        for n in ("spmdmoe bf16 eager", "spmdmoe bf16 compiled (fullgraph)"):
-            if n in t:
-                lines.append(f"{n} / one GPU's bf16 eager: {t[n] / t[ONE_GPU_BF16]:.3f}x the time")
+    same = ((ONE_GPU_BF16, "bf16", ("spmdmoe bf16 eager", "spmdmoe bf16 compiled (fullgraph)")),
+            (ONE_GPU_FP8, "FP8 cached (b)", ("spmdmoe FP8 eager, cached (b)", "spmdmoe FP8 compiled, cached (b) (fullgraph)")))
+    for one, precision, names in same:  # each precision against its own one-GPU row (--precision runs one)
+        for n in names:
+            if one in t and n in t:
+                lines.append(f"{n} / one GPU's {precision} eager: {t[n] / t[one]:.3f}x the time")
     pairs = (t.get("spmdmoe bf16 eager"), t.get("spmdmoe FP8 eager, cached (b)"), t.get(ONE_GPU_BF16), t.get(ONE_GPU_FP8))
     if all(pairs):
         ep_bf16, ep_fp8, one_bf16, one_fp8 = pairs

@@ -117,6 +117,7 @@ class _Waited(torch.autograd.Function):
     def forward(ctx: Any, out: torch.Tensor, flight: _InFlight) -> torch.Tensor:  # type: ignore[override]
         ctx.flight = flight
         flight.work.wait()
+        flight.work = None  # a work holds its tensors: the send and receive buffers would outlive the forward
         return out.view_as(out)
 
     @staticmethod

@@ -7,8 +7,11 @@ Legend: ``T`` tokens of a rank, ``K`` top-k, ``D`` model dim, ``E`` experts, ``e
 ``Q`` rows received (a token once per rank), ``R`` rows of a rank's experts (their copies).
 """
 
+import gc
+
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import spmdmoe
 from spmdmoe import SPMDShapeError
@@ -135,7 +138,8 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
     nothing of the send or receive buffers (the rows and the ids-and-weights each way, the combine's rows).
     Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, the received rows of
     ``dedup.exchange_launched`` and ``dedup.exchanged_op``) is recorded, and so is every tensor autograd saves
-    in the forward; none of the saved ones may share a buffer's storage."""
+    in the forward; none of the saved ones may share a buffer's storage, nor may any buffer's storage outlive
+    the forward."""
     from moe_plans import build_plan, reference_moe
     from spmdmoe.moe import MoEConfig, dedup
 
@@ -166,11 +170,19 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         y = plan.layer(plan.wrap(leaf))
-    y.sum().backward()  # the step runs to the end with the hooks' tensors
     assert len(buffers) == 8, f"expected 2 send buffers and 3 exchanges (input, output), recorded {len(buffers)}"
     storages = {b.untyped_storage().data_ptr() for b in buffers if b.numel()}
     held = [tuple(t.shape) for t in saved if t.numel() and t.untyped_storage().data_ptr() in storages]
     assert saved and not held, f"rank {world.get_local_rank()}: autograd keeps exchange buffers of shapes {held}"
+    # nor does anything else (a launched exchange's work, a transport's handle): once the forward has
+    # returned, no buffer's storage is alive
+    alive = [StorageWeakRef(b.untyped_storage()) for b in buffers if b.numel()]
+    shapes = [tuple(b.shape) for b in buffers if b.numel()]
+    buffers.clear()
+    gc.collect()
+    kept = [shape for shape, ref in zip(shapes, alive) if not ref.expired()]
+    assert not kept, f"rank {world.get_local_rank()}: exchange buffers of shapes {kept} outlive the forward"
+    y.sum().backward()  # the step runs to the end
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
