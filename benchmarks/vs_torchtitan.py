@@ -4,6 +4,7 @@
     torchrun --nproc-per-node N benchmarks/vs_torchtitan.py --shape dsmoe16b --precision bf16   # N > 1: EP
     torchrun --nproc-per-node 2 benchmarks/vs_torchtitan.py --smoke     # CPU (gloo), tiny, no timing
     torchrun --nproc-per-node 2 benchmarks/vs_torchtitan.py --precision bf16 --profile FILE  # + our top CUDA ops
+    torchrun --nproc-per-node 2 benchmarks/vs_torchtitan.py --precision bf16 --eager-only --shared 2  # quick: EP vs one GPU
 
 Shapes (``--shape``, ``benchmarks/shapes.py``): dsmoe16b (2048 / 1408 / 64 / 6, 16k tokens), dsmoe16b-64k,
 qwen3-30b (2048 / 768 / 128 / 8), qwen3-235b (4096 / 1536 / 128 / 8), dsv3-ep8 (7168 / 2048 / 32 / 8: one
@@ -335,6 +336,8 @@ def main() -> None:
                     "both layers: the model's 2 at dsmoe16b")
     for flag, default in (("--reps", 15), ("--iters", 5)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--eager-only", action="store_true", help="no compiled candidate (ours or torchtitan's): a "
+                    "quick run of the eager rows, e.g. EP against one GPU")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="write rank 0's top CUDA ops of each timed spmdmoe candidate "
                     "here (eager against compiled: where a compiled step's time goes)")
@@ -408,6 +411,8 @@ def main() -> None:
     failed: dict[str, str] = {}
 
     def compiled(name: str, module: torch.nn.Module, fp8: bool, options: Optional[dict] = None, **extra: Any) -> None:
+        if args.eager_only:
+            return
         err = None
         for fullgraph in (True, False):
             fwd = torch.compile(module, fullgraph=fullgraph, backend=backend, options=options)
@@ -427,6 +432,8 @@ def main() -> None:
             return
         eager = on_backend("partial_dtensor", titan(tt)) if args.smoke and world > 1 else titan(tt)
         cands[f"torchtitan {tag} eager"] = Candidate(eager, tt, fp8)
+        if args.eager_only:
+            return
         name, fwd = f"torchtitan {tag} compiled", titan(torch.compile(tt, fullgraph=True, backend=backend))
         if (err := first_step(fwd, xs, g)) is not None and world > 1:
             failed[name] = f"does not compile: {err}"
