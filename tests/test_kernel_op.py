@@ -30,12 +30,48 @@ def _profiled(fn) -> list[str]:  # type: ignore[no-untyped-def]
     return [e.name for e in prof.events()]
 
 
+switches: list[bool] = []
+
+
+@kernel_op("spmdmoe_test::switch")
+def switch(x: torch.Tensor) -> torch.Tensor:
+    switches.append(torch._library.triton.is_wrap_triton_enabled())
+    return x.clone()
+
+
 def test_eager_call_skips_the_custom_op():
     x = torch.arange(4.0)
     assert torch.equal(twice(x), x * 2)
     names = _profiled(lambda: twice(x))
     assert "aten::mul" in names and not any("twice" in n for n in names), names
     assert "spmdmoe_test::twice" in _profiled(lambda: twice.op(x))  # the op, called as such, is seen
+
+
+def test_eager_call_launches_as_the_op_does():
+    """``wrap_triton`` off, as in the op's own eager kernel: with it on, every launch went through the
+    higher-order op (slow, and filed in a side table never cleared)."""
+    switches.clear()
+    switch(torch.arange(4.0))
+    switch.op(torch.arange(4.0))
+    assert switches == [False, False]
+
+
+def test_input_that_requires_grad_takes_the_custom_op():
+    x = torch.arange(4.0, requires_grad=True)
+    assert "spmdmoe_test::twice" in _profiled(lambda: twice(x))
+    with torch.no_grad():
+        assert not any("twice" in n for n in _profiled(lambda: twice(x)))
+
+
+def test_a_launcher_that_writes_an_input_is_the_custom_op():
+    @kernel_op("spmdmoe_test::bump", mutates_args=("x",))
+    def bump(x: torch.Tensor) -> None:
+        x.add_(1)
+
+    x = torch.zeros(2)
+    before = x._version
+    bump(x)
+    assert torch.equal(x, torch.ones(2)) and x._version > before
 
 
 def test_a_dispatch_mode_sees_the_custom_op():

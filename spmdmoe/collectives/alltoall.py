@@ -135,17 +135,37 @@ def exchange_launched(local: torch.Tensor, send: list[int], recv: list[int], axi
     experts under the EP dispatch). Nothing may read the rows before that call. The backward, recorded as
     :func:`exchanged_op` records it, is the reverse exchange, launched where the gradient reaches the wait's
     node and waited for at the launch's: the backward of the work issued in between (autograd runs the
-    nodes made later first) runs while it travels. Under ``torch.compile`` it is :func:`exchanged_op` (a
-    functional collective, whose wait inductor places)."""
+    nodes made later first) runs while it travels. First order only (``once_differentiable``, as the MoE
+    layer's kernels). Under ``torch.compile`` it is :func:`exchanged_op` (a functional collective, whose wait
+    inductor places).
+
+    The wait must be called on every path that launched: a forward that stops between launch and wait (a
+    non-reentrant checkpoint's recomputation ends once it has the tensors it needs) leaves the exchange
+    unjoined; the MoE layer's experts, after the wait, save tensors for the backward, so a recomputation of
+    the layer reaches the wait."""
     if torch.compiler.is_compiling():
         out = exchanged_op(local, send, recv, axis, dim)
         return lambda: out
     if torch.is_grad_enabled() and (local.is_floating_point() or local.is_complex()):
         flight = _InFlight(send, recv, axis, dim)
         out = _AllToAllLaunched.apply(local, flight, GRAD_LEAF)
-        return lambda: _Waited.apply(out, flight)
+        return _Once(lambda: _Waited.apply(out, flight))
     out, work = _launched(local, send, recv, axis, dim)
-    return lambda: (work.wait(), out)[1]
+    return _Once(lambda: (work.wait(), out)[1])
+
+
+class _Once:
+    """A launched exchange's wait: called once, it then holds nothing, so the receive buffer lives as long as
+    its rows are in use, not as long as whoever keeps the call (a transport's closure, a layer's frame)."""
+
+    def __init__(self, wait: Callable[[], torch.Tensor]):
+        self.wait: Optional[Callable[[], torch.Tensor]] = wait
+
+    def __call__(self) -> torch.Tensor:
+        wait, self.wait = self.wait, None
+        if wait is None:
+            raise RuntimeError("a launched exchange is waited for once")
+        return wait()
 
 
 def _counts_with_codes(counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis

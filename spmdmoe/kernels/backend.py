@@ -18,6 +18,7 @@ import functools
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
 import torch
+import torch._library.triton
 from torch.library import triton_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -77,25 +78,34 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+# torch's own eager path of a triton_op runs its function with this switch off (wrap_triton launching the kernel
+# itself, not through the higher-order op, whose dispatch torch puts at ~1 ms and which files every launch in a
+# side table that is never cleared); absent from a torch: every call takes the custom op
+_direct = getattr(torch._library.triton, "set_wrap_triton_enabled", None)
 
 
 def kernel_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[F], F]:
     """``torch.library.triton_op(name, mutates_args=...)`` for a kernel's launcher, whose calls reach the
-    custom op only where something must see it whole: under ``torch.compile`` (Dynamo traces it, inductor
-    launches it) and under a dispatch mode (fake tensors, ``make_fx``, a mode that logs ops). Eagerly
-    otherwise the launcher runs directly: the custom op's dispatch cost about 10 us of host time a call on
-    a CPU core (13.2 against 3.0 us for a launcher that allocates its outputs and launches nothing), paid by
-    every row move of an eager step, whose host time is the step's time at small token counts (issue 42).
-    ``.op`` is the custom op."""
+    custom op only where it is needed: under ``torch.compile`` (Dynamo traces it, inductor launches it), under
+    a dispatch mode (fake tensors, ``make_fx``, a mode that logs ops), for a launcher that writes an input
+    (the op bumps its version counter) and with an input that requires grad (the op raises: it has no
+    autograd formula). Otherwise the launcher runs directly, as the op's own eager kernel runs it (``wrap_triton``
+    off): the op's dispatch cost about 10 us of host time a call on a CPU core (13.2 against 3.0 us for a
+    launcher that allocates its outputs and launches nothing), paid by every row move of an eager step, whose
+    host time is the step's time at small token counts (issue 42). ``.op`` is the custom op."""
 
     def wrap(fn: F) -> F:
         op = triton_op(name, mutates_args=tuple(mutates_args))(fn)
+        if mutates_args or _direct is None:
+            return op  # type: ignore[return-value]
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+            if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+                    or (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args))):
                 return op(*args, **kwargs)
-            return fn(*args, **kwargs)
+            with _direct(False):
+                return fn(*args, **kwargs)
 
         call.op = op  # type: ignore[attr-defined]
         return call  # type: ignore[return-value]

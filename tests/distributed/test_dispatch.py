@@ -8,6 +8,7 @@ Legend: ``T`` tokens of a rank, ``K`` top-k, ``D`` model dim, ``E`` experts, ``e
 """
 
 import gc
+import time
 
 import pytest
 import torch
@@ -138,30 +139,39 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
     nothing of the send or receive buffers (the rows and the ids-and-weights each way, the combine's rows).
     Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, the received rows of
     ``dedup.exchange_launched`` and ``dedup.exchanged_op``) is recorded, and so is every tensor autograd saves
-    in the forward; none of the saved ones may share a buffer's storage, nor may any buffer's storage outlive
-    the forward."""
+    in the forward: none of the saved ones may share a buffer's storage. A second forward records the
+    buffers by weak references only: the dispatch's are gone when the experts run (their rows are in the
+    experts' own buffer by then) and none outlives the forward."""
     from moe_plans import build_plan, reference_moe
     from spmdmoe.moe import MoEConfig, dedup
 
-    buffers = []
+    buffers = []  # (the tensor, or a weak reference to its storage; whether the dispatch made it)
+    weak = [False]
 
-    def recorded(fn, inputs=False):
+    def note(t, dispatch):
+        if t.numel():
+            buffers.append((StorageWeakRef(t.untyped_storage()) if weak[0] else t, tuple(t.shape), dispatch))
+
+    def recorded(fn, inputs=False, dispatch=False):
         def call(*args):
             out = fn(*args)
-            buffers.extend([args[0], out] if inputs else [out])  # an exchange's input: the combine's rows too
+            if inputs:  # an exchange's input: the combine's rows too
+                note(args[0], dispatch)
+            note(out, dispatch)
             return out
         return call
 
-    monkeypatch.setattr(dedup, "scatter_rows", recorded(dedup.scatter_rows))
+    monkeypatch.setattr(dedup, "scatter_rows", recorded(dedup.scatter_rows, dispatch=True))
     monkeypatch.setattr(dedup, "exchanged_op", recorded(dedup.exchanged_op, inputs=True))
     launch = dedup.exchange_launched  # the dispatch's exchanges: their input now, their rows at the wait
     monkeypatch.setattr(dedup, "exchange_launched",
-                        lambda local, *a: (buffers.append(local), recorded(launch(local, *a)))[1])
+                        lambda local, *a: (note(local, True), recorded(launch(local, *a), dispatch=True))[1])
     cfg = MoEConfig(dim=8, hidden_dim=16, num_experts=2 * world.size(), top_k=2, num_shared_experts=1)
     moe = reference_moe(cfg, 4, device)
     plan = build_plan("ep", moe, 16, world, request, **options)
     X = reference_tensor((16, 8), 5, device=device)
     leaf = X[plan.rows].clone().requires_grad_()
+    rank = world.get_local_rank()
     saved = []
 
     def keep(t):
@@ -171,17 +181,21 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         y = plan.layer(plan.wrap(leaf))
     assert len(buffers) == 8, f"expected 2 send buffers and 3 exchanges (input, output), recorded {len(buffers)}"
-    storages = {b.untyped_storage().data_ptr() for b in buffers if b.numel()}
+    storages = {b.untyped_storage().data_ptr() for b, _, _ in buffers}
     held = [tuple(t.shape) for t in saved if t.numel() and t.untyped_storage().data_ptr() in storages]
-    assert saved and not held, f"rank {world.get_local_rank()}: autograd keeps exchange buffers of shapes {held}"
-    # nor does anything else (a launched exchange's work, a transport's handle): once the forward has
-    # returned, no buffer's storage is alive
-    alive = [StorageWeakRef(b.untyped_storage()) for b in buffers if b.numel()]
-    shapes = [tuple(b.shape) for b in buffers if b.numel()]
+    assert saved and not held, f"rank {rank}: autograd keeps exchange buffers of shapes {held}"
+    y.sum().backward()
     buffers.clear()
-    gc.collect()
-    kept = [shape for shape, ref in zip(shapes, alive) if not ref.expired()]
-    assert not kept, f"rank {world.get_local_rank()}: exchange buffers of shapes {kept} outlive the forward"
+    saved.clear()
+
+    weak[0] = True
+    at_experts = []
+    plan.layer.experts.register_forward_pre_hook(
+        lambda *_: at_experts.extend(_alive([(ref, shape) for ref, shape, dispatch in buffers if dispatch])))
+    y = plan.layer(plan.wrap(leaf))
+    assert not at_experts, f"rank {rank}: dispatch buffers of shapes {at_experts} alive while the experts run"
+    kept = _alive([(ref, shape) for ref, shape, _ in buffers])  # a launched exchange's work, a closure: nothing
+    assert not kept, f"rank {rank}: exchange buffers of shapes {kept} outlive the forward"
     y.sum().backward()  # the step runs to the end
 
 
@@ -232,7 +246,7 @@ def test_shared_experts_run_while_the_dispatch_travels(world, device, request, m
             (y * G).sum().backward()
         return [y.detach()] + ([leaf.grad] + [p.grad for p in plan.layer.parameters()] if grad else [])
 
-    at_once = step()
+    plain = step()  # the launched dispatch, not logged: the reference of the two below
     events.clear()
     monkeypatch.setattr(alltoall, "all_to_all_single", logged)
     plan.layer.shared_experts.register_forward_pre_hook(lambda *_: events.append("shared"))
@@ -242,9 +256,21 @@ def test_shared_experts_run_while_the_dispatch_travels(world, device, request, m
     assert events == ["launch", "launch", "shared", "wait", "wait"] + bwd, events
     monkeypatch.setattr(layer_module._Layer, "_pipeline", _waited_at_once(layer_module._Layer._pipeline))
     waited = step()
-    for a, b, c in zip(launched, waited, at_once, strict=True):
+    for a, b, c in zip(launched, waited, plain, strict=True):
         assert_close_everywhere(a, c, **EXACT)
         assert_close_everywhere(b, c, **EXACT)
+
+
+def _alive(refs, seconds=2.0):
+    """The shapes of the storages in ``refs`` (``(weak reference, shape)``) still alive after up to ``seconds``:
+    a finished gloo work may be let go by its thread a moment after ``wait()`` returned."""
+    deadline = time.monotonic() + seconds
+    while True:
+        gc.collect()
+        alive = [shape for ref, shape in refs if not ref.expired()]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.01)
 
 
 def _waited_at_once(pipeline):
