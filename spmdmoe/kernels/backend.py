@@ -102,7 +102,8 @@ def kernel_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[F], F
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-                    or (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args))):
+                    or (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                                        for a in (*args, *kwargs.values())))):
                 return op(*args, **kwargs)
             with _direct(False):
                 return fn(*args, **kwargs)

@@ -110,7 +110,8 @@ def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torc
 
 
 class Dispatching:
-    """:meth:`Transport.dispatch` from :meth:`Transport.launch_dispatch`, for the transports here."""
+    """The transports' base (``spmdmoe.moe.dispatch.Transport``): each defines :meth:`launch_dispatch`, which
+    starts the dispatch and returns its wait; :meth:`dispatch` is the two at once."""
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
                         problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
