@@ -176,20 +176,19 @@ class AllToAllTransport(Dispatching):
         marker = 0 if torch.is_grad_enabled() else GRAD_OFF  # grad mode rides too: a mix would hang backward
         send, recv, sizes, codes = exchange_split_sizes(counts.to(dev), need_Tn.sum(0).to(dev),
                                                         problem.bits | marker, self.axis)
-        if torch.compiler.is_compiling():  # no data-dependent raise in a graph: the step boundary raises
-            problem.record(problem.bits, x_TD.device)
-        elif any(codes := grad_mode_codes(codes)):
-            mine = codes[self.axis.rank]
-            if self.raises:
-                raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
-            problem.record(mine, x_TD.device)
-        if torch.compiler.is_compiling():  # facts about the traced counts that the tracer cannot see
-            for c in send + recv + sizes:
+        if torch.compiler.is_compiling():
+            problem.record(problem.bits, x_TD.device)  # no data-dependent raise in a graph: the step boundary raises
+            for c in send + recv + sizes:  # facts about the traced counts that the tracer cannot see
                 torch._check(c >= 0)
             # a token goes to a rank once, a row received has at most K copies here: the row buffers are exact,
             # so none is zero-filled (kernels/fan_out.py)
             torch._check(sum(send) <= ids_TK.shape[0] * n)
             torch._check(sum(sizes) <= sum(recv) * ids_TK.shape[1])
+        elif any(codes := grad_mode_codes(codes)):
+            mine = codes[self.axis.rank]
+            if self.raises:
+                raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
+            problem.record(mine, x_TD.device)
         pos_Tn = send_positions(need_Tn)
         received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e)
         return lambda: routed_copies(*received(), e, sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,

@@ -10,6 +10,7 @@ source layout. The experts only ever see ``x_RD`` and ``group_offsets``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -109,14 +110,15 @@ def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torc
                         fp8_rows=q, copies_TK=pos_MJ)
 
 
-class Dispatching:
+class Dispatching(ABC):
     """The transports' base (``spmdmoe.moe.dispatch.Transport``): each defines :meth:`launch_dispatch`, which
     starts the dispatch and returns its wait; :meth:`dispatch` is the two at once."""
 
+    @abstractmethod
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
                         problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
                         fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
-        raise NotImplementedError
+        """``spmdmoe.moe.dispatch.Transport.launch_dispatch``."""
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
                  problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
