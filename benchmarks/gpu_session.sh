@@ -11,7 +11,7 @@ PART=${1:-all}
 # (TAG: a suffix for a second run of one part in the same call, e.g. the titan part's 4-GPU layouts after its 2-GPU ones)
 NAME=gpu_session_$PART${TAG:-}; DEST=${OUT:-/tmp/out}; OUT=/tmp/$NAME; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
 trap 'tar czf "$DEST/$NAME.tgz" -C /tmp "$NAME"' EXIT
-# killed from outside (timeout --foreground -k 10 560 bash ...): stop what it started (a hung NCCL job holds its GPUs), its own
+# killed from outside (a plain `timeout 560 bash ...`, which signals this whole process group): stop what it started (a hung NCCL job holds its GPUs), its own
 # descendants only (not by name: that would kill other people's runs on a shared machine), and still pack
 # (the suite's jobs by their sessions, the rest by walking this script's children)
 kill_tree() { local p; for p in $(pgrep -P "$1"); do kill_tree "$p"; kill -9 "$p" 2>/dev/null; done; }
