@@ -224,7 +224,7 @@ if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
     echo "== sync-free EP $ep: a 4-layer stack, sync eager vs sync-free eager and graphed (issues 13, 42)"
     for T in ${TOKENS:-4096 16384}; do
       CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((ep - 1))) timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$ep" \
-        benchmarks/sync_free.py --tokens $T --out "$OUT/bench_sync_free.md" --profile "$OUT/profile_sync_free_$T.txt" \
+        benchmarks/sync_free.py --tokens $T --dump-after 270 --out "$OUT/bench_sync_free.md" --profile "$OUT/profile_sync_free_$T.txt" \
         --host-profile "$OUT/host_sync_free_$T.txt" ${GRAPH_ORDER:+--graph-order "$GRAPH_ORDER"} \
         > "$OUT/log_sync_free_$T.txt" 2>&1; tail -2 "$OUT/log_sync_free_$T.txt"
     done

@@ -8,11 +8,13 @@ bf16, D=2048, F=1408, E=64, K=6, EP = N (each rank its own T tokens; ``max_token
 (``timing.timed``), median, max over ranks:
 
 * ``sync eager``: ``ep_mode="sync"``, one host read of the split sizes per layer forward;
-* ``sync-free eager``: ``ep_mode="sync_free"`` lossless (``S = T`` rows per rank pair: a token crosses to a
-  rank once, ``moe/dedup.py``);
-* ``sync-free graphed``: the same stack's forward and backward captured in ONE CUDA graph, replayed;
-* ``sync-free graphed, capacity_factor c`` for c in 1.25 and 2 (smaller buffers; overflow checked once
-  after the timing, as ``update_expert_bias`` would).
+* ``sync-free eager``: ``ep_mode="sync_free"`` lossless: on NCCL on one host the symmetric-memory transport
+  (``moe/symmetric.py``: only the rows that cross, read from the peers), a token once per rank (``moe/dedup.py``);
+* ``sync-free eager, all-to-all``: the same over the padded even all-to-all (``SPMDMOE_EP_SYMMETRIC=0``: the
+  transport of gloo and of several hosts; ``S = T`` rows per rank pair);
+* ``sync-free graphed``: the symmetric stack's forward and backward captured in ONE CUDA graph, replayed;
+* ``sync-free graphed, capacity_factor c`` for c in ``--graph-order`` (a smaller experts' buffer; overflow
+  checked once after the timing, as ``update_expert_bias`` would).
 
 ``--profile FILE``: rank 0's top CUDA ops of each timed candidate (3 steps each, graphs replayed).
 ``--host-profile FILE``: where an eager step's host time goes (rank 0, cProfile of 3 steps of each eager
@@ -24,16 +26,18 @@ factors and ``lossless``, comma-separated): the lossless graph's grouped GEMMs r
 when it was the first graph, captured on the eager candidate's stack, while the ``capacity_factor 2.0``
 graph of the same shapes ran them at eager speed (RESULTS, issue 42); the order tells the two apart.
 
-Also: peak memory of one step per candidate, and the row moves alone: the sync-free dispatch + combine
-exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows each) against an even exchange of the rows
-the sync transport sends (a token once per rank it needs: this run's count, the NCCL floor for the same
-data).
+Also: peak memory of one step per candidate, and the row moves alone, the first layer's routing, every rank
+moving at once: the symmetric transport's dispatch and combine reads (``peer_dispatch`` + ``peer_pull_sum``, with
+their barriers) against an even NCCL ``all_to_all_single`` of the same rows each way (a token once per rank it
+needs), against the peer-copy ceiling (a copy-engine ``copy_`` of the same off-rank bytes from the peer's
+buffer, each way), and the padded exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Callable, Optional
 
 import torch
@@ -42,16 +46,24 @@ import torch.distributed as dist
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.dedup import destinations
+from spmdmoe.moe.symmetric import SymmetricTransport
 from spmdmoe.moe.sync_free import capacity_rows
 from spmdmoe.testing import capture_training_step
 
-FACTORS = (1.25, 2.0)
+FACTORS = (1.25,)
+
+
+_base: list[MoE] = []
 
 
 def build(cfg: MoEConfig, layers: int, dtype: torch.dtype, device: torch.device, T: int, **ep: object) -> torch.nn.ModuleList:
-    torch.manual_seed(0)  # the same weights on every rank and for every candidate
-    stack = [MoE(cfg).to(device=device, dtype=dtype) for _ in range(layers)]
-    return torch.nn.ModuleList([parallelize_moe(m, ep_mesh=dist.group.WORLD, **ep) for m in stack])
+    """A candidate's stack: the same single-device layers (made once, on the device: initialising them on the
+    CPU under torchrun's one OpenMP thread took ~8 s a layer) parallelized with ``ep``."""
+    if not _base:
+        torch.manual_seed(0)  # the same weights on every rank and for every candidate
+        with torch.device(device):
+            _base.extend(MoE(cfg).to(dtype=dtype) for _ in range(layers))
+    return torch.nn.ModuleList([parallelize_moe(m, ep_mesh=dist.group.WORLD, **ep) for m in _base])
 
 
 def run(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -66,6 +78,32 @@ def graphed(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor):
     """The stack's fwd+bwd captured once (after a warm-up on a side stream); returns the replay."""
     graph, _ = capture_training_step(lambda: run(stack, x, g), stack, x)
     return graph.replay
+
+
+def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: torch.Tensor, T: int, n: int,
+                    D: int) -> dict[str, Callable[[], object]]:
+    """The symmetric transport's two reads with this routing (the dispatch: every rank's ids and weights, then
+    the tokens with an expert here; the combine: a row back per token and rank visited), and the peer-copy
+    ceiling: a copy-engine ``copy_`` of this rank's off-rank rows' bytes from the next rank's buffer, every
+    rank at once, each way."""
+    from spmdmoe.moe.dedup import pack_meta
+    from spmdmoe.moe.symmetric import _buffer, _peers, peer_dispatch, peer_pull_sum
+
+    e, me, group = transport.local_experts, transport.axis.rank, transport.axis.group.group_name
+    need_Tn = destinations(ids_TK, e, n)
+    meta_TW = pack_meta(ids_TK, torch.rand(ids_TK.shape, device=ids_TK.device))
+    mask_Q = peer_dispatch(x_TD, meta_TW, need_Tn, group, T, me * e, me * e + e)[2]
+    y_QD = torch.randn(n * T, D, device=x_TD.device, dtype=x_TD.dtype)
+    crossing = int(need_Tn[:, [d for d in range(n) if d != me]].sum())
+    peers = _peers(_buffer(group, x_TD.device, n * T * D * x_TD.element_size()), x_TD.dtype)
+    src = peers.views[(me + 1) % n][: crossing * D]
+    dst = torch.empty_like(src)
+    return {
+        f"symmetric dispatch read ({crossing} rows cross here)":
+            lambda: peer_dispatch(x_TD, meta_TW, need_Tn, group, T, me * e, me * e + e),
+        "symmetric combine read": lambda: peer_pull_sum(y_QD, need_Tn, mask_Q, group, T),
+        f"peer-copy ceiling: copy_ of {crossing} rows from the peer, x 2": lambda: [dst.copy_(src) for _ in range(2)],
+    }
 
 
 def host_profile(eager: dict[str, Callable[[], None]], x: torch.Tensor, n: int, D: int, dtype: torch.dtype,
@@ -119,10 +157,20 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny dims, fp32: every candidate once, no timing")
     ap.add_argument("--profile", default=None, help="write rank 0's top CUDA ops of each timed candidate here")
     ap.add_argument("--host-profile", default=None, help="write where an eager step's host time goes here")
-    ap.add_argument("--graph-order", default="lossless,1.25,2.0",
+    ap.add_argument("--graph-order", default="lossless,1.25",
                     help="the order the graphs are captured in: capacity factors and 'lossless'")
+    ap.add_argument("--dump-after", type=float, default=0,
+                    help="seconds: then print every thread's stack and exit (a hang shows where it is)")
     args = ap.parse_args()
     smoke = args.smoke
+    if args.dump_after:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.dump_after, exit=True)
+    t0 = time.time()
+
+    def progress(what: str) -> None:
+        if dist.get_rank() == 0:
+            print(f"[{time.time() - t0:6.1f} s] {what}", flush=True)
     if smoke:
         dist.init_process_group("gloo")
         device, dtype, (D, F, E, K) = torch.device("cpu"), torch.float32, (32, 16, 8, 2)
@@ -141,16 +189,20 @@ def main() -> None:
         return build(cfg, L, dtype, device, T, ep_mode="sync_free", max_tokens=T, capacity_factor=c)
 
     stacks = {"sync eager": build(cfg, L, dtype, device, T), "sync-free eager": sync_free(None)}
-    for c in FACTORS:
-        stacks[f"sync-free, capacity_factor {c}"] = sync_free(c)
+    os.environ["SPMDMOE_EP_SYMMETRIC"] = "0"
+    stacks["sync-free eager, all-to-all"] = sync_free(None)
+    del os.environ["SPMDMOE_EP_SYMMETRIC"]
+    transports = {name: type(stack[0].transport).__name__ for name, stack in stacks.items()}
+    progress("built")
 
-    # the lossless sync-free stack and the sync stack agree bit for bit (same rows, same order)
-    outs = {}
-    for name in ("sync eager", "sync-free eager"):
+    # the lossless sync-free stacks and the sync stack agree bit for bit (same rows, same order)
+    outs = []
+    for name in ("sync eager", "sync-free eager", "sync-free eager, all-to-all"):
         stacks[name].zero_grad(set_to_none=True)
         x.grad = None
-        outs[name] = (run(stacks[name], x, g).detach(), x.grad.clone())
-    same = all(torch.equal(a, b) for a, b in zip(*outs.values()))
+        outs.append((run(stacks[name], x, g).detach(), x.grad.clone()))
+    same = all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
+    progress("eager steps compared")
     if smoke:
         if rank == 0:
             print(f"OK: smoke, {n} ranks, sync-free == sync bitwise: {same}, candidates {list(stacks)}", flush=True)
@@ -171,19 +223,22 @@ def main() -> None:
         eager()
         torch.cuda.synchronize()
         mem[name] = (torch.cuda.max_memory_allocated() - start) / 2**30
-        if name in ("sync eager", "sync-free eager"):
-            steps[name] = eager
+        steps[name] = eager
     # the graphs, each on a stack of its own, in --graph-order (module docstring)
+    progress("peak memory measured")
     for key in args.graph_order.split(","):
         c = None if key == "lossless" else float(key)
         name = "sync-free graphed" if c is None else f"sync-free, capacity_factor {c} (graphed)"
         own = sync_free(c)
         if c is not None:
             stacks[f"sync-free, capacity_factor {c}"] = own  # its overflow is checked below
+        transports[name] = type(own[0].transport).__name__
         steps[name] = graphed(own, x.detach().clone().requires_grad_(), g)
+        progress(f"captured {name}")
     t = timed(steps, args.iters, args.reps)
+    progress("timed")
     overflowed = []
-    for c in FACTORS:
+    for c in (float(k) for k in args.graph_order.split(",") if k != "lossless"):
         try:
             for layer in stacks[f"sync-free, capacity_factor {c}"]:
                 layer.check_capacity()
@@ -200,10 +255,16 @@ def main() -> None:
     sent = int(destinations(ids_TK, E // n, n).sum()) // n * n
     rows_even = torch.randn(sent, D, device=device, dtype=dtype)
     out_even = torch.empty_like(rows_even)
-    moves = timed({
-        f"sync-free dispatch + combine (2 x Q = 2 x {n * S} rows)": lambda: [dist.all_to_all_single(out_free, rows_free) for _ in range(2)],
+    moves = {
+        f"padded all-to-all dispatch + combine (2 x Q = 2 x {n * S} rows)": lambda: [dist.all_to_all_single(out_free, rows_free) for _ in range(2)],
         f"even all_to_all_single of the rows sent ({sent}) x 2": lambda: [dist.all_to_all_single(out_even, rows_even) for _ in range(2)],
-    }, args.iters, args.reps)
+    }
+    crossing = 0
+    if isinstance(first_free := stacks["sync-free eager"][0].transport, SymmetricTransport):
+        moves.update(symmetric_moves(first_free, x.detach(), ids_TK, T, n, D))
+        crossing = int(destinations(ids_TK, E // n, n)[:, [d for d in range(n) if d != rank]].sum())
+    moves = timed(moves, args.iters, args.reps)
+    progress("row moves timed")
 
     base = t["sync eager"]
     lines = [f"device: {n}x {torch.cuda.get_device_name()}, torch {torch.__version__}, EP={n}, D={D} F={F} E={E} K={K}, "
@@ -216,6 +277,12 @@ def main() -> None:
                   f"(Q = {n * S} rows per buffer vs {T * K} routed rows per rank)", "",
               "| row moves | ms |", "|---|---|"]
     lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
+    lines += ["", f"transports: {transports}"]
+    if crossing:
+        GB = crossing * D * 2 / 1e9
+        lines += [f"off-rank rows read here: {crossing} ({GB * 1e3:.0f} MB a direction); symmetric dispatch read "
+                  f"{GB / moves[next(k for k in moves if k.startswith('symmetric dispatch'))] * 1e3:.0f} GB/s, "
+                  f"peer-copy ceiling {2 * GB / moves[next(k for k in moves if k.startswith('peer-copy'))] * 1e3:.0f} GB/s"]
     if rank == 0:
         report("\n".join(lines), args.out)
     if args.host_profile:

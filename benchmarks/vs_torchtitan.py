@@ -244,13 +244,14 @@ def table(head: str, T: int, t: dict[str, float], mem: dict[str, float], cands: 
 
 ONE_GPU_BF16 = "spmdmoe bf16 eager, one GPU (all experts here, no EP)"
 ONE_GPU_FP8 = "spmdmoe FP8 eager, cached (b), one GPU (all experts here, no EP)"
+SYNC_FREE_BF16 = "spmdmoe bf16 eager, ep_mode='sync_free' (one host: symmetric memory)"
 
 
 def against_one_gpu(world: int, t: dict[str, float]) -> str:
     """EP against the same layer on one GPU at the same tokens per GPU (issue 42's gates: EP 2 bf16 at most
     1.25x, goal 1.15x; FP8 / bf16 under EP at least what it is on one GPU), from the same rotation."""
     lines = []
-    same = ((ONE_GPU_BF16, "bf16", ("spmdmoe bf16 eager", "spmdmoe bf16 compiled (fullgraph)")),
+    same = ((ONE_GPU_BF16, "bf16", ("spmdmoe bf16 eager", SYNC_FREE_BF16, "spmdmoe bf16 compiled (fullgraph)")),
             (ONE_GPU_FP8, "FP8 cached (b)", ("spmdmoe FP8 eager, cached (b)", "spmdmoe FP8 compiled, cached (b) (fullgraph)")))
     for one, precision, names in same:  # each precision against its own one-GPU row (--precision runs one)
         for n in names:
@@ -381,7 +382,8 @@ def main() -> None:
     torch.manual_seed(0)  # the same full weights on every rank
     state = {k: v.detach().clone() for k, v in MoE(cfg).to(device=device, dtype=dtype).state_dict().items()}
 
-    def ours(precision: str, cache: bool = True, lib: Any = None, ep: bool = True, **extra: Any) -> torch.nn.Module:
+    def ours(precision: str, cache: bool = True, lib: Any = None, ep: bool = True, sync_free: bool = False,
+             **extra: Any) -> torch.nn.Module:
         if lib is None:
             m = MoE(dataclasses.replace(cfg, expert_precision=precision, **extra)).to(device=device, dtype=dtype)
         else:  # the older copy: its own config class
@@ -389,7 +391,9 @@ def main() -> None:
         m.load_state_dict(state)
         if not cache:
             m.experts.fp8_cache = None
-        return parallelize_moe(m, ep_mesh=dist.group.WORLD) if world > 1 and ep else m
+        if world == 1 or not ep:
+            return m
+        return parallelize_moe(m, ep_mesh=dist.group.WORLD, **(dict(ep_mode="sync_free", max_tokens=T) if sync_free else {}))
 
     def titan(m: torch.nn.Module) -> Fwd:
         return lambda t: m(t.view(1, T, D)).view(T, D)  # it takes (B, L, D)
@@ -459,6 +463,8 @@ def main() -> None:
         if world > 1:  # the same layer, all E experts on this GPU, on this rank's own T tokens: no EP
             alone = ours("bf16", ep=False)
             cands[ONE_GPU_BF16] = Candidate(alone, alone, False)
+            free = ours("bf16", sync_free=True)
+            cands[SYNC_FREE_BF16] = Candidate(free, free, False)
         if base is not None:
             old = ours("bf16", lib=base)
             cands["base bf16 eager"] = Candidate(old, old, False)

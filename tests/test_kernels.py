@@ -201,3 +201,27 @@ def test_skipped_copies_into_fewer_rows_than_copies(dtype, nan_empty):
     copies = (index >= 0).sum(1, keepdim=True).to(torch.float32)
     torch.testing.assert_close(back.float(), src.float() * copies, **_ulp(dtype))
     torch.testing.assert_close(back, K.gather_sum_reference(got, index), **_ulp(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, t_max, D", [(2, 5, 33), (3, 4, 1500), (4, 1, 8), (2, 0, 16)])
+def test_peer_rows(dtype, n, t_max, D):
+    """The two peer moves (``kernels/peer_rows.py``) against their references, with ``n`` plain buffers of this
+    process standing in for the peers' mapped ones (the kernels read them through the same address table):
+    the masked pull exactly, a masked-off row zero; the sum over ranks exactly on a GPU (fp32, rank order),
+    to 1 ulp under the interpreter (its bf16 rounding)."""
+    from spmdmoe.kernels.peer_rows import PeerRows, pull_rows_reference, pull_rows_triton, pull_sum_reference, pull_sum_triton
+
+    gen = torch.Generator().manual_seed(n * 100 + t_max)
+    views = tuple(torch.randn(n * t_max * D + 5, generator=gen).to(DEVICE, dtype) for _ in range(n))
+    for rank, offset in ((0, 0), (n - 1, 5)):  # a region that starts past the buffer's first element
+        peers = PeerRows(views, torch.tensor([v.data_ptr() for v in views], device=DEVICE), rank)
+        mask = (torch.rand(n * t_max, generator=gen) < 0.6).to(DEVICE)
+        got = pull_rows_triton(peers, mask, t_max, D, offset)
+        torch.testing.assert_close(got, pull_rows_reference(peers, mask, t_max, D, offset), rtol=0, atol=0)
+        assert not got[~mask].any()
+        need = (torch.rand(max(t_max - 1, 0), n, generator=gen) < 0.5).to(DEVICE)
+        exact = DEVICE == "cuda" or dtype == torch.float32
+        torch.testing.assert_close(pull_sum_triton(peers, need, t_max, D, offset),
+                                   pull_sum_reference(peers, need, t_max, D, offset),
+                                   **({"rtol": 0, "atol": 0} if exact else _ulp(dtype)))

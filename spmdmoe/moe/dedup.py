@@ -30,7 +30,7 @@ from ..collectives.alltoall import exchange_launched, exchanged_op
 from ..types.mesh import MeshAxis
 from .permute import scatter_rows, weighted_combine
 
-__all__ = ["destinations", "send_positions", "launch_tokens", "send_back"]
+__all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta", "launch_tokens", "send_back"]
 
 
 def destinations(ids_TK: torch.Tensor, local_experts: int, ranks: int) -> torch.Tensor:
@@ -65,14 +65,14 @@ def send_positions(need_Tn: torch.Tensor, slot: Optional[int] = None) -> torch.T
     return torch.where(need_Tn & (within_Tn < slot), rank_n * slot + within_Tn, -1)
 
 
-def _pack_meta(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+def pack_meta(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """``(T, 2K)`` in the weights' dtype (fp32, or fp64 for fp64 weights): a token's routing weights then its
     expert ids (exact below 2**24), to travel with it."""
     dtype = torch.promote_types(weights_TK.dtype, torch.float32)
     return torch.cat([weights_TK.to(dtype), ids_TK.to(dtype)], dim=1)
 
 
-def _unpack_meta(meta_QW: torch.Tensor, rank: int, local_experts: int, valid_Q: Optional[torch.Tensor] = None
+def unpack_meta(meta_QW: torch.Tensor, rank: int, local_experts: int, valid_Q: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(local_QK, weights_QK)`` of the received rows: each copy's expert on this rank (``0 <= l < e``) or
     ``-1`` (another rank's, or a row ``valid_Q`` marks dead: a sync-free slot's unused tail), and the
@@ -99,8 +99,8 @@ def launch_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Te
     (:func:`spmdmoe.collectives.alltoall.exchange_launched`); their reverse in the backward."""
     rows = sum(send)
     x_wait = exchange_launched(scatter_rows(x_TD, pos_Tn, rows), send, recv, axis, 0)
-    meta_wait = exchange_launched(scatter_rows(_pack_meta(ids_TK, weights_TK), pos_Tn, rows), send, recv, axis, 0)
-    return lambda: (x_wait(), *_unpack_meta(meta_wait(), axis.rank, local_experts, live_Q))
+    meta_wait = exchange_launched(scatter_rows(pack_meta(ids_TK, weights_TK), pos_Tn, rows), send, recv, axis, 0)
+    return lambda: (x_wait(), *unpack_meta(meta_wait(), axis.rank, local_experts, live_Q))
 
 
 def send_back(y_QD: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis

@@ -12,11 +12,14 @@ transport              a layer with                  collectives per forward (ov
                                                      and their ids / weights all-to-all (exact
                                                      sizes); the combine's rows all-to-all
 ``SyncFreeTransport``  EP, ``ep_mode="sync_free"``   counts all-gather; the same three         none
-(``sync_free.py``)                                   all-to-alls, ``S`` rows per rank pair
+(``sync_free.py``)     (gloo, several hosts)         all-to-alls, ``S`` rows per rank pair
+``SymmetricTransport`` EP, ``ep_mode="sync_free"``   no NCCL: ids, then rows read from the     none
+(``symmetric.py``)     (NCCL, one host)              peers' symmetric buffers (only the rows
+                                                     that cross), between bounded barriers
 =====================  ============================  ========================================  ==========
 
 :func:`transport_for` makes the one a layer uses. The EP ones send a token once to each rank holding any of
-its experts (``dedup.py``), with its expert ids and routing weights. All three end their dispatch in
+its experts (``dedup.py``), with its expert ids and routing weights. All of them end their dispatch in
 ``routed.routed_copies``: the copies in expert-major order, the weights folded into the experts, which return
 each row's weighted sum of its copies; the EP combine sends that row back and the sender sums a token's rows
 over ranks. Backward: the same moves reversed, on every rank alike.
@@ -45,6 +48,7 @@ from ..types.mesh import MeshAxis
 from .dedup import destinations, launch_tokens, send_back, send_positions
 from .permute import count_per_expert, weighted_combine
 from .routed import Dispatching, RoutedTokens, routed_copies
+from .symmetric import SymmetricTransport, symmetric_usable
 from .sync_free import Capacity, SyncFreeTransport
 
 __all__ = ["Transport", "LocalTransport", "AllToAllTransport", "transport_for"]
@@ -208,5 +212,6 @@ def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k:
     if ep is None or ep.size == 1:
         return LocalTransport(num_experts)
     makers = {"sync": lambda: AllToAllTransport(ep, num_experts, raises=raises),
-              "sync_free": lambda: SyncFreeTransport(ep, num_experts, top_k, capacity_factor)}
+              "sync_free": lambda: (SymmetricTransport if symmetric_usable(ep) else SyncFreeTransport)(
+                  ep, num_experts, top_k, capacity_factor)}
     return makers[ep_mode]()

@@ -146,6 +146,11 @@ class SyncFreeTransport(Dispatching):
         self.top_k = top_k
         self.capacity_factor = capacity_factor
 
+    def sizes(self, t_max: int) -> tuple[int, int]:
+        """``(S, R)`` for ``T_max`` (:func:`capacity_rows`): the rows of a (source, destination) slot and of this
+        rank's experts' buffer."""
+        return capacity_rows(t_max, self.top_k, self.local_experts, self.axis.size, self.capacity_factor)
+
     def _count_table(self, counts_W: torch.Tensor) -> torch.Tensor:
         """Every rank's ``(W,)`` counts, ``(n, W)``, the same on every rank (one all-gather, no host read)."""
         n, W = self.axis.size, counts_W.shape[0]
@@ -189,7 +194,7 @@ class SyncFreeTransport(Dispatching):
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         n, e, me, E = self.axis.size, self.local_experts, self.axis.rank, self.num_experts
-        S, R = capacity_rows(t_max, self.top_k, e, n, self.capacity_factor)
+        S, R = self.sizes(t_max)
         Q = n * S
         need_Tn = destinations(ids_TK, e, n)
         table = self._count_table(torch.cat([count_per_expert(ids_TK, E), need_Tn.sum(0)]))  # [source, E + n]
@@ -215,7 +220,7 @@ class SyncFreeTransport(Dispatching):
         if excess <= 0:
             return None
         n, K = self.axis.size, self.top_k
-        S, R = capacity_rows(t_max, K, self.local_experts, n, self.capacity_factor)
+        S, R = self.sizes(t_max)
         head = (f"{layer}: rank {self.axis.rank}: sync-free EP capacity exceeded: a (source, destination) slot "
                 f"needed {slot_needed} rows and a rank's experts {rows_needed} rows, the buffers hold {S} and {R}; "
                 "the tokens and copies past them were dropped (their expert outputs counted as zero) since the "

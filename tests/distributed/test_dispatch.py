@@ -142,6 +142,7 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
     in the forward: none of the saved ones may share a buffer's storage. A second forward records the
     buffers by weak references only: the dispatch's are gone when the experts run (their rows are in the
     experts' own buffer by then) and none outlives the forward."""
+    monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")  # the all-to-all transports (NCCL: test_symmetric.py)
     from moe_plans import build_plan, reference_moe
     from spmdmoe.moe import MoEConfig, dedup
 
@@ -207,6 +208,7 @@ def test_shared_experts_run_while_the_dispatch_travels(world, device, request, m
     two reverse exchanges are launched before the shared experts' backward and waited for after it. The
     output and the gradients are the same as with the dispatch waited for at once (``Transport.dispatch``),
     bit for bit."""
+    monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")  # the all-to-all transports (NCCL: test_symmetric.py)
     from moe_plans import build_plan, reference_moe
     from spmdmoe.collectives import alltoall
     from spmdmoe.moe import MoEConfig, layer as layer_module

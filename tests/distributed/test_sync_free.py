@@ -91,6 +91,7 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     n = world.size()
     if n < 2:
         pytest.skip("needs EP over 2+ ranks")
+    monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")  # this transport's slots (test_symmetric.py: the other's rule)
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
     moe = reference_moe(cfg, 4, device)
     moe.expert_bias[:2] = 1e3
@@ -146,12 +147,13 @@ def _kept_copies(ids_by_rank, n, e, S, R):
     return kept
 
 
-def test_dropped_copies_count_as_zero(world, device, request, nan_empty):
+def test_dropped_copies_count_as_zero(world, device, request, nan_empty, monkeypatch):
     """With a tiny capacity, each output row is the weighted sum of the copies that fit, nothing else: the
     rule of ``sync_free.py`` (a slot keeps its first ``S`` tokens, an experts' buffer its first ``R`` copies in
     expert-major order) simulated from every rank's routing, against the layer; so are the input gradient and
     every parameter gradient (a dropped copy contributes zero to each, never a stale or uninitialised row)."""
     n = world.size()
+    monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")  # this transport's slots (test_symmetric.py: the other's rule)
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
     moe = reference_moe(cfg, 5, device)
     plan = build_plan("ep", moe, TOTAL, world, request, ep_mode="sync_free", capacity_factor=0.25, max_tokens=TOTAL)

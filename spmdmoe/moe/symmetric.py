@@ -1,0 +1,316 @@
+"""The sync-free EP transport over CUDA symmetric memory: each rank reads its peers' rows over NVLink.
+
+Legend: ``T`` tokens routed here (at most ``Tm = T_max``), ``K`` top-k, ``D`` model dim, ``E`` experts, ``e``
+local experts, ``n`` EP ranks, ``Q = n * Tm`` rows received (source ``s``'s token ``t`` at row ``s * Tm + t``),
+``R`` the experts' rows (a static capacity), ``W = 2K`` a token's ids and weights.
+
+:class:`SymmetricTransport` keeps :class:`~spmdmoe.moe.sync_free.SyncFreeTransport`'s contract (static sizes, no
+host sync, a graph captures it, fullgraph compile, the overflow kept on the device and raised on every rank)
+and its results bit for bit, but moves only the rows that cross, with no padded slots and no NCCL:
+
+* Dispatch (one op, ``spmdmoe::peer_dispatch``): each rank stages its ``(Tm, W)`` ids and weights (rows past
+  ``T`` marked ``-1``) and its ``(T, D)`` tokens in its symmetric buffer; after a barrier every rank reads every
+  rank's ids and weights (all hold the same ``(n * Tm, K)`` ids, from which each derives the same experts'
+  demand and overflow verdict: the symmetric count table, no other collective), then from each source the
+  tokens that have an expert here (a token crosses once per rank, as in ``dedup.py``) into ``(Q, D)``, which
+  ``routed.routed_copies`` fans out to the local experts.
+* Combine (``spmdmoe::peer_pull_sum``): each rank stages the experts' ``(Q, D)`` rows (one per received token,
+  its copies summed); after a barrier each source reads its tokens' rows from the ranks they visited and sums
+  them in rank order (fp32, rounded once: ``dedup.send_back``'s order, hence equal to the other EP transports
+  bit for bit).
+* Backward: the same moves reversed (``spmdmoe::peer_pull_rows``, ``spmdmoe::peer_dispatch_backward``).
+
+Each op: stage, barrier, read, barrier (nobody stages again before every peer has read). The barriers are
+torch's (``_SymmetricMemory.barrier``), bounded by :data:`TIMEOUT_MS`: a rank whose peer never arrives (a rank
+that skipped a layer, died, or hangs) traps with ``CUDASymmetricMemory::barrier: rank r failed to receive
+signal from rank p`` instead of spinning forever (the NCCL watchdog cannot see these waits), which ends the
+process. The reads are plain Triton loads of mapped peer memory (``kernels/peer_rows.py``), on the compute
+stream.
+
+Where it applies (:func:`symmetric_usable`): an NCCL EP group whose ranks share one host (checked once per group
+with the hostnames); elsewhere (gloo, CPU, several hosts) ``SyncFreeTransport``'s padded even all-to-all runs.
+The staging buffer is allocated at a layer's first forward (a collective rendezvous, host side; a CUDA graph
+must be captured after one eager step) and grows when a larger ``T_max`` or ``D`` needs it; one per EP group.
+A grown-out buffer is kept (a graph captured on it still reads it), so at most twice the largest is held.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..autograd import always_recorded
+from ..kernels.peer_rows import PeerRows, pull_rows, pull_sum
+from ..sticky import Problem
+from ..types.mesh import MeshAxis
+from .dedup import destinations, pack_meta, unpack_meta
+from .permute import count_per_expert
+from .routed import RoutedTokens, routed_copies
+from .sync_free import Capacity, SyncFreeTransport
+
+__all__ = ["SymmetricTransport", "symmetric_usable", "TIMEOUT_MS"]
+
+# a barrier's bound (ms); SPMDMOE_PEER_TIMEOUT_MS overrides it (torchtitan's default comm timeout is 300 s)
+TIMEOUT_MS = int(os.environ.get("SPMDMOE_PEER_TIMEOUT_MS", 300_000))
+
+_one_host: dict[str, bool] = {}
+
+
+def symmetric_usable(axis: MeshAxis) -> bool:
+    """Whether :class:`SymmetricTransport` can serve ``axis``: NCCL, CUDA symmetric memory importable, every
+    rank of the group on this host, and ``SPMDMOE_EP_SYMMETRIC`` not ``0``. The host check is one
+    ``all_gather_object`` of the hostnames over the group, the first time a group is asked (every rank of it
+    asks at the same point: building a layer, ``set_ep_mode``); every rank gets the same answer."""
+    if os.environ.get("SPMDMOE_EP_SYMMETRIC", "1") == "0" or "nccl" not in str(torch.distributed.get_backend(axis.group)):
+        return False
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    name = axis.group.group_name
+    if name not in _one_host:
+        hosts: list[Any] = [None] * axis.size
+        torch.distributed.all_gather_object(hosts, socket.gethostname(), group=axis.group)
+        _one_host[name] = len(set(hosts)) == 1
+    return _one_host[name]
+
+
+@dataclass
+class _Staging:
+    buf: torch.Tensor  # uint8, this rank's symmetric buffer
+    hdl: Any  # its _SymmetricMemory handle
+    ptrs: torch.Tensor  # int64 (n,): every rank's buffer address, on the device
+    views: dict[torch.dtype, PeerRows]
+
+
+_staging: dict[tuple[str, int], _Staging] = {}
+_retired: list[_Staging] = []  # grown out of, kept alive for the CUDA graphs that captured them
+
+
+def _allocate(group: str, device: torch.device, nbytes: int) -> tuple[torch.Tensor, Any]:
+    """A symmetric ``uint8`` buffer of ``nbytes`` on every rank of ``group`` and its handle (a collective)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf, symm_mem.rendezvous(buf, group)
+
+
+def _buffer(group: str, device: torch.device, nbytes: int) -> _Staging:
+    """The group's staging buffer, at least ``nbytes``: allocated or grown (a collective rendezvous: every rank
+    asks for the same sizes in the same order) when too small."""
+    key = (group, device.index or 0)
+    st = _staging.get(key)
+    if st is None or st.buf.numel() < nbytes:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("spmdmoe's symmetric EP buffer must grow during CUDA graph capture: run one eager "
+                               "forward and backward at the captured sizes before capturing")
+        size = max(nbytes, 2 * st.buf.numel() if st is not None else 1 << 20)  # (a 0-byte rendezvous: no handle)
+        if st is not None:
+            _retired.append(st)
+        buf, hdl = _allocate(group, device, size)
+        ptrs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64)
+        if device.type == "cuda":  # from pinned memory: no host sync
+            ptrs = ptrs.pin_memory().to(device, non_blocking=True)
+        st = _staging[key] = _Staging(buf, hdl, ptrs, {})
+    return st
+
+
+def _peers(st: _Staging, dtype: torch.dtype) -> PeerRows:
+    """Every rank's staging buffer as flat ``dtype`` elements."""
+    if dtype not in st.views:
+        n = st.hdl.world_size
+        views = tuple(st.hdl.get_buffer(r, (st.buf.numel() // dtype.itemsize,), dtype) for r in range(n))
+        st.views[dtype] = PeerRows(views, st.ptrs, st.hdl.rank)
+    return st.views[dtype]
+
+
+def _staged(group: str, *parts: tuple[torch.Tensor, int]) -> tuple[list[tuple[PeerRows, int]], Any]:
+    """Each ``(src, numel)`` region, in order (16-byte aligned), of this rank's staging buffer: ``src`` copied to
+    its start, then a barrier, after which every rank's regions are readable. Returns each region's
+    ``(peers, element offset)`` and the handle (whose ``barrier`` the caller makes once it has read)."""
+    starts, nbytes = [], 0
+    for src, numel in parts:
+        starts.append(nbytes)
+        nbytes += -(-numel * src.dtype.itemsize // 16) * 16
+    st = _buffer(group, parts[0][0].device, nbytes)
+    regions = []
+    for (src, _), start in zip(parts, starts):
+        peers = _peers(st, src.dtype)
+        offset = start // src.dtype.itemsize
+        peers.views[peers.rank][offset: offset + src.numel()].view_as(src).copy_(src)
+        regions.append((peers, offset))
+    st.hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
+    return regions, st.hdl
+
+
+# The moves, each a collective custom op over ``group`` (stage, barrier, read, barrier). Under torch.compile the
+# compiler orders the ops it cannot tell apart by data however it likes, and may order them differently on
+# different ranks (their sizes differ); so every op that a forward or a backward can reach independently of
+# the others is ONE op: the dispatch moves its ids and its rows together, and its backward their gradients.
+
+@torch.library.custom_op("spmdmoe::peer_dispatch", mutates_args=())
+def peer_dispatch(x_TD: torch.Tensor, meta_TW: torch.Tensor, need_Tn: torch.Tensor, group: str, t_max: int,
+                  first: int, last: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dispatch's reads: ``(x_QD, meta_QW, mask_Q)``. ``meta_QW`` row ``s * t_max + t`` is rank ``s``'s
+    ``meta_TW[t]`` (``(t_max, W)`` on every rank: ``W/2`` weights then ``W/2`` expert ids, ``-1`` on rows past
+    its tokens); ``mask_Q``: whether any of the row's ids is in ``[first, last)`` (this rank's experts); ``x_QD``
+    row ``s * t_max + t`` rank ``s``'s ``x_TD[t]`` (``(T <= t_max, D)``) where ``mask_Q`` is set, zero
+    elsewhere. ``need_Tn`` (bool ``(T, n)``: the ranks each of this rank's tokens visits) is for the backward,
+    :func:`peer_dispatch_backward`."""
+    D, W, n = x_TD.shape[1], meta_TW.shape[1], need_Tn.shape[1]
+    ((meta, m_off), (rows, x_off)), hdl = _staged(group, (meta_TW.contiguous(), t_max * W),
+                                                  (x_TD.contiguous(), t_max * D))
+    meta_QW = pull_rows(meta, torch.ones(n * t_max, dtype=torch.bool, device=x_TD.device), t_max, W, m_off)
+    ids_QK = meta_QW[:, W // 2:]
+    mask_Q = ((ids_QK >= first) & (ids_QK < last)).any(1)
+    x_QD = pull_rows(rows, mask_Q, t_max, D, x_off)
+    hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
+    return x_QD, meta_QW, mask_Q
+
+
+@torch.library.custom_op("spmdmoe::peer_dispatch_backward", mutates_args=())
+def peer_dispatch_backward(grad_x_QD: torch.Tensor, grad_meta_QW: torch.Tensor, need_Tn: torch.Tensor, group: str,
+                           t_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x_TD, grad_meta_TW)``: a token's row gradient summed (fp32, rank order) over the ranks
+    ``need_Tn`` (bool ``(T, n)``) names, and its ids-and-weights gradient over every rank (``(t_max, W)``)."""
+    Q, D = grad_x_QD.shape
+    W = grad_meta_QW.shape[1]
+    ((rows, x_off), (meta, m_off)), hdl = _staged(group, (grad_x_QD.contiguous(), Q * D),
+                                                  (grad_meta_QW.contiguous(), Q * W))
+    grad_x_TD = pull_sum(rows, need_Tn, t_max, D, x_off)
+    every = torch.ones((t_max, need_Tn.shape[1]), dtype=torch.bool, device=need_Tn.device)
+    grad_meta_TW = pull_sum(meta, every, t_max, W, m_off)
+    hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
+    return grad_x_TD, grad_meta_TW
+
+
+@torch.library.custom_op("spmdmoe::peer_pull_rows", mutates_args=())
+def peer_pull_rows(src_TD: torch.Tensor, mask_Q: torch.Tensor, group: str, t_max: int) -> torch.Tensor:
+    """``(Q, D)``: row ``s * t_max + t`` is rank ``s``'s ``src_TD[t]`` (``(T <= t_max, D)``) where ``mask_Q``
+    (bool ``(Q,)``) is set, zero elsewhere (the combine's backward)."""
+    D = src_TD.shape[1]
+    ((rows, off),), hdl = _staged(group, (src_TD.contiguous(), t_max * D))
+    out = pull_rows(rows, mask_Q, t_max, D, off)
+    hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
+    return out
+
+
+@torch.library.custom_op("spmdmoe::peer_pull_sum", mutates_args=())
+def peer_pull_sum(src_QD: torch.Tensor, need_Tn: torch.Tensor, mask_Q: torch.Tensor, group: str, t_max: int
+                  ) -> torch.Tensor:
+    """``(T, D)``: row ``t`` the fp32 sum, in rank order, of rank ``d``'s ``src_QD[me * t_max + t]`` over the
+    ranks ``need_Tn[t]`` marks, rounded once (the combine). Backward: :func:`peer_pull_rows` with
+    ``mask_Q`` (this rank's: which received rows it read)."""
+    Q, D = src_QD.shape
+    ((rows, off),), hdl = _staged(group, (src_QD.contiguous(), Q * D))
+    out = pull_sum(rows, need_Tn, t_max, D, off)
+    hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
+    return out
+
+
+@peer_dispatch.register_fake
+def _(x_TD, meta_TW, need_Tn, group, t_max, first, last):  # type: ignore[no-untyped-def]
+    Q = t_max * need_Tn.shape[1]
+    return x_TD.new_empty((Q, x_TD.shape[1])), meta_TW.new_empty((Q, meta_TW.shape[1])), \
+        x_TD.new_empty((Q,), dtype=torch.bool)
+
+
+@peer_dispatch_backward.register_fake
+def _(grad_x_QD, grad_meta_QW, need_Tn, group, t_max):  # type: ignore[no-untyped-def]
+    return grad_x_QD.new_empty((need_Tn.shape[0], grad_x_QD.shape[1])), \
+        grad_meta_QW.new_empty((t_max, grad_meta_QW.shape[1]))
+
+
+@peer_pull_rows.register_fake
+def _(src_TD, mask_Q, group, t_max):  # type: ignore[no-untyped-def]
+    return src_TD.new_empty((mask_Q.shape[0], src_TD.shape[1]))
+
+
+@peer_pull_sum.register_fake
+def _(src_QD, need_Tn, mask_Q, group, t_max):  # type: ignore[no-untyped-def]
+    return src_QD.new_empty((need_Tn.shape[0], src_QD.shape[1]))
+
+
+def _keep_dispatch(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    _, _, need_Tn, ctx.group, ctx.t_max, _, _ = inputs
+    ctx.save_for_backward(need_Tn)
+
+
+def _dispatch_backward(ctx: Any, grad_x_QD: torch.Tensor, grad_meta_QW: torch.Tensor, _mask: Any
+                       ) -> tuple[Optional[torch.Tensor], ...]:
+    (need_Tn,) = ctx.saved_tensors
+    gx, gm = peer_dispatch_backward(grad_x_QD, grad_meta_QW, need_Tn, ctx.group, ctx.t_max)
+    return gx, gm, None, None, None, None, None
+
+
+def _keep_sum(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    _, need_Tn, mask_Q, ctx.group, ctx.t_max = inputs
+    ctx.save_for_backward(mask_Q)
+
+
+def _sum_backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    (mask_Q,) = ctx.saved_tensors
+    return peer_pull_rows(grad, mask_Q, ctx.group, ctx.t_max), None, None, None, None
+
+
+peer_dispatch.register_autograd(_dispatch_backward, setup_context=_keep_dispatch)
+peer_pull_sum.register_autograd(_sum_backward, setup_context=_keep_sum)
+
+
+@dataclass(frozen=True)
+class _Handle:
+    need_Tn: torch.Tensor  # bool (T, n): whether token t visited rank d
+    mask_Q: torch.Tensor  # bool (Q,): whether this rank read received row q
+    t_max: int
+    rows: int  # the rows routed (more than t_max: those past it got no expert and return zero)
+
+
+class SymmetricTransport(SyncFreeTransport):
+    """Sync-free EP over CUDA symmetric memory (the module docstring); ``SyncFreeTransport``'s arguments."""
+
+    def sizes(self, t_max: int) -> tuple[int, int]:
+        """``(T_max, R)``: no slots here (a source's every token can cross), ``R`` as ``SyncFreeTransport``'s."""
+        return t_max, super().sizes(t_max)[1]
+
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
+                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+        """:meth:`SyncFreeTransport.launch_dispatch`'s contract and result (bit for bit), the rows read from the
+        peers now (on the compute stream: nothing runs under them). Rows past ``T_max`` (a problem the layer
+        recorded, raised at the step boundary) are not sent and return zero. Collectives: one read of peer
+        memory over EP (every rank's ids and weights, then the rows with an expert here) between barriers; its
+        reverse in the backward. Recorded for the backward whenever grad mode is on, whatever ``x_TD`` needs
+        (``spmdmoe.autograd``: a rank that stood in zero rows runs the backward's reads too)."""
+        if capacity is None:
+            raise TypeError("SymmetricTransport.launch_dispatch needs a Capacity (T_max and the overflow buffer)")
+        t_max, rows, K = capacity.t_max, x_TD.shape[0], ids_TK.shape[1]
+        if problem is not None:
+            problem.record(problem.bits, x_TD.device)
+        if rows > t_max:  # the layer recorded the problem (``layer_capacity``): the rows past T_max are not sent
+            x_TD, ids_TK, weights_TK = x_TD[:t_max], ids_TK[:t_max], weights_TK[:t_max]
+        n, e, me, E = self.axis.size, self.local_experts, self.axis.rank, self.num_experts
+        _, R = self.sizes(t_max)
+        # rows past this rank's tokens: no expert (a pad, not a cat: under compile a cat guards on an empty part)
+        meta_TW = torch.nn.functional.pad(pack_meta(ids_TK, weights_TK), (0, 0, 0, t_max - x_TD.shape[0]), value=-1.0)
+        need_Tn = destinations(ids_TK, e, n)
+        x_QD, meta_QW, _ = peer_dispatch(always_recorded(x_TD), meta_TW, need_Tn, self.axis.group.group_name, t_max,
+                                         me * e, me * e + e)
+        local_QK, weights_QK = unpack_meta(meta_QW, me, e)
+        # every rank read every rank's ids: the same demand and verdict everywhere, with no other collective
+        ids_QK = meta_QW[:, K:].detach().to(torch.int64)
+        copies_E = count_per_expert(torch.where(ids_QK >= 0, ids_QK, E), E + 1)[:E]
+        self._record(capacity.overflow, (ids_QK[:, 0] >= 0).view(n, t_max).sum(1).max(),
+                     copies_E.view(n, e).sum(1).max(), t_max, R, t_max)
+        routed = routed_copies(x_QD, local_QK, weights_QK, e, R, fp8_rows=fp8_rows,
+                               handle=_Handle(need_Tn, (local_QK >= 0).any(1), t_max, rows))
+        return lambda: routed
+
+    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """:meth:`SyncFreeTransport.combine`: each token's rows read from the ranks it visited and summed."""
+        h: _Handle = routed.handle
+        y_TD = peer_pull_sum(always_recorded(y_QD), h.need_Tn, h.mask_Q, self.axis.group.group_name, h.t_max)
+        return torch.cat([y_TD, y_TD.new_zeros(h.rows - h.t_max, y_TD.shape[1])]) if h.rows > h.t_max else y_TD

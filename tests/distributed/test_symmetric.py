@@ -1,0 +1,254 @@
+"""The symmetric-memory sync-free EP transport (``spmdmoe/moe/symmetric.py``).
+
+On NCCL (one host) ``ep_mode="sync_free"`` takes it, with real CUDA symmetric memory and its bounded barriers. On
+gloo (CI) the same transport runs with its staging emulated: each rank's staged rows all-gathered (the peers'
+buffers as this rank would read them), the barriers no-ops, the kernels' torch references; so its logic (which
+rows cross, the ids read from every rank, the shared overflow verdict, the custom ops' autograd) is tested on
+CPU too. Against the sync transport and the padded all-to-all one: outputs, input and every parameter gradient
+bit for bit (bf16 and FP8 experts, ``T = 0`` on some ranks, ``T < ranks``, idle experts, all tokens on one
+expert, under activation checkpointing); a capacity overflow: the copies past ``R`` dropped by the documented
+rule, the same verdict on every rank, ``SPMDCapacityError`` everywhere; on NCCL a rank that skips a layer makes
+its peer's barrier trap within its bound (a separate job), not hang.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import spmdmoe
+from moe_plans import build_plan, reference_moe
+from spmdmoe import SPMDCapacityError, SPMDTensor
+from spmdmoe.moe import MoEConfig
+from spmdmoe.moe import symmetric, sync_free
+from spmdmoe.testing import assert_raises_everywhere, reference_tensor
+from test_sync_free import _kept_copies
+
+D, F, E = 16, 16, 8
+
+
+class _GlooHandle:
+    """A symmetric buffer emulated over gloo: each rank keeps a copy of every peer's buffer, refreshed by the
+    barrier (an all-gather), which is where the real one makes the peers' writes visible."""
+
+    def __init__(self, buf: torch.Tensor, group: str):
+        self.pg = c10d._resolve_process_group(group)
+        self.buf, self.rank, self.world_size = buf, dist.get_rank(self.pg), dist.get_world_size(self.pg)
+        self.copies = [buf if r == self.rank else torch.empty_like(buf) for r in range(self.world_size)]
+        self.buffer_ptrs = [c.data_ptr() for c in self.copies]
+
+    def get_buffer(self, rank: int, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return self.copies[rank].view(dtype)[: sizes[0]]
+
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
+        got = [torch.empty_like(self.buf) for _ in range(self.world_size)]
+        dist.all_gather(got, self.buf, group=self.pg)
+        for r, c in enumerate(self.copies):
+            if r != self.rank:
+                c.copy_(got[r])
+
+
+def _gloo_allocate(group, device, nbytes):
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    return buf, _GlooHandle(buf, group)
+
+
+@pytest.fixture
+def peers(device, monkeypatch):
+    """Real symmetric memory on CUDA; the gloo emulation on CPU. Makes ``ep_mode="sync_free"`` take the
+    symmetric transport either way."""
+    if device.type != "cuda":
+        monkeypatch.setattr(symmetric, "_allocate", _gloo_allocate)
+        monkeypatch.setattr(symmetric, "_staging", {})
+        monkeypatch.setattr(symmetric, "symmetric_usable", lambda axis: True)
+        monkeypatch.setattr("spmdmoe.moe.dispatch.symmetric_usable", lambda axis: True)
+
+
+def _step(layer, x, g, sp_total=None, checkpointed=False):
+    layer.zero_grad(set_to_none=True)
+    leaf = x.clone().requires_grad_()
+    inp = spmdmoe.from_local(leaf, layer.sp, global_tokens=sp_total) if layer.sp is not None else leaf
+
+    def run(t):
+        y = layer(t)
+        return y.local if isinstance(y, SPMDTensor) else y
+
+    if checkpointed:
+        y = torch.utils.checkpoint.checkpoint(run, inp, use_reentrant=False)
+    else:
+        y = run(inp)
+    (y.float() * g).sum().backward()
+    return [y.detach(), leaf.grad] + [p.grad for _, p in sorted(layer.named_parameters())]
+
+
+def _all_three(plan, x, g, total, checkpointed=False):
+    """The step over the symmetric, the padded all-to-all and the sync transport, in that order."""
+    layer = plan.layer
+    assert isinstance(layer.transport, symmetric.SymmetricTransport)
+    runs = [_step(layer, x, g, total, checkpointed)]
+    layer.transport = sync_free.SyncFreeTransport(layer.ep, E, layer.config.top_k, layer.capacity_factor)
+    runs.append(_step(layer, x, g, total, checkpointed))
+    layer.set_ep_mode("sync")
+    runs.append(_step(layer, x, g, total, checkpointed))
+    layer.set_ep_mode("sync_free")
+    return runs
+
+
+def _equal(runs):
+    for name, other in zip(("all-to-all", "sync"), runs[1:]):
+        for i, (a, b) in enumerate(zip(runs[0], other)):
+            assert torch.equal(a, b), (name, i, (a.float() - b.float()).abs().max())
+
+
+def test_the_transport_by_backend(world, device, request, monkeypatch):
+    """NCCL on one host: ``sync_free`` takes the symmetric transport; gloo, or ``SPMDMOE_EP_SYMMETRIC=0``: the
+    padded all-to-all."""
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+    layer = build_plan("sp_ep", reference_moe(cfg, 0, device), 9, world, request, ep_mode="sync_free").layer
+    want = symmetric.SymmetricTransport if device.type == "cuda" else sync_free.SyncFreeTransport
+    assert type(layer.transport) is want
+    monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")
+    layer.set_ep_mode("sync_free")
+    assert type(layer.transport) is sync_free.SyncFreeTransport
+
+
+@pytest.mark.parametrize("total", [0, 3, 41])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_rowwise"])
+@pytest.mark.parametrize("plan_name", ["sp_ep", "ep"])
+def test_bitwise_equal_to_the_other_transports(world, device, request, peers, plan_name, precision, total, nan_empty):
+    """The experts see the same rows in the same order on all three transports: equal bit for bit (``T = 0``
+    everywhere, ``T < ranks``, uneven ``T``; every uninitialised buffer row NaN)."""
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=3, num_shared_experts=1, expert_precision=precision)
+    plan = build_plan(plan_name, reference_moe(cfg, 3, device), total, world, request, ep_mode="sync_free",
+                      **({"max_tokens": max(total, 1)} if plan_name == "ep" else {}))
+    x = reference_tensor((total, D), 7, device=device)[plan.rows]
+    g = reference_tensor((total, D), 8, device=device)[plan.rows]
+    _equal(_all_three(plan, x, g, total))
+    plan.layer.check_capacity()  # lossless
+
+
+@pytest.mark.parametrize("case", ["one_expert", "idle_experts"])
+def test_skewed_routing(world, device, request, peers, case, nan_empty):
+    """All tokens on one expert (two: top-2), or half the experts idle: bit for bit as above, and lossless."""
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+    moe = reference_moe(cfg, 4, device)
+    if case == "one_expert":
+        moe.expert_bias[5:7] = 1e3
+    else:
+        moe.expert_bias[::2] = -1e3
+    plan = build_plan("sp_ep", moe, 37, world, request, ep_mode="sync_free")
+    x = reference_tensor((37, D), 9, device=device)[plan.rows]
+    g = reference_tensor((37, D), 10, device=device)[plan.rows]
+    _equal(_all_three(plan, x, g, 37))
+    plan.layer.check_capacity()
+
+
+@pytest.mark.parametrize("plan_name", ["ep", "sp_ep"])
+def test_compiled_matches_eager(world, device, request, peers, plan_name):
+    """``torch.compile(fullgraph=True)`` over the symmetric transport's custom ops (``test_compile_moe``'s
+    comparison: outputs, input and parameter gradients, load counts, over steps whose ``T`` changes; inductor on
+    NCCL, where the compiler orders independent ops as it likes: each of the transport's moves is one op, so
+    every rank issues them in the order the data dictates)."""
+    from test_compile_moe import SYNC_FREE, _compare
+
+    _compare(plan_name, SYNC_FREE, None, world, device, request, max_graphs=3)
+
+
+def test_activation_checkpointing(world, device, request, peers):
+    """The layer under non-reentrant activation checkpointing: the recomputation reads the peers again (a
+    collective on every rank) and the step equals the plain one and the other transports bit for bit."""
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1)
+    plan = build_plan("sp_ep", reference_moe(cfg, 5, device), 29, world, request, ep_mode="sync_free")
+    x = reference_tensor((29, D), 11, device=device)[plan.rows]
+    g = reference_tensor((29, D), 12, device=device)[plan.rows]
+    plain = _step(plan.layer, x, g, 29)
+    runs = _all_three(plan, x, g, 29, checkpointed=True)
+    _equal(runs)
+    _equal([plain, runs[0]])
+
+
+def test_overflow_drops_by_the_rule_and_raises_everywhere(world, device, request, peers):
+    """A tiny capacity factor: no slot limit here (a source's every token can cross), the experts' buffer keeps
+    its first ``R`` copies in expert-major order; the output is the weighted sum of the kept copies
+    (``test_sync_free._kept_copies`` with ``S = T_max``), every rank holds the same verdict and raises."""
+    n = world.size()
+    total = 41
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+    moe = reference_moe(cfg, 5, device)
+    plan = build_plan("ep", moe, total, world, request, ep_mode="sync_free", capacity_factor=0.1, max_tokens=total)
+    x = reference_tensor((total, D), 11, device=device)[plan.rows]
+    with torch.no_grad():
+        y = plan.layer(x)
+        r = moe.router(x, moe.expert_bias, moe.router.gate.weight)
+    ids_by_rank = [None] * n
+    dist.all_gather_object(ids_by_rank, r.ids_TK.tolist())
+    S, R = plan.layer.transport.sizes(total)
+    assert S == total
+    kept = _kept_copies(ids_by_rank, n, E // n, S, R)[world.get_local_rank()]
+    want = torch.zeros_like(x)
+    for t, k in kept:
+        e_ = int(r.ids_TK[t, k])
+        h = torch.nn.functional.silu(x[t] @ moe.experts.w1[e_].T) * (x[t] @ moe.experts.w3[e_].T)
+        want[t] += r.weights_TK[t, k] * (h @ moe.experts.w2[e_].T)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    state = plan.layer.capacity_overflow.clone()
+    table = [torch.empty_like(state) for _ in range(n)]
+    dist.all_gather(table, state)
+    assert all(torch.equal(t, table[0]) for t in table), "every rank holds the same verdict"
+    assert int(state[0]) > 0
+    assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match=f"the buffers hold {S} and {R}")
+
+
+_SKIP_JOB = """
+import os, sys, time, torch, torch.distributed as dist
+rank = int(os.environ["RANK"]); torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
+torch.manual_seed(0)
+layer = parallelize_moe(MoE(MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2)).cuda(), ep_mesh=dist.group.WORLD,
+                        ep_mode="sync_free", max_tokens=8)
+assert type(layer.transport).__name__ == "SymmetricTransport", type(layer.transport)
+x = torch.randn(8, 16, device="cuda")
+layer(x); torch.cuda.synchronize()
+print(f"rank {rank}: warm", flush=True)
+if rank == 0:
+    time.sleep(80)  # skips the next forward; its peer's barrier must give up first
+else:
+    layer(x); torch.cuda.synchronize()
+    print("rank 1: the forward finished without its peer", flush=True)
+"""
+
+
+def test_a_rank_skipping_a_layer_traps(world, device, tmp_path):
+    """Rank 0 skips a forward that rank 1 runs: rank 1's first barrier gives up after its bound (2 s here) and
+    the job ends with the barrier's message, well before rank 0 would come back (80 s). A separate 2-rank job
+    (the trap ends the CUDA context of its process), run by rank 0 on this job's first two GPUs."""
+    if device.type != "cuda" or world.size() < 2:
+        pytest.skip("needs CUDA symmetric memory on 2+ GPUs")
+    result = [None]
+    if world.get_rank() == 0:
+        script = tmp_path / "skip_layer.py"
+        script.write_text(_SKIP_JOB)
+        env = dict(os.environ, SPMDMOE_PEER_TIMEOUT_MS="2000", PYTHONPATH=os.getcwd(),
+                   CUDA_VISIBLE_DEVICES=",".join(os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")[:2]))
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"):
+            env.pop(k, None)
+        t0 = time.time()
+        job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script)], env=env, capture_output=True, text=True, timeout=100)
+        result = [(job.returncode, time.time() - t0, job.stdout + job.stderr)]
+    dist.broadcast_object_list(result, src=0)
+    rc, seconds, log = result[0]
+    assert "warm" in log, log[-3000:]
+    assert rc != 0 and "without its peer" not in log, log[-3000:]
+    assert seconds < 70, f"the job took {seconds:.0f} s: the barrier did not give up before rank 0 came back"
+    assert "failed to receive signal" in log or "failed to send signal" in log or "CUDA error" in log, log[-3000:]
+
+
+test_a_rank_skipping_a_layer_traps = pytest.mark.timeout(200)(test_a_rank_skipping_a_layer_traps)
