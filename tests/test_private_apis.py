@@ -220,3 +220,17 @@ def test_symmetric_memory_as_called():
     for name in ("barrier", "get_buffer", "buffer_ptrs", "world_size", "rank"):
         assert hasattr(handle, name), name
     assert "timeout_ms" in handle.barrier.__doc__ and "channel" in handle.barrier.__doc__, handle.barrier.__doc__
+
+
+def test_ordered_effects_as_registered():
+    """``_register_effectful_op(custom_op, EffectType.ORDERED)`` as ``moe/symmetric.py`` calls it, on a custom op
+    of its own: accepted, and the op's effect then reads ORDERED (what makes the compiler keep and order it)."""
+    from torch._higher_order_ops.effects import _get_effect, _register_effectful_op
+    from torch._library.effects import EffectType
+
+    @torch.library.custom_op("spmdmoe_test::ordered_probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    _register_effectful_op(probe, EffectType.ORDERED)
+    assert _get_effect(probe._opoverload) == EffectType.ORDERED

@@ -24,14 +24,19 @@ Each op: stage, barrier, read, barrier (nobody stages again before every peer ha
 torch's (``_SymmetricMemory.barrier``), bounded by :data:`TIMEOUT_MS`: a rank whose peer never arrives (a rank
 that skipped a layer, died, or hangs) traps with ``CUDASymmetricMemory::barrier: rank r failed to receive
 signal from rank p`` instead of spinning forever (the NCCL watchdog cannot see these waits), which ends the
-process. The reads are plain Triton loads of mapped peer memory (``kernels/peer_rows.py``), on the compute
-stream.
+process. The reads are plain Triton loads of mapped peer memory (``kernels/peer_rows.py``; fp64, the torch
+reference), on the compute stream. The ops are registered as ordered side effects: under ``torch.compile`` none
+is dropped (an empty or unused result on one rank) or moved, so every rank issues the same moves in program
+order; a compiled, checkpointed layer needs :func:`checkpoint_policy`.
 
 Where it applies (:func:`symmetric_usable`): an NCCL EP group whose ranks share one host (checked once per group
 with the hostnames); elsewhere (gloo, CPU, several hosts) ``SyncFreeTransport``'s padded even all-to-all runs.
 The staging buffer is allocated at a layer's first forward (a collective rendezvous, host side; a CUDA graph
 must be captured after one eager step) and grows when a larger ``T_max`` or ``D`` needs it; one per EP group.
-A grown-out buffer is kept (a graph captured on it still reads it), so at most twice the largest is held.
+The first dispatch sizes it for the step's largest move; a buffer grown out of is kept only if a CUDA graph
+captured a move on it (its replays still read it). All of a process's moves must run in order on one stream
+(one buffer per group: a move on a second stream could restage it while a peer still reads it). The backward's
+moves have no autograd of their own: a second-order backward through the layer raises (on every rank alike).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch._higher_order_ops.effects import _register_effectful_op
+from torch._library.effects import EffectType
 
 from ..autograd import always_recorded
 from ..kernels.peer_rows import PeerRows, pull_rows, pull_sum
@@ -52,7 +59,7 @@ from .permute import count_per_expert
 from .routed import RoutedTokens, routed_copies
 from .sync_free import Capacity, SyncFreeTransport
 
-__all__ = ["SymmetricTransport", "symmetric_usable", "TIMEOUT_MS"]
+__all__ = ["SymmetricTransport", "symmetric_usable", "TIMEOUT_MS", "PEER_OPS", "checkpoint_policy"]
 
 # a barrier's bound (ms); SPMDMOE_PEER_TIMEOUT_MS overrides it (torchtitan's default comm timeout is 300 s)
 TIMEOUT_MS = int(os.environ.get("SPMDMOE_PEER_TIMEOUT_MS", 300_000))
@@ -85,10 +92,11 @@ class _Staging:
     hdl: Any  # its _SymmetricMemory handle
     ptrs: torch.Tensor  # int64 (n,): every rank's buffer address, on the device
     views: dict[torch.dtype, PeerRows]
+    captured: bool = False  # a CUDA graph captured a move on it
 
 
 _staging: dict[tuple[str, int], _Staging] = {}
-_retired: list[_Staging] = []  # grown out of, kept alive for the CUDA graphs that captured them
+_retired: list[_Staging] = []  # grown out of after a CUDA graph captured them: kept alive for its replays
 
 
 def _allocate(group: str, device: torch.device, nbytes: int) -> tuple[torch.Tensor, Any]:
@@ -109,7 +117,7 @@ def _buffer(group: str, device: torch.device, nbytes: int) -> _Staging:
             raise RuntimeError("spmdmoe's symmetric EP buffer must grow during CUDA graph capture: run one eager "
                                "forward and backward at the captured sizes before capturing")
         size = max(nbytes, 2 * st.buf.numel() if st is not None else 1 << 20)  # (a 0-byte rendezvous: no handle)
-        if st is not None:
+        if st is not None and st.captured:
             _retired.append(st)
         buf, hdl = _allocate(group, device, size)
         ptrs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64)
@@ -137,6 +145,7 @@ def _staged(group: str, *parts: tuple[torch.Tensor, int]) -> tuple[list[tuple[Pe
         starts.append(nbytes)
         nbytes += -(-numel * src.dtype.itemsize // 16) * 16
     st = _buffer(group, parts[0][0].device, nbytes)
+    st.captured = st.captured or (st.buf.is_cuda and torch.cuda.is_current_stream_capturing())
     regions = []
     for (src, _), start in zip(parts, starts):
         peers = _peers(st, src.dtype)
@@ -162,6 +171,8 @@ def peer_dispatch(x_TD: torch.Tensor, meta_TW: torch.Tensor, need_Tn: torch.Tens
     elsewhere. ``need_Tn`` (bool ``(T, n)``: the ranks each of this rank's tokens visits) is for the backward,
     :func:`peer_dispatch_backward`."""
     D, W, n = x_TD.shape[1], meta_TW.shape[1], need_Tn.shape[1]
+    # sized once for the step's largest move (the dispatch's backward: every received row and its ids-and-weights)
+    _buffer(group, x_TD.device, n * t_max * (D * x_TD.element_size() + W * meta_TW.element_size()) + 32)
     ((meta, m_off), (rows, x_off)), hdl = _staged(group, (meta_TW.contiguous(), t_max * W),
                                                   (x_TD.contiguous(), t_max * D))
     meta_QW = pull_rows(meta, torch.ones(n * t_max, dtype=torch.bool, device=x_TD.device), t_max, W, m_off)
@@ -259,6 +270,26 @@ def _sum_backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor],
 
 peer_dispatch.register_autograd(_dispatch_backward, setup_context=_keep_dispatch)
 peer_pull_sum.register_autograd(_sum_backward, setup_context=_keep_sum)
+
+# Collectives, not functions: under torch.compile an op whose result is unused or empty (a rank with no tokens,
+# a rank that stood in zero rows) would be dropped, or a backward op moved into the forward, on that rank only,
+# and its peers' barriers would pair with the wrong op. Ordered side effects: every call stays, in program order.
+PEER_OPS = (peer_dispatch, peer_dispatch_backward, peer_pull_rows, peer_pull_sum)
+for _op in PEER_OPS:
+    _register_effectful_op(_op, EffectType.ORDERED)
+_OVERLOADS = frozenset(op._opoverload for op in PEER_OPS)
+
+
+def checkpoint_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A selective activation checkpointing policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``)
+    that saves the transport's moves and recomputes the rest. Under ``torch.compile`` a checkpointed layer over
+    this transport needs it (or another policy that saves :data:`PEER_OPS`): plain checkpointing would rerun the
+    dispatch in the backward, which torch 2.13's compiler refuses for an op with ordered effects
+    (``AssertionError: backward num_erased_inputs``), and which, unordered, could pair with the wrong barrier.
+    Eager checkpointing needs nothing (the recomputation reruns the moves on every rank alike)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _OVERLOADS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,40 @@ def test_compiled_matches_eager(world, device, request, peers, plan_name):
     _compare(plan_name, SYNC_FREE, None, world, device, request, max_graphs=3)
 
 
+@pytest.mark.parametrize("case", ["no_tokens", "stand_in"])
+def test_compiled_every_rank_runs_the_same_moves(world, device, request, peers, monkeypatch, case):
+    """Compiled (``fullgraph``, dynamic sizes), the last rank routes no token (``no_tokens``) or more than
+    ``max_tokens`` (``stand_in``: it stands in zero rows, whose output and gradient are constants): it still
+    runs every move its peers run, in the same order (the ops are ordered side effects; as plain functions
+    inductor dropped the empty rank's dispatch backward, and the stand-in rank's combine, moving its backward
+    moves into the forward), and the stand-in case raises ``SPMDCapacityError`` on every rank."""
+    from moe_plans import compile_backend
+
+    moves = []
+    real = symmetric._staged
+    monkeypatch.setattr(symmetric, "_staged", lambda *a: (moves.append(sys._getframe(1).f_code.co_name), real(*a))[1])
+    torch._dynamo.reset()
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1)
+    layer = build_plan("ep", reference_moe(cfg, 6, device), 8, world, request, ep_mode="sync_free", max_tokens=4).layer
+    last = world.get_local_rank() == world.size() - 1
+    rows = (0 if last else 3) if case == "no_tokens" else (5 if last else 3)
+    x = torch.randn(rows, D, device=device, requires_grad=True)
+    run = torch.compile(layer, backend=compile_backend(device), fullgraph=True, dynamic=True)
+
+    def step():
+        run(x).sum().backward()
+        spmdmoe.check_errors()
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        if case == "stand_in":
+            assert_raises_everywhere(SPMDCapacityError, step, match="more rows than the sync-free EP buffers hold")
+        else:
+            step()
+    seen = [None] * world.size()
+    dist.all_gather_object(seen, moves)
+    assert moves and all(m == seen[0] for m in seen), seen
+
+
 def test_activation_checkpointing(world, device, request, peers):
     """The layer under non-reentrant activation checkpointing: the recomputation reads the peers again (a
     collective on every rank) and the step equals the plain one and the other transports bit for bit."""
@@ -170,6 +204,33 @@ def test_activation_checkpointing(world, device, request, peers):
     runs = _all_three(plan, x, g, 29, checkpointed=True)
     _equal(runs)
     _equal([plain, runs[0]])
+
+
+def test_compiled_checkpointing_with_the_policy(world, device, request, peers):
+    """Compiled, under selective activation checkpointing with ``symmetric.checkpoint_policy`` (the moves saved,
+    the rest recomputed): the step equals the eager, uncheckpointed one (outputs and input gradients)."""
+    import functools
+
+    from moe_plans import compile_backend
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    torch._dynamo.reset()
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+    plan = build_plan("ep", reference_moe(cfg, 7, device), 16, world, request, ep_mode="sync_free", max_tokens=16)
+    x = reference_tensor((16, D), 13, device=device)[plan.rows]
+    g = reference_tensor((16, D), 14, device=device)[plan.rows]
+    context = functools.partial(create_selective_checkpoint_contexts, symmetric.checkpoint_policy)
+    run = torch.compile(lambda t: checkpoint(plan.layer, t, use_reentrant=False, context_fn=context),
+                        backend=compile_backend(device), fullgraph=True)
+    got = []
+    for fn in (run, plan.layer):
+        leaf = x.clone().requires_grad_()
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            y = fn(leaf)
+        (y * g).sum().backward()
+        got.append((y.detach(), leaf.grad))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_overflow_drops_by_the_rule_and_raises_everywhere(world, device, request, peers):
