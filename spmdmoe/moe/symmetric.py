@@ -69,9 +69,11 @@ _one_host: dict[str, bool] = {}
 
 def symmetric_usable(axis: MeshAxis) -> bool:
     """Whether :class:`SymmetricTransport` can serve ``axis``: NCCL, CUDA symmetric memory importable, every
-    rank of the group on this host, and ``SPMDMOE_EP_SYMMETRIC`` not ``0``. The host check is one
-    ``all_gather_object`` of the hostnames over the group, the first time a group is asked (every rank of it
-    asks at the same point: building a layer, ``set_ep_mode``); every rank gets the same answer."""
+    rank of the group on this host with peer access to the others' GPUs (asked where the ranks number the GPUs
+    alike), and ``SPMDMOE_EP_SYMMETRIC`` not ``0`` (``parallelize_moe`` checks that every rank has the same
+    setting). The host check: two ``all_gather_object`` over the group (hostnames and GPUs, then each rank's
+    verdict), the first time a group is asked (every rank of it asks at the same point: building a layer,
+    ``set_ep_mode``); every rank gets the same answer."""
     if os.environ.get("SPMDMOE_EP_SYMMETRIC", "1") == "0" or "nccl" not in str(torch.distributed.get_backend(axis.group)):
         return False
     try:
@@ -80,9 +82,15 @@ def symmetric_usable(axis: MeshAxis) -> bool:
         return False
     name = axis.group.group_name
     if name not in _one_host:
-        hosts: list[Any] = [None] * axis.size
-        torch.distributed.all_gather_object(hosts, socket.gethostname(), group=axis.group)
-        _one_host[name] = len(set(hosts)) == 1
+        mine = (socket.gethostname(), os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.current_device())
+        seen: list[Any] = [None] * axis.size
+        torch.distributed.all_gather_object(seen, mine, group=axis.group)
+        usable = len({host for host, _, _ in seen}) == 1
+        if usable and len({visible for _, visible, _ in seen}) == 1:  # one numbering: ask for every peer's GPU
+            usable = all(torch.cuda.can_device_access_peer(mine[2], d) for _, _, d in seen if d != mine[2])
+        verdicts: list[Any] = [None] * axis.size
+        torch.distributed.all_gather_object(verdicts, usable, group=axis.group)
+        _one_host[name] = all(verdicts)
     return _one_host[name]
 
 

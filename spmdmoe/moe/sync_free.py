@@ -221,8 +221,8 @@ class SyncFreeTransport(Dispatching):
             return None
         n, K = self.axis.size, self.top_k
         S, R = self.sizes(t_max)
-        head = (f"{layer}: rank {self.axis.rank}: sync-free EP capacity exceeded: a (source, destination) slot "
-                f"needed {slot_needed} rows and a rank's experts {rows_needed} rows, the buffers hold {S} and {R}; "
+        head = (f"{layer}: rank {self.axis.rank}: sync-free EP capacity exceeded: a rank sent another up to "
+                f"{slot_needed} rows and a rank's experts needed {rows_needed} rows, the buffers hold {S} and {R}; "
                 "the tokens and copies past them were dropped (their expert outputs counted as zero) since the "
                 "last check")
         if self.capacity_factor is None or slot_needed > t_max:  # no factor fits a rank above T_max

@@ -23,8 +23,8 @@ import torch.distributed.distributed_c10d as c10d
 
 import spmdmoe
 from moe_plans import build_plan, reference_moe
-from spmdmoe import SPMDCapacityError, SPMDTensor
-from spmdmoe.moe import MoEConfig
+from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
+from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.moe import symmetric, sync_free
 from spmdmoe.testing import assert_raises_everywhere, reference_tensor
 from test_sync_free import _kept_copies
@@ -115,6 +115,17 @@ def test_the_transport_by_backend(world, device, request, monkeypatch):
     monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")
     layer.set_ep_mode("sync_free")
     assert type(layer.transport) is sync_free.SyncFreeTransport
+
+
+def test_the_transport_setting_differs_on_one_rank(world, device, monkeypatch):
+    """``SPMDMOE_EP_SYMMETRIC=0`` on ONE rank: the ranks would pick different transports (one reading peer
+    memory, one in NCCL's all-to-all: a hang). ``parallelize_moe`` compares the setting: ``MoEConfigError``
+    on every rank, naming it."""
+    if world.get_local_rank() == world.size() - 1:
+        monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")
+    moe = reference_moe(MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2), 0, device)
+    assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(moe, ep_mesh=world, ep_mode="sync_free"),
+                             match="SPMDMOE_EP_SYMMETRIC")
 
 
 @pytest.mark.parametrize("total", [0, 3, 41])
