@@ -50,9 +50,6 @@ from spmdmoe.moe.symmetric import SymmetricTransport
 from spmdmoe.moe.sync_free import capacity_rows
 from spmdmoe.testing import capture_training_step
 
-FACTORS = (1.25,)
-
-
 _base: list[MoE] = []
 
 
@@ -94,14 +91,15 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
     meta_TW = pack_meta(ids_TK, torch.rand(ids_TK.shape, device=ids_TK.device))
     mask_Q = peer_dispatch(x_TD, meta_TW, need_Tn, group, T, me * e, me * e + e)[2]
     y_QD = torch.randn(n * T, D, device=x_TD.device, dtype=x_TD.dtype)
-    crossing = int(need_Tn[:, [d for d in range(n) if d != me]].sum())
+    crossing = int(need_Tn[:, [d for d in range(n) if d != me]].sum())  # this rank's rows that peers read
     peers = _peers(_buffer(group, x_TD.device, n * T * D * x_TD.element_size()), x_TD.dtype)
     src = peers.views[(me + 1) % n][: crossing * D]
     dst = torch.empty_like(src)
-    return {
-        f"symmetric dispatch read ({crossing} rows cross here)":
+    return {  # (the keys name rank 0's counts; timed pairs the candidates by position)
+        "symmetric dispatch op (stage, ids of every rank, the rows with an expert here, 2 barriers)":
             lambda: peer_dispatch(x_TD, meta_TW, need_Tn, group, T, me * e, me * e + e),
-        "symmetric combine read": lambda: peer_pull_sum(y_QD, need_Tn, mask_Q, group, T),
+        "symmetric combine op (stage, a row per token and rank visited, 2 barriers)":
+            lambda: peer_pull_sum(y_QD, need_Tn, mask_Q, group, T),
         f"peer-copy ceiling: copy_ of {crossing} rows from the peer, x 2": lambda: [dst.copy_(src) for _ in range(2)],
     }
 
@@ -189,9 +187,12 @@ def main() -> None:
         return build(cfg, L, dtype, device, T, ep_mode="sync_free", max_tokens=T, capacity_factor=c)
 
     stacks = {"sync eager": build(cfg, L, dtype, device, T), "sync-free eager": sync_free(None)}
+    setting = os.environ.get("SPMDMOE_EP_SYMMETRIC")
     os.environ["SPMDMOE_EP_SYMMETRIC"] = "0"
     stacks["sync-free eager, all-to-all"] = sync_free(None)
-    del os.environ["SPMDMOE_EP_SYMMETRIC"]
+    os.environ.pop("SPMDMOE_EP_SYMMETRIC")
+    if setting is not None:
+        os.environ["SPMDMOE_EP_SYMMETRIC"] = setting
     transports = {name: type(stack[0].transport).__name__ for name, stack in stacks.items()}
     progress("built")
 
@@ -279,10 +280,15 @@ def main() -> None:
     lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
     lines += ["", f"transports: {transports}"]
     if crossing:
+        from spmdmoe.moe import symmetric
+
         GB = crossing * D * 2 / 1e9
-        lines += [f"off-rank rows read here: {crossing} ({GB * 1e3:.0f} MB a direction); symmetric dispatch read "
-                  f"{GB / moves[next(k for k in moves if k.startswith('symmetric dispatch'))] * 1e3:.0f} GB/s, "
-                  f"peer-copy ceiling {2 * GB / moves[next(k for k in moves if k.startswith('peer-copy'))] * 1e3:.0f} GB/s"]
+        staging = sum(st.buf.numel() for st in symmetric._staging.values()) / 2**30
+        lines += [f"rank 0's rows that its peer reads: {crossing} ({GB * 1e3:.0f} MB a direction); the dispatch op "
+                  f"{GB / moves[next(k for k in moves if k.startswith('symmetric dispatch'))] * 1e3:.0f} GB/s of "
+                  f"them, the peer-copy ceiling "
+                  f"{2 * GB / moves[next(k for k in moves if k.startswith('peer-copy'))] * 1e3:.0f} GB/s",
+                  f"the symmetric staging buffer (held for the job, not in the peak column): {staging:.2f} GiB"]
     if rank == 0:
         report("\n".join(lines), args.out)
     if args.host_profile:

@@ -31,7 +31,8 @@ Every candidate is timed in ONE rotation (``timing.timed``: interleaved, median 
 
 At N > 1 also our bf16 layer compiled with inductor's comm reordering passes
 (``reorder_for_compute_comm_overlap``, off by default: may independent compute such as the shared experts
-run under the all-to-alls?), and our bf16 and FP8 (cached) layers with all E experts on each GPU, run
+run under the all-to-alls?), our bf16 layer with ``ep_mode="sync_free"`` (its transport named in the row:
+``SymmetricTransport`` on one NCCL host), and our bf16 and FP8 (cached) layers with all E experts on each GPU, run
 eagerly on the rank's own T tokens with no EP (no collective): the one-GPU layer at the same tokens per
 GPU, timed in the same rotation, so the table ends with EP's cost against one GPU (issue 42's gates).
 
@@ -244,14 +245,15 @@ def table(head: str, T: int, t: dict[str, float], mem: dict[str, float], cands: 
 
 ONE_GPU_BF16 = "spmdmoe bf16 eager, one GPU (all experts here, no EP)"
 ONE_GPU_FP8 = "spmdmoe FP8 eager, cached (b), one GPU (all experts here, no EP)"
-SYNC_FREE_BF16 = "spmdmoe bf16 eager, ep_mode='sync_free' (one host: symmetric memory)"
+SYNC_FREE_BF16 = "spmdmoe bf16 eager, ep_mode='sync_free'"
 
 
 def against_one_gpu(world: int, t: dict[str, float]) -> str:
     """EP against the same layer on one GPU at the same tokens per GPU (issue 42's gates: EP 2 bf16 at most
     1.25x, goal 1.15x; FP8 / bf16 under EP at least what it is on one GPU), from the same rotation."""
     lines = []
-    same = ((ONE_GPU_BF16, "bf16", ("spmdmoe bf16 eager", SYNC_FREE_BF16, "spmdmoe bf16 compiled (fullgraph)")),
+    free = [n for n in t if n.startswith(SYNC_FREE_BF16)]
+    same = ((ONE_GPU_BF16, "bf16", ("spmdmoe bf16 eager", *free, "spmdmoe bf16 compiled (fullgraph)")),
             (ONE_GPU_FP8, "FP8 cached (b)", ("spmdmoe FP8 eager, cached (b)", "spmdmoe FP8 compiled, cached (b) (fullgraph)")))
     for one, precision, names in same:  # each precision against its own one-GPU row (--precision runs one)
         for n in names:
@@ -464,7 +466,7 @@ def main() -> None:
             alone = ours("bf16", ep=False)
             cands[ONE_GPU_BF16] = Candidate(alone, alone, False)
             free = ours("bf16", sync_free=True)
-            cands[SYNC_FREE_BF16] = Candidate(free, free, False)
+            cands[f"{SYNC_FREE_BF16} ({type(free.transport).__name__})"] = Candidate(free, free, False)
         if base is not None:
             old = ours("bf16", lib=base)
             cands["base bf16 eager"] = Candidate(old, old, False)

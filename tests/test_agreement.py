@@ -110,7 +110,7 @@ def test_checks_make_no_host_sync_on_cuda():
 
 
 def test_documented_row_widths(pg, monkeypatch):
-    """The docs say from_local exchanges 8 int64 per rank and parallelize_moe 20: keep them true."""
+    """The docs say from_local exchanges 8 int64 per rank and parallelize_moe 19: keep them true."""
     import spmdmoe.agreement as agreement
     from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 
@@ -119,7 +119,7 @@ def test_documented_row_widths(pg, monkeypatch):
     monkeypatch.setattr(agreement, "exchange_rows", lambda axis, row: (widths.append(len(row)), real(axis, row))[1])
     spmdmoe.from_local(torch.zeros(3, 2), pg)
     parallelize_moe(MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2)), ep_mesh=pg)
-    assert widths == [8, 20]
+    assert widths == [8, 19]
 
 
 def test_weights_fingerprint_sees_permutations():

@@ -3,9 +3,9 @@
 ``benchmarks/torchtitan_model.py --smoke`` (one process) trains torchtitan's model and the swapped one, eager and compiled;
 its ``--part ep --smoke`` trains both through torchtitan's own ``parallelize`` with FSDP and EP (4 gloo processes,
 dp 2 x ep 2; and 2 processes, EP 2 with each block compiled, on torch >= 2.13).
-``benchmarks/sync_free.py --smoke`` builds every candidate stack (sync, sync-free lossless and with
-capacity factors) on 2 gloo processes and checks that sync-free and sync agree bit for bit, so the
-script is known to work before a 2-GPU host is lent to time it. ``benchmarks/sp_grad_overlap.py
+``benchmarks/sync_free.py --smoke`` builds the eager candidate stacks (sync, sync-free, sync-free over the
+all-to-all) on 2 gloo processes and checks that they agree bit for bit (the graphs, the symmetric row moves and
+the timing are CUDA-only), so the script is known to start before a 2-GPU host is lent to time it. ``benchmarks/sp_grad_overlap.py
 --smoke`` builds its four stacks (no SP sums, sums waited for at their use, per layer, per block) on 2
 gloo processes and checks that the three real ones give the same gradients. ``benchmarks/fp8_numerics.py
 --smoke`` runs its layer study (every fast-accumulation setting against fp64) at a tiny shape.

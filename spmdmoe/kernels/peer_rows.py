@@ -49,6 +49,8 @@ class PeerRows:
 
 @triton.jit
 def _pull_rows_kernel(ptrs, mask_ptr, out_ptr, offset, Tm, D, BLOCK_D: tl.constexpr):
+    """Program (q, block of D): ``out[q] = rank (q // Tm)'s row (q % Tm)`` if ``mask[q]``, else 0. ``ptrs``:
+    int64 base addresses of the ranks' buffers; ``offset``: the region's first element in them."""
     q = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     s = q // Tm
@@ -61,6 +63,8 @@ def _pull_rows_kernel(ptrs, mask_ptr, out_ptr, offset, Tm, D, BLOCK_D: tl.conste
 
 @triton.jit
 def _pull_sum_kernel(ptrs, need_ptr, out_ptr, offset, me, Tm, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (t, block of D): ``out[t] = sum over d < N with need[t, d] of rank d's row (me * Tm + t)``, fp32 in
+    rank order, rounded once. ``ptrs``, ``offset``: as :func:`_pull_rows_kernel`'s."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < D

@@ -5,7 +5,7 @@ Legend: ``E`` experts, ``F`` expert hidden dim, ``D`` model dim, ``K`` top-k.
 Ranks that disagree on a layer hang, abort or silently compute another model
 (one rank with ``top_k=3``, one with ``sp_mode="local"``, one built from
 another seed). So every rank fingerprints what it was given and one agreement
-exchange (``spmdmoe.agreement.agree``: one all-gather of 20 int64 per rank,
+exchange (``spmdmoe.agreement.agree``: one all-gather of 19 int64 per rank,
 once per layer, plus the host reads of the fingerprint and of the table)
 compares them, over ``agree_over``: by default the world, which every rank
 can name before anything is agreed; pipeline stages that build different
@@ -20,8 +20,7 @@ config                     ``dim``, ``hidden_dim``, ``num_experts``,            
                            ``top_k``, ``num_shared_experts``, and a hash of
                            every option
 plan                       the sizes of sp / ep / dp, ``sp_mode``, EP on SP,    MoEConfigError
-                           ``ep_mode``, ``capacity_factor``, ``max_tokens``,
-                           ``SPMDMOE_EP_SYMMETRIC`` (which sync-free transport)
+                           ``ep_mode``, ``capacity_factor``, ``max_tokens``
 parameters                 dtype and device type                                MoEConfigError
 weights                    an exact integer fingerprint of every parameter      MoEConfigError
                            and ``expert_bias``, position-weighted (a transposed
@@ -41,7 +40,6 @@ raise, naming it, instead of hanging or aborting its peers.
 from __future__ import annotations
 
 import math
-import os
 import zlib
 from typing import Any, Optional
 
@@ -85,9 +83,6 @@ _FIELDS = (
     _plan_field("ep_mode", lambda v: {c: m for m, c in _EP_MODES.items()}.get(v, "other")),
     _plan_field("capacity_factor", lambda v: "None" if v < 0 else f"{v / 1e6:g}"),
     _plan_field("max_tokens", lambda v: "None" if v < 0 else str(v)),
-    Field("SPMDMOE_EP_SYMMETRIC (the sync-free EP transport on one host)", MoEConfigError,
-          lambda v: "0 (all-to-all)" if v == 0 else "unset or not 0 (symmetric memory)",
-          "set SPMDMOE_EP_SYMMETRIC alike on every rank"),
     Field("parameter dtype", MoEConfigError, dtype_name, "convert the layer with .to(dtype) on every rank"),
     Field("parameter device type", MoEConfigError, lambda v: {c: d for d, c in _DEVICES.items()}.get(v, "other"),
           "build or move the layer to the same kind of device on every rank"),
@@ -200,7 +195,6 @@ def _values(moe: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Option
         _EP_MODES.get(ep_mode, -1),
         _factor_code(factor),
         max_tokens if isinstance(max_tokens, int) else -1,
-        int(os.environ.get("SPMDMOE_EP_SYMMETRIC", "1") != "0"),
         dtype_code(weight.dtype),
         _DEVICES.get(weight.device.type, 3),
         weights_fingerprint(moe),

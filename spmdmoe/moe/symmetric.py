@@ -6,7 +6,8 @@ local experts, ``n`` EP ranks, ``Q = n * Tm`` rows received (source ``s``'s toke
 
 :class:`SymmetricTransport` keeps :class:`~spmdmoe.moe.sync_free.SyncFreeTransport`'s contract (static sizes, no
 host sync, a graph captures it, fullgraph compile, the overflow kept on the device and raised on every rank)
-and its results bit for bit, but moves only the rows that cross, with no padded slots and no NCCL:
+and its results bit for bit, but reads over NVLink only the rows that cross (no padded slots travel; the
+receive buffers are ``(n * Tm, D)``, rows no token fills zero) and uses no NCCL:
 
 * Dispatch (one op, ``spmdmoe::peer_dispatch``): each rank stages its ``(Tm, W)`` ids and weights (rows past
   ``T`` marked ``-1``) and its ``(T, D)`` tokens in its symmetric buffer; after a barrier every rank reads every
@@ -53,6 +54,7 @@ from torch._library.effects import EffectType
 from ..autograd import always_recorded
 from ..kernels.peer_rows import PeerRows, pull_rows, pull_sum
 from ..sticky import Problem
+from ..types.errors import MoEConfigError
 from ..types.mesh import MeshAxis
 from .dedup import destinations, pack_meta, unpack_meta
 from .permute import count_per_expert
@@ -68,30 +70,42 @@ _one_host: dict[str, bool] = {}
 
 
 def symmetric_usable(axis: MeshAxis) -> bool:
-    """Whether :class:`SymmetricTransport` can serve ``axis``: NCCL, CUDA symmetric memory importable, every
-    rank of the group on this host with peer access to the others' GPUs (asked where the ranks number the GPUs
-    alike), and ``SPMDMOE_EP_SYMMETRIC`` not ``0`` (``parallelize_moe`` checks that every rank has the same
-    setting). The host check: two ``all_gather_object`` over the group (hostnames and GPUs, then each rank's
-    verdict), the first time a group is asked (every rank of it asks at the same point: building a layer,
-    ``set_ep_mode``); every rank gets the same answer."""
-    if os.environ.get("SPMDMOE_EP_SYMMETRIC", "1") == "0" or "nccl" not in str(torch.distributed.get_backend(axis.group)):
+    """Whether :class:`SymmetricTransport` serves ``axis``: NCCL, CUDA symmetric memory importable, every rank of
+    the group on this host with peer access to the others' GPUs (asked where the ranks number the GPUs alike),
+    and ``SPMDMOE_EP_SYMMETRIC`` not ``0``. A collective over the group whenever NCCL serves it (building a
+    sync-free layer, ``set_ep_mode``: every rank of it asks at the same point): the setting all-gathered each
+    time (differing between ranks: ``MoEConfigError`` on every rank, never two transports), the hardware the
+    first time (hostnames and GPUs, then each rank's verdict); every rank gets the same answer."""
+    if not _nccl(axis):
         return False
     try:
         from torch.distributed import _symmetric_memory  # noqa: F401
     except ImportError:
         return False
-    name = axis.group.group_name
+    name, n = axis.group.group_name, axis.size
     if name not in _one_host:
-        mine = (socket.gethostname(), os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.current_device())
-        seen: list[Any] = [None] * axis.size
+        gpu = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        mine = (socket.gethostname(), os.environ.get("CUDA_VISIBLE_DEVICES"), gpu)
+        seen: list[Any] = [None] * n
         torch.distributed.all_gather_object(seen, mine, group=axis.group)
         usable = len({host for host, _, _ in seen}) == 1
         if usable and len({visible for _, visible, _ in seen}) == 1:  # one numbering: ask for every peer's GPU
-            usable = all(torch.cuda.can_device_access_peer(mine[2], d) for _, _, d in seen if d != mine[2])
-        verdicts: list[Any] = [None] * axis.size
+            usable = all(torch.cuda.can_device_access_peer(gpu, d) for _, _, d in seen if d != gpu)
+        verdicts: list[Any] = [None] * n
         torch.distributed.all_gather_object(verdicts, usable, group=axis.group)
         _one_host[name] = all(verdicts)
-    return _one_host[name]
+    settings: list[Any] = [None] * n
+    torch.distributed.all_gather_object(settings, os.environ.get("SPMDMOE_EP_SYMMETRIC", "1") != "0", group=axis.group)
+    if len(set(settings)) > 1:
+        off = [axis.ranks[r] for r, on in enumerate(settings) if not on]
+        raise MoEConfigError(f"SPMDMOE_EP_SYMMETRIC=0 on ranks {off} of the EP group {list(axis.ranks)} only: the "
+                             "ranks would take different sync-free transports (symmetric memory, the padded "
+                             "all-to-all) and hang; set it alike on every rank")
+    return settings[0] and _one_host[name]
+
+
+def _nccl(axis: MeshAxis) -> bool:
+    return "nccl" in str(torch.distributed.get_backend(axis.group))
 
 
 @dataclass
@@ -144,14 +158,20 @@ def _peers(st: _Staging, dtype: torch.dtype) -> PeerRows:
     return st.views[dtype]
 
 
+def _regions(parts: list[tuple[int, torch.dtype]]) -> tuple[list[int], int]:
+    """The byte offset of each ``(numel, dtype)`` region laid one after another, 16-byte aligned, and the total."""
+    starts, nbytes = [], 0
+    for numel, dtype in parts:
+        starts.append(nbytes)
+        nbytes += -(-numel * dtype.itemsize // 16) * 16
+    return starts, nbytes
+
+
 def _staged(group: str, *parts: tuple[torch.Tensor, int]) -> tuple[list[tuple[PeerRows, int]], Any]:
     """Each ``(src, numel)`` region, in order (16-byte aligned), of this rank's staging buffer: ``src`` copied to
     its start, then a barrier, after which every rank's regions are readable. Returns each region's
     ``(peers, element offset)`` and the handle (whose ``barrier`` the caller makes once it has read)."""
-    starts, nbytes = [], 0
-    for src, numel in parts:
-        starts.append(nbytes)
-        nbytes += -(-numel * src.dtype.itemsize // 16) * 16
+    starts, nbytes = _regions([(numel, src.dtype) for src, numel in parts])
     st = _buffer(group, parts[0][0].device, nbytes)
     st.captured = st.captured or (st.buf.is_cuda and torch.cuda.is_current_stream_capturing())
     regions = []
@@ -180,7 +200,7 @@ def peer_dispatch(x_TD: torch.Tensor, meta_TW: torch.Tensor, need_Tn: torch.Tens
     :func:`peer_dispatch_backward`."""
     D, W, n = x_TD.shape[1], meta_TW.shape[1], need_Tn.shape[1]
     # sized once for the step's largest move (the dispatch's backward: every received row and its ids-and-weights)
-    _buffer(group, x_TD.device, n * t_max * (D * x_TD.element_size() + W * meta_TW.element_size()) + 32)
+    _buffer(group, x_TD.device, _regions([(n * t_max * D, x_TD.dtype), (n * t_max * W, meta_TW.dtype)])[1])
     ((meta, m_off), (rows, x_off)), hdl = _staged(group, (meta_TW.contiguous(), t_max * W),
                                                   (x_TD.contiguous(), t_max * D))
     meta_QW = pull_rows(meta, torch.ones(n * t_max, dtype=torch.bool, device=x_TD.device), t_max, W, m_off)
@@ -194,15 +214,18 @@ def peer_dispatch(x_TD: torch.Tensor, meta_TW: torch.Tensor, need_Tn: torch.Tens
 @torch.library.custom_op("spmdmoe::peer_dispatch_backward", mutates_args=())
 def peer_dispatch_backward(grad_x_QD: torch.Tensor, grad_meta_QW: torch.Tensor, need_Tn: torch.Tensor, group: str,
                            t_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_x_TD, grad_meta_TW)``: a token's row gradient summed (fp32, rank order) over the ranks
-    ``need_Tn`` (bool ``(T, n)``) names, and its ids-and-weights gradient over every rank (``(t_max, W)``)."""
+    """:func:`peer_dispatch`'s backward: ``grad_x_QD`` ``(Q, D)`` and ``grad_meta_QW`` ``(Q, W)`` (fp32 / fp64), the
+    gradients of its received rows and ids-and-weights on this rank, staged for their sources; returns
+    ``(grad_x_TD, grad_meta_TW)``: each of this rank's tokens' row gradient summed (fp32, rank order, rounded
+    once) over the ranks ``need_Tn`` (bool ``(T, n)``) names, and its ids-and-weights gradient summed over every
+    rank, ``(t_max, W)``. ``group``: the EP group's name; ``t_max``: its ``T_max``."""
     Q, D = grad_x_QD.shape
     W = grad_meta_QW.shape[1]
     ((rows, x_off), (meta, m_off)), hdl = _staged(group, (grad_x_QD.contiguous(), Q * D),
                                                   (grad_meta_QW.contiguous(), Q * W))
     grad_x_TD = pull_sum(rows, need_Tn, t_max, D, x_off)
-    every = torch.ones((t_max, need_Tn.shape[1]), dtype=torch.bool, device=need_Tn.device)
-    grad_meta_TW = pull_sum(meta, every, t_max, W, m_off)
+    every_Tn = torch.ones((t_max, need_Tn.shape[1]), dtype=torch.bool, device=need_Tn.device)
+    grad_meta_TW = pull_sum(meta, every_Tn, t_max, W, m_off)
     hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
     return grad_x_TD, grad_meta_TW
 
@@ -213,9 +236,9 @@ def peer_pull_rows(src_TD: torch.Tensor, mask_Q: torch.Tensor, group: str, t_max
     (bool ``(Q,)``) is set, zero elsewhere (the combine's backward)."""
     D = src_TD.shape[1]
     ((rows, off),), hdl = _staged(group, (src_TD.contiguous(), t_max * D))
-    out = pull_rows(rows, mask_Q, t_max, D, off)
+    out_QD = pull_rows(rows, mask_Q, t_max, D, off)
     hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
-    return out
+    return out_QD
 
 
 @torch.library.custom_op("spmdmoe::peer_pull_sum", mutates_args=())
@@ -226,9 +249,9 @@ def peer_pull_sum(src_QD: torch.Tensor, need_Tn: torch.Tensor, mask_Q: torch.Ten
     ``mask_Q`` (this rank's: which received rows it read)."""
     Q, D = src_QD.shape
     ((rows, off),), hdl = _staged(group, (src_QD.contiguous(), Q * D))
-    out = pull_sum(rows, need_Tn, t_max, D, off)
+    out_TD = pull_sum(rows, need_Tn, t_max, D, off)
     hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
-    return out
+    return out_TD
 
 
 @peer_dispatch.register_fake
@@ -262,18 +285,18 @@ def _keep_dispatch(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _dispatch_backward(ctx: Any, grad_x_QD: torch.Tensor, grad_meta_QW: torch.Tensor, _mask: Any
                        ) -> tuple[Optional[torch.Tensor], ...]:
     (need_Tn,) = ctx.saved_tensors
-    gx, gm = peer_dispatch_backward(grad_x_QD, grad_meta_QW, need_Tn, ctx.group, ctx.t_max)
-    return gx, gm, None, None, None, None, None
+    grad_x_TD, grad_meta_TW = peer_dispatch_backward(grad_x_QD, grad_meta_QW, need_Tn, ctx.group, ctx.t_max)
+    return grad_x_TD, grad_meta_TW, None, None, None, None, None
 
 
 def _keep_sum(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, need_Tn, mask_Q, ctx.group, ctx.t_max = inputs
+    _, _, mask_Q, ctx.group, ctx.t_max = inputs
     ctx.save_for_backward(mask_Q)
 
 
-def _sum_backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+def _sum_backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
     (mask_Q,) = ctx.saved_tensors
-    return peer_pull_rows(grad, mask_Q, ctx.group, ctx.t_max), None, None, None, None
+    return peer_pull_rows(grad_TD, mask_Q, ctx.group, ctx.t_max), None, None, None, None
 
 
 peer_dispatch.register_autograd(_dispatch_backward, setup_context=_keep_dispatch)
@@ -336,8 +359,8 @@ class SymmetricTransport(SyncFreeTransport):
         # rows past this rank's tokens: no expert (a pad, not a cat: under compile a cat guards on an empty part)
         meta_TW = torch.nn.functional.pad(pack_meta(ids_TK, weights_TK), (0, 0, 0, t_max - x_TD.shape[0]), value=-1.0)
         need_Tn = destinations(ids_TK, e, n)
-        x_QD, meta_QW, _ = peer_dispatch(always_recorded(x_TD), meta_TW, need_Tn, self.axis.group.group_name, t_max,
-                                         me * e, me * e + e)
+        x_QD, meta_QW, mask_Q = peer_dispatch(always_recorded(x_TD), meta_TW, need_Tn, self.axis.group.group_name,
+                                              t_max, me * e, me * e + e)
         local_QK, weights_QK = unpack_meta(meta_QW, me, e)
         # every rank read every rank's ids: the same demand and verdict everywhere, with no other collective
         ids_QK = meta_QW[:, K:].detach().to(torch.int64)
@@ -345,7 +368,7 @@ class SymmetricTransport(SyncFreeTransport):
         self._record(capacity.overflow, (ids_QK[:, 0] >= 0).view(n, t_max).sum(1).max(),
                      copies_E.view(n, e).sum(1).max(), t_max, R, t_max)
         routed = routed_copies(x_QD, local_QK, weights_QK, e, R, fp8_rows=fp8_rows,
-                               handle=_Handle(need_Tn, (local_QK >= 0).any(1), t_max, rows))
+                               handle=_Handle(need_Tn, mask_Q, t_max, rows))
         return lambda: routed
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:

@@ -44,10 +44,15 @@ def _capture(layer, x_in, leaf, g):
     return capture_training_step(step, layer, leaf)
 
 
+@pytest.mark.parametrize("rows", ["symmetric", "all_to_all"])
 @pytest.mark.parametrize("plan_name", ["sp_ep", "ep"])
-def test_graphed_sync_free_layer_matches_the_sync_transport(world, device, request, plan_name):
+def test_graphed_sync_free_layer_matches_the_sync_transport(world, device, request, monkeypatch, plan_name, rows):
+    """Both sync-free transports: the symmetric-memory one (one host) and the padded all-to-all
+    (``SPMDMOE_EP_SYMMETRIC=0``, the transport of several hosts)."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs need NCCL on GPUs")
+    if rows == "all_to_all":
+        monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, num_shared_experts=1)
     dtype = torch.bfloat16  # fp32 on CUDA syncs in torch's grouped GEMM (tests/test_cuda_graphs.py)
     moe = reference_moe(cfg, 0, device, dtype)

@@ -23,13 +23,18 @@ from spmdmoe.testing import reference_tensor, sync_error_mode
 # plan -> documented syncs (forward, backward): the EP split sizes in each forward; sync-free EP makes none (T_max
 # from the layout, or max_tokens where EP is not the SP axis); SP over every rank without EP or with sync-free EP on
 # it: the delayed read of the forward's problem exchange (spmdmoe.host.DelayedRead, moe/ride.py), in its backward
+# (``-all_to_all``: sync-free over the padded all-to-all, ``SPMDMOE_EP_SYMMETRIC=0``; plain ``sync_free`` takes the
+# symmetric-memory transport on one host)
 PLANS = {"sp": (0, 1), "gather": (0, 1), "ep": (1, 0), "sp_ep": (1, 0), "sp_x_ep": (1, 0), "gather_ep": (1, 0),
-         "ep-sync_free": (0, 0), "sp_ep-sync_free": (0, 1), "sp_x_ep-sync_free": (0, 0), "gather_ep-sync_free": (0, 0)}
+         "ep-sync_free": (0, 0), "sp_ep-sync_free": (0, 1), "sp_x_ep-sync_free": (0, 0), "gather_ep-sync_free": (0, 0),
+         "ep-sync_free-all_to_all": (0, 0), "sp_ep-sync_free-all_to_all": (0, 1)}
 
 
 @pytest.mark.parametrize("case", list(PLANS))
-def test_no_hidden_sync(world, device, request, case):
+def test_no_hidden_sync(world, device, request, monkeypatch, case):
     plan_name, _, mode = case.partition("-")
+    if mode.endswith("-all_to_all"):
+        monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")
     if device.type != "cuda":
         pytest.skip("CUDA's sync debug mode needs NCCL on GPUs")
     cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=2, num_shared_experts=1, aux_loss_coeff=0.01,
