@@ -39,6 +39,7 @@ import argparse
 import os
 import time
 from typing import Callable, Optional
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -78,11 +79,11 @@ def graphed(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor):
 
 
 def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: torch.Tensor, T: int, n: int,
-                    D: int) -> dict[str, Callable[[], object]]:
+                    D: int) -> tuple[dict[str, Callable[[], object]], int]:
     """The symmetric transport's two reads with this routing (the dispatch: every rank's ids and weights, then
     the tokens with an expert here; the combine: a row back per token and rank visited), and the peer-copy
     ceiling: a copy-engine ``copy_`` of this rank's off-rank rows' bytes from the next rank's buffer, every
-    rank at once, each way."""
+    rank at once, each way; and the number of those rows."""
     from spmdmoe.moe.dedup import pack_meta
     from spmdmoe.moe.symmetric import _buffer, _peers, peer_dispatch, peer_pull_sum
 
@@ -101,7 +102,7 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
         "symmetric combine op (stage, a row per token and rank visited, 2 barriers)":
             lambda: peer_pull_sum(y_QD, need_Tn, mask_Q, group, T),
         f"peer-copy ceiling: copy_ of {crossing} rows from the peer, x 2": lambda: [dst.copy_(src) for _ in range(2)],
-    }
+    }, crossing
 
 
 def host_profile(eager: dict[str, Callable[[], None]], x: torch.Tensor, n: int, D: int, dtype: torch.dtype,
@@ -187,12 +188,8 @@ def main() -> None:
         return build(cfg, L, dtype, device, T, ep_mode="sync_free", max_tokens=T, capacity_factor=c)
 
     stacks = {"sync eager": build(cfg, L, dtype, device, T), "sync-free eager": sync_free(None)}
-    setting = os.environ.get("SPMDMOE_EP_SYMMETRIC")
-    os.environ["SPMDMOE_EP_SYMMETRIC"] = "0"
-    stacks["sync-free eager, all-to-all"] = sync_free(None)
-    os.environ.pop("SPMDMOE_EP_SYMMETRIC")
-    if setting is not None:
-        os.environ["SPMDMOE_EP_SYMMETRIC"] = setting
+    with mock.patch.dict(os.environ, {"SPMDMOE_EP_SYMMETRIC": "0"}):
+        stacks["sync-free eager, all-to-all"] = sync_free(None)
     transports = {name: type(stack[0].transport).__name__ for name, stack in stacks.items()}
     progress("built")
 
@@ -262,8 +259,8 @@ def main() -> None:
     }
     crossing = 0
     if isinstance(first_free := stacks["sync-free eager"][0].transport, SymmetricTransport):
-        moves.update(symmetric_moves(first_free, x.detach(), ids_TK, T, n, D))
-        crossing = int(destinations(ids_TK, E // n, n)[:, [d for d in range(n) if d != rank]].sum())
+        peer_moves, crossing = symmetric_moves(first_free, x.detach(), ids_TK, T, n, D)
+        moves.update(peer_moves)
     moves = timed(moves, args.iters, args.reps)
     progress("row moves timed")
 

@@ -30,8 +30,8 @@ reference), on the compute stream. The ops are registered as ordered side effect
 is dropped (an empty or unused result on one rank) or moved, so every rank issues the same moves in program
 order; a compiled, checkpointed layer needs :func:`checkpoint_policy`.
 
-Where it applies (:func:`symmetric_usable`): an NCCL EP group whose ranks share one host (checked once per group
-with the hostnames); elsewhere (gloo, CPU, several hosts) ``SyncFreeTransport``'s padded even all-to-all runs.
+Where it applies (:func:`symmetric_usable`): an NCCL EP group whose ranks share one host with peer access between
+their GPUs (checked once per group) and agree on ``SPMDMOE_EP_SYMMETRIC`` (checked each time); elsewhere (gloo, CPU, several hosts) ``SyncFreeTransport``'s padded even all-to-all runs.
 The staging buffer is allocated at a layer's first forward (a collective rendezvous, host side; a CUDA graph
 must be captured after one eager step) and grows when a larger ``T_max`` or ``D`` needs it; one per EP group.
 The first dispatch sizes it for the step's largest move; a buffer grown out of is kept only if a CUDA graph
