@@ -19,14 +19,19 @@ VENV_NEW  ?= .venv-torch-new
 TORCH_OLD ?= torch==2.11.0
 VENV_OLD  ?= .venv-torch-old
 OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchtitan.py tests/test_docs_torchtitan.py \
+	tests/test_transformers.py \
 	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_benchmark_smoke \
 	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_compiled_blocks_benchmark_smoke
 OLD_DIST   ?= tests/distributed/test_compile_moe.py tests/distributed/test_compile_ep.py tests/distributed/test_grad_overlap.py \
-	tests/distributed/test_torchtitan.py
+	tests/distributed/test_torchtitan.py tests/distributed/test_transformers.py
 # torchtitan for the swap tests (tests/test_torchtitan.py; Python >= 3.11), without its training-only dependencies
 TORCHTITAN ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.0
 TORCHTITAN_INSTALL = if $(VENV)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 	$(VENV)/bin/pip install -q --no-deps $(TORCHTITAN); else echo "Python < 3.11: the torchtitan tests skip"; fi
+# transformers for the swap tests (tests/test_transformers.py): what importing its models, save_pretrained and
+# from_pretrained need, without its tokenizers and hub CLI dependencies
+TRANSFORMERS ?= transformers==5.24.0 huggingface_hub==1.33.0 regex==2026.11.19 pyyaml==6.0.4 safetensors==0.8.0 \
+	tqdm==4.70.1 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 idna==3.20 certifi==2026.10.19.post1 packaging
 PY       := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 PYTEST   := -m pytest -q -p no:cacheprovider
@@ -39,6 +44,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(VENV)/bin/pip install -q -e ".[test]"
 	$(if $(TORCHTITAN),$(TORCHTITAN_INSTALL))
+	$(if $(TRANSFORMERS),$(VENV)/bin/pip install -q --no-deps $(TRANSFORMERS))
 	touch $@
 
 demo: $(VENV)/.installed

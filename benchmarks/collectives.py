@@ -166,8 +166,7 @@ def main() -> None:
                 f"{'.'.join(map(str, torch.cuda.nccl.version()))}, bf16, H={H}, iters={args.iters}, reps={args.reps}")
         text = "\n".join([head, "", *lines])
         report(text, args.out)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    spmdmoe.shutdown(main())  # flush, tear the groups down, leave: no gloo exit abort

@@ -105,8 +105,7 @@ def main() -> None:
     text = "\n".join(lines)
     if dist.get_rank() == 0:
         report(text, args.out)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    spmdmoe.shutdown(main())  # flush, tear the groups down, leave: no gloo exit abort

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: its single-process GPU tests only) | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: its single-process GPU tests only) | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf (not in all) | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 set -uo pipefail
 PART=${1:-all}
@@ -238,6 +238,13 @@ if [ "$PART" = overlap ] || [ "$PART" = all ]; then
     timeout --foreground -k 10 240 torchrun --nproc-per-node "$NGPU" benchmarks/sp_grad_overlap.py --out "$OUT/bench_sp_grad_overlap.md" \
       > "$OUT/log_overlap.txt" 2>&1; tail -2 "$OUT/log_overlap.txt"
   fi
+fi
+if [ "$PART" = hf ]; then
+  # transformers' Qwen3-MoE, swapped vs unswapped (issue 45); transformers from the carried .whl/ (hf_wheels.sh)
+  peer_wheels
+  echo "== transformers Qwen3-30B-A3B-shaped blocks: swap_moe vs transformers' own MoE (issue 45)"
+  timeout --foreground -k 10 300 python3 benchmarks/hf_model.py --out "$OUT/bench_hf_model.md" > "$OUT/log_hf_model.txt" 2>&1
+  tail -3 "$OUT/log_hf_model.txt"
 fi
 echo "== summary"
 cat "$OUT"/bench_*.md 2>/dev/null

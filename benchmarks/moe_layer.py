@@ -181,8 +181,6 @@ def main() -> None:
         if rank == 0:
             with open(args.profile, "w") as f:
                 f.write(table)
-    if world > 1:
-        dist.destroy_process_group()
 
 
 def sync_counts(layer, x, g, checks: bool) -> tuple[int, int, int]:
@@ -208,4 +206,4 @@ def sync_counts(layer, x, g, checks: bool) -> tuple[int, int, int]:
 
 
 if __name__ == "__main__":
-    main()
+    spmdmoe.shutdown(main())  # flush, tear the groups down, leave: no gloo exit abort

@@ -554,9 +554,7 @@ def main() -> None:
             if rank == 0:
                 with open(args.profile, "w") as f:
                     f.write("\n\n".join(tables) + "\n")
-    if world > 1:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    spmdmoe.shutdown(main())  # flush, tear the groups down, leave: no gloo exit abort

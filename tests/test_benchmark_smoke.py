@@ -10,7 +10,8 @@ the timing are CUDA-only), so the script is known to start before a 2-GPU host i
 gloo processes and checks that the three real ones give the same gradients. ``benchmarks/fp8_numerics.py
 --smoke`` runs its layer study (every fast-accumulation setting against fp64) at a tiny shape.
 ``benchmarks/vs_torchtitan.py --smoke --shared 1`` builds and steps every candidate at EP 2 (2 gloo processes)
-against torchtitan's layer.
+against torchtitan's layer. ``benchmarks/hf_model.py --smoke`` builds a tiny transformers Qwen3-MoE model, swaps a copy
+and checks the two losses agree.
 """
 
 from __future__ import annotations
@@ -111,3 +112,13 @@ def test_torchtitan_parallelize_compiled_blocks_benchmark_smoke():
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "| compiled | 6 |" in out.stdout, out.stdout[-2000:]
     assert "OK: every step within 1% of torchtitan's loss, and the loss fell" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.timeout(200)
+def test_hf_model_benchmark_smoke():
+    """``benchmarks/hf_model.py --smoke``: the swapped and unswapped transformers models build and agree."""
+    pytest.importorskip("transformers", reason="transformers is an optional extra: pip install '.[transformers]'")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_model.py"), "--smoke"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "OK: smoke, the swapped model's loss matches" in out.stdout, out.stdout[-2000:]

@@ -43,3 +43,14 @@ def test_train_moe_example_without_a_gpu_says_so(torchrun_job):
     assert err.count("error: --device cuda needs one CUDA GPU per process (4 on this node), but no CUDA GPU is visible") == 1, err[-3000:]
     assert "AttributeError" not in err and 'train_moe.py", line' not in err, err[-3000:]  # no rank's traceback
     assert "step " not in out, out[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_port_moe_example(torchrun_job):
+    """``examples/port_moe.py`` (``docs/porting.md``): the ported per-expert ``nn.Linear`` MoE matches the
+    original forward and backward in one process, and its SP x EP layer matches one process on 4."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "port_moe.py")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-2000:]
+    returncode, out, err = torchrun_job("examples/port_moe.py", timeout=240)
+    assert returncode == 0 and out.count("SP x EP over 4 ranks within") == 4 and out.count("OK") == 4, out[-2000:] + err[-2000:]

@@ -54,13 +54,11 @@ mesh does not include, so that every SP rank updates the same bias.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any, Literal, Optional
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from ._torch_compat import shim_torch
 
@@ -78,23 +76,20 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         'pip install "spmdmoe[torchtitan]"') from e
 
 from .._dist import all_reduce
-from ..moe import MoE, MoEConfig, ParallelMoE, parallelize_moe
-from ..moe.checkpoint import expert_layout
+from ..moe import MoE, MoEConfig, parallelize_moe
 from ..moe.experts import SharedExperts
 from ..moe.layer import _Layer
-from ..construct import from_local
-from ..sticky import check_errors
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshLike
-from ..types.tensor import SPMDTensor
-from .torchtitan_modules import Experts, _local, _bind, _Router, _SharedExperts
+from ._bound import Adapter, bind, local, shard_experts, track
+from .torchtitan_modules import Experts, _Router, _SharedExperts
 
 __all__ = ["swap_moe", "swapped_model_spec", "SwappedMoE", "Experts"]
 
 _DISPATCHERS = (LocalTokenDispatcher, AllToAllTokenDispatcher)  # the "standard" comm backend's
 
 
-class SwappedMoE(_TTMoE):
+class SwappedMoE(Adapter, _TTMoE):
     """torchtitan's ``MoE`` with spmdmoe's forward (see the module docstring): ``forward(x_BLD) -> out_BLD``,
     torchtitan's paths and buffers, its ``init_states``.
 
@@ -124,37 +119,23 @@ class SwappedMoE(_TTMoE):
             self.expert_bias_E = None
         self.register_buffer("tokens_per_expert_E", source.tokens_per_expert_E, persistent=False)
         self.training = source.training
-        object.__setattr__(self, "layer", layer)  # not a child: it holds no state of its own
-        _bind(layer, self)
-        device = _local(self.tokens_per_expert_E).device  # the model's: meta, the CPU or a GPU
-        self._move_layer_buffers(lambda t: torch.zeros_like(t, device=device) if t.is_meta else t.to(device))
-        layer.train(self.training)
+        bind(layer, self, self.router, self.routed_experts.inner_experts, self.shared_experts)
+        self._place_layer_buffers()
 
-    def _move_layer_buffers(self, fn: Any) -> None:
-        """Apply ``fn`` to the layer's own buffers (problem flags, capacity counters): they follow the
-        adapter; fresh from meta they start at zero."""
-        layer = self.layer
-        for name, buf in list(layer._buffers.items()):
-            if buf is None:
-                continue
-            moved = fn(buf)
-            if buf.is_meta and not moved.is_meta:
-                moved = torch.zeros_like(moved)
-            layer._buffers[name] = moved
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layer computes in: its gate's, as torchtitan's MoE."""
+        return self.router.gate.weight.dtype
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:  # type: ignore[override]
-        out = super()._apply(fn, recurse)
-        self._move_layer_buffers(fn)
-        return out
+    def before_step(self) -> None:
+        """Sum the token counts over the layer's SP axis, which torchtitan's loss mesh does not include, so
+        that every SP rank's load-balancing hook updates the same bias."""
+        sp = getattr(self.layer, "sp", None)
+        if sp is not None and sp.size > 1:
+            all_reduce(local(self.tokens_per_expert_E), group=sp.group)
 
     def _init_self_buffers(self, *, buffer_device: Optional[torch.device] = None) -> None:
         super()._init_self_buffers(buffer_device=buffer_device)
         self.layer.reset_buffers()
-
-    def train(self, mode: bool = True) -> "SwappedMoE":
-        super().train(mode)
-        self.layer.training = mode
-        return self
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if isinstance(x_BLD, DTensor):
@@ -162,12 +143,7 @@ class SwappedMoE(_TTMoE):
                 f"the swapped MoE takes this rank's plain (batch, seq, dim) tensor, found a DTensor "
                 f"({x_BLD.placements}); torchtitan's tensor parallelism of the MoE is not supported: pass its "
                 "sequence axis as swap_moe(sp_mesh=...) instead")
-        layer = self.layer
-        x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
-        sp = getattr(layer, "sp", None)
-        out = layer(from_local(x_TD, sp) if sp is not None else x_TD)
-        out_TD = out.local if isinstance(out, SPMDTensor) else out
-        return out_TD.view(x_BLD.shape)
+        return self.run_layer(x_BLD)
 
 
 def _refuse(name: str, problem: str, fix: str) -> MoEConfigError:
@@ -211,23 +187,6 @@ def _config(name: str, moe: _TTMoE, expert_precision: str) -> MoEConfig:
         load_balance_coeff=moe.load_balance_coeff, router_dtype="float32",
         expert_precision=expert_precision,  # type: ignore[arg-type]
     )
-
-
-def _shard_experts(experts: _TTGroupedExperts, layer: _Layer) -> None:
-    """Make the expert weights DTensors of the layout the parallel ``layer`` computes on (EP: ``Shard(0)``;
-    gather-mode SP: the hidden dim, ``Shard(1)`` of ``w1`` / ``w3`` and ``Shard(2)`` of ``w2``, by the chunk
-    rule, which is DTensor's; both: a 2-D mesh), as spmdmoe's own checkpoints present them."""
-    if not isinstance(layer, ParallelMoE):
-        return
-    cfg = layer.config
-    layout = expert_layout(cfg, layer.sp, layer.ep, layer.sp_mode, layer.expert_slice, layer.hidden_slice)
-    if layout.mesh is None:
-        return
-    for name, ours in (("w1_EFD", "experts.w1"), ("w2_EDF", "experts.w2"), ("w3_EFD", "experts.w3")):
-        p = getattr(experts, name)
-        if not isinstance(p, DTensor):
-            sharded = distribute_tensor(p.data, layout.mesh, layout.placements(ours))
-            setattr(experts, name, nn.Parameter(sharded, requires_grad=p.requires_grad))
 
 
 def _unmapped(model: nn.Module) -> list[str]:
@@ -287,12 +246,12 @@ def swap_moe(
         if sp_mesh is not None or ep_mesh is not None:
             layer = parallelize_moe(layer, sp_mesh=sp_mesh, ep_mesh=ep_mesh, sp_mode=sp_mode, ep_mode=ep_mode,
                                     agree_over=agree_over, device="meta")
-        _shard_experts(moe.routed_experts.inner_experts, layer)
+        shard_experts(moe.routed_experts.inner_experts, layer,
+                      {"w1_EFD": "experts.w1", "w2_EDF": "experts.w2", "w3_EFD": "experts.w3"})
         swapped = SwappedMoE(moe, config, layer, expert_dtype)
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent)._modules[child] = swapped
-        _SWAPPED.append(weakref.ref(swapped))
-    _register_step_hook()
+        track(swapped)
     return [n for n, _ in targets]
 
 
@@ -311,43 +270,3 @@ def swapped_model_spec(model_spec: Any, **options: Any) -> Any:
         swap_moe(model, ep_mesh=parallel_dims.get_mesh("ep") if parallel_dims.ep_enabled else None, **options)
         return parallelize(model, parallel_dims=parallel_dims, **kwargs)
     return dataclasses.replace(model_spec, parallelize_fn=parallelize_fn)
-
-
-_HOOK: list[Any] = []
-_STEPPER: list["weakref.ref[Any]"] = []  # the optimizer whose step runs the check (the first seen holding ours)
-
-
-def _register_step_hook() -> None:
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
-
-
-def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Once per step, before the step of the first optimizer found holding a swapped layer's parameters
-    (torchtitan's ``OptimizersContainer``, whose step runs its inner optimizers' after; a plain optimizer):
-    raise deferred problems on every rank (:func:`spmdmoe.check_errors`), then sum each SP layer's token
-    counts over its SP axis. No Python state changes in the forward, so compiled and checkpointed blocks
-    are untouched."""
-    stepper = _STEPPER[0]() if _STEPPER else None
-    if stepper is None:
-        ours = {id(p) for m in _live() for p in m.parameters()}
-        if not any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
-            return
-        _STEPPER[:] = [weakref.ref(optimizer)]
-    elif stepper is not optimizer:
-        return
-    check_errors()
-    for layer in _live():
-        sp = getattr(layer.layer, "sp", None)
-        if sp is not None and sp.size > 1:
-            all_reduce(_local(layer.tokens_per_expert_E), group=sp.group)
-
-
-def _live() -> list[SwappedMoE]:
-    """The live swapped layers, in the order they were swapped (the same on every rank)."""
-    live = [m for m in (ref() for ref in _SWAPPED) if m is not None]
-    _SWAPPED[:] = [weakref.ref(m) for m in live]
-    return live
-
-
-_SWAPPED: list["weakref.ref[SwappedMoE]"] = []

@@ -4,39 +4,29 @@ parameters and buffers under spmdmoe's computation.
 Legend: ``E`` experts, ``F`` expert hidden dim, ``D`` model dim.
 
 :class:`Experts` holds torchtitan's routed-expert parameters and runs spmdmoe's grouped SwiGLU; the router
-and shared experts are spmdmoe's, as torchtitan ``Module`` s; :func:`_bind` points an spmdmoe layer at them
-and at the adapter's bias and count buffers, so the layer owns no state of its own. Imported by
-``torchtitan.py`` after its check that torchtitan is installed.
+and shared experts are spmdmoe's, as torchtitan ``Module`` s (``_bound.bind`` points an spmdmoe layer at them).
+Imported by ``torchtitan.py`` after its check that torchtitan is installed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..moe.experts import GroupedExperts, SharedExperts
-from ..moe.grads import agree_grad_set
-from ..moe.layer import _Layer
 from ..moe.router import Router
+from ._bound import local
 from ._torch_compat import shim_torch
 
 shim_torch()  # torch 2.11 (see torchtitan.py), also where this module is imported first
 from torchtitan.models.common.moe import GroupedExperts as _TTGroupedExperts  # noqa: E402
 from torchtitan.protocols.module import Module as _TTModule  # noqa: E402
 
-if TYPE_CHECKING:
-    from .torchtitan import SwappedMoE
-
 __all__ = ["Experts"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of a DTensor (differentiable), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Experts(GroupedExperts, _TTModule):
@@ -84,7 +74,7 @@ class Experts(GroupedExperts, _TTModule):
         self.pack()
 
     def read_weights(self) -> list[torch.Tensor]:
-        weights = [_local(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)]
+        weights = [local(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)]
         return weights if self.dtype is None else [w.to(self.dtype) for w in weights]
 
     def forward(self, routed: Any) -> torch.Tensor:
@@ -100,49 +90,3 @@ class _Router(Router, _TTModule):
 
 class _SharedExperts(SharedExperts, _TTModule):
     """spmdmoe's shared experts as a torchtitan ``Module``."""
-
-
-class _Bound:
-    """A layer whose state lives in a :class:`SwappedMoE`: the bias and counts are the adapter's buffers
-    (looked up at each use: torchtitan re-creates them in ``init_states``), dense weights its local
-    tensors."""
-
-    _owner: "SwappedMoE"  # a plain attribute, not a child module (a deepcopy of the adapter copies both)
-
-    @property
-    def expert_bias(self) -> torch.Tensor:
-        bias = self._owner.expert_bias_E
-        return self.no_bias if bias is None else _local(bias)  # type: ignore[attr-defined]
-
-    @property
-    def tokens_per_expert(self) -> torch.Tensor:
-        return _local(self._owner.tokens_per_expert_E)
-
-    def dense_params(self) -> dict[str, torch.Tensor]:
-        return {n: _local(p) for n, p in super().dense_params().items()}  # type: ignore[misc]
-
-
-_BOUND: dict[type, type] = {}
-
-
-def _bind(engine: _Layer, adapter: "SwappedMoE") -> None:
-    """Point ``engine``'s modules at the adapter's and drop its own bias and counts (see :class:`_Bound`)."""
-    cls = type(engine)
-    if cls not in _BOUND:
-        _BOUND[cls] = type(f"Bound{cls.__name__}", (_Bound, cls), {})
-    adapter.routed_experts.inner_experts.grad_axis = engine.experts.grad_axis
-    for name, module in (("router", adapter.router), ("experts", adapter.routed_experts.inner_experts),
-                         ("shared_experts", adapter.shared_experts)):
-        engine.__dict__.pop(name, None)  # a None set before it was a module is a plain attribute
-        engine._modules[name] = module
-    del engine._buffers["expert_bias"], engine._buffers["tokens_per_expert"]
-    engine.__class__ = _BOUND[cls]
-    object.__setattr__(engine, "_owner", adapter)
-    if getattr(engine, "sp_synced", ()):  # the dense weights summed over SP: now with the shared experts
-        engine.sp_synced = tuple(_Layer.dense_params(engine))
-        dense = engine.dense_params()
-        engine.sp_grad_set = agree_grad_set([dense[n] for n in engine.sp_synced], engine.sp)  # the adapter's
-    inner = adapter.routed_experts.inner_experts
-    if inner.grad_axis is not None:
-        inner.grad_set = agree_grad_set(inner.read_weights(), inner.grad_axis)
-    engine.register_buffer("no_bias", torch.zeros(engine.config.num_experts, device="meta"), persistent=False)

@@ -260,7 +260,7 @@ class ParallelMoE(_Layer):
             return []
         names = list(self.sp_synced)
         if self.experts.grad_axis is not None:
-            names += ["experts.w1", "experts.w2", "experts.w3"]
+            names += [f"experts.{n}" for n, _ in self.experts.named_parameters()]  # a drop-in's names too
         return [self.get_parameter(n) for n in names if not inside_fsdp_unit(self, n)]
 
     _spmdmoe_sync_params = sp_sync_params  # what overlap.sync_params asks

@@ -1,0 +1,299 @@
+"""``swap_moe``: Hugging Face transformers' MoE blocks replaced, in place, by spmdmoe's layer.
+
+Legend: ``B`` batch, ``L`` sequence, ``D`` model dim, ``F`` expert hidden dim, ``E`` experts, ``K`` top-k.
+
+    from transformers import AutoModelForCausalLM
+    from spmdmoe.integrations.transformers import swap_moe
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)   # or from_config(config)
+    swap_moe(model)                    # every MoE block; ep_mesh= / sp_mesh= optional
+    loss = model(input_ids=ids, labels=ids, output_router_logits=True).loss   # the model's own loss
+
+Mapped (transformers 5, whose MoE blocks hold fused experts; ``_FAMILIES`` is the table):
+
+======================================  =============================================================
+``Qwen3MoeSparseMoeBlock`` (Qwen3-MoE)  softmax, ``norm_topk_prob`` -> ``route_norm``, gate GEMM in
+                                        the activations' dtype
+``MixtralSparseMoeBlock`` (Mixtral)     softmax, top-k renormalised, gate GEMM in the activations'
+                                        dtype; ``router_jitter_noise`` must be 0
+``DeepseekV3MoE`` (DeepSeek-V3)         sigmoid, ``e_score_correction_bias`` steering the choice,
+                                        group-limited (``n_group``, ``topk_group``), ``norm_topk_prob``,
+                                        ``routed_scaling_factor``, fp32 gate, the shared experts
+======================================  =============================================================
+
+What stays transformers': every parameter and buffer path (``mlp.gate.weight``,
+``mlp.gate.e_score_correction_bias``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``,
+``mlp.shared_experts.{gate,up,down}_proj.weight``) and the module objects behind the gate and the shared
+experts, so ``save_pretrained`` / ``from_pretrained`` (with transformers' per-expert checkpoint conversion)
+read and write the same keys: a swapped model saves a checkpoint the unswapped one loads, and the other way
+round. ``mlp.experts`` becomes :class:`~spmdmoe.integrations.transformers_modules.FusedExperts` on the same
+parameters (its ``gate_up_proj`` is spmdmoe's packed ``[w1 | w3]``), of a class derived from transformers'
+own, so its ``_init_weights`` still initialises it. The gate's forward hooks see transformers' router
+output, so ``output_router_logits=True`` still returns the router logits and the model's ``aux_loss``
+(its load-balancing loss) is computed from them as before. What is spmdmoe's: the routing, dispatch,
+experts and combine; with ``sp_mesh`` / ``ep_mesh`` its SP and EP.
+
+Refused with ``MoEConfigError``, never approximated: a block class outside the table (also a subclass of
+one in it, and any other module holding ``experts``), experts with a bias, an interleaved or transposed
+``gate_up_proj``, or without a gate, an activation other than SiLU, Mixtral's router jitter, shared experts
+that are not a bias-free SiLU MLP.
+
+Numerics: the same routing decisions as transformers' (same gate GEMM dtype, same scores, same top-k
+rule); the output differs by summation order, and where transformers rounds the routing weights to the
+activations' dtype before weighting (Qwen3-MoE) spmdmoe keeps them fp32: fp32 models agree to ~1e-6,
+bf16 to bf16 rounding.
+
+Parallelism. ``ep_mesh``: the experts are sharded over it (their parameters become DTensors ``Shard(0)``),
+each rank passing its own rows (any count, 0 included: the batch split of data parallelism). ``sp_mesh``:
+the layer's rows are this rank's part of the SP axis's tokens by spmdmoe's chunk rule (``spmdmoe.shard``
+of the flattened ``B * L`` tokens), the gate's and shared experts' gradients are summed over it inside the
+layer, and the rest of the model must be run sequence-parallel by the caller (``docs/porting.md``:
+attention, positions, dense gradients). Only local SP (``sp_mode="local"``): gather mode would shard the
+hidden dim of ``gate_up_proj``, which packs two matrices. Under ``sp_mesh`` or ``ep_mesh`` the router
+logits a rank records, and so the model's ``aux_loss``, are its own rows'.
+
+Deferred errors (a non-finite router logit, a bad input on one rank) are raised on every rank by
+:func:`spmdmoe.check_errors`, which ``swap_moe`` registers as a global optimizer step pre-hook, as the
+torchtitan drop-in does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
+
+import torch
+import torch.nn as nn
+
+try:
+    import transformers  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError('spmdmoe.integrations.transformers needs transformers 5: pip install "spmdmoe[transformers]"'
+                      ) from e
+
+from ..moe import MoE, MoEConfig, parallelize_moe
+from ..moe.experts import SharedExperts
+from ..moe.layer import _Layer
+from ..types.errors import MoEConfigError
+from ..types.mesh import MeshLike
+from ._bound import Adapter, bind, local, shard_experts, track
+from .transformers_modules import FusedExperts, HFRouter, fused_experts
+
+__all__ = ["swap_moe", "SwappedMoeBlock"]
+
+Check = tuple[bool, str, str]  # (refused, what was found, the fix)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One transformers MoE block class and how its options map onto :class:`MoEConfig`."""
+
+    block: str  # "module.path:ClassName"
+    options: Callable[[nn.Module], dict[str, Any]]  # block -> MoEConfig keyword arguments (routing only)
+    checks: Callable[[nn.Module], list[Check]]  # block -> what it holds that spmdmoe cannot express
+
+
+def _qwen3(block: nn.Module) -> dict[str, Any]:
+    return dict(score_func="softmax", route_norm=bool(block.gate.norm_topk_prob), router_dtype="input")
+
+
+def _mixtral(block: nn.Module) -> dict[str, Any]:
+    return dict(score_func="softmax", route_norm=True, router_dtype="input")
+
+
+def _deepseek_v3(block: nn.Module) -> dict[str, Any]:
+    gate = block.gate
+    groups = int(gate.num_group)
+    return dict(score_func="sigmoid", route_norm=bool(gate.norm_topk_prob),
+                route_scale=float(gate.routed_scaling_factor), router_dtype="float32",
+                num_expert_groups=groups if groups > 1 else None,
+                num_limited_groups=int(gate.topk_group) if groups > 1 else None)
+
+
+def _no_jitter(block: nn.Module) -> list[Check]:
+    return [(float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0, f"router_jitter_noise={block.jitter_noise}",
+             "set config.router_jitter_noise=0 (spmdmoe does not perturb the router input)")]
+
+
+def _shared_mlp(block: nn.Module) -> list[Check]:
+    mlp = block.shared_experts
+    linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    return [
+        (not all(isinstance(lin, nn.Linear) for lin in linears), f"its shared experts are a {type(mlp).__name__} "
+         "without gate_proj / up_proj / down_proj linears", "only a SwiGLU MLP is mapped"),
+        (any(getattr(lin, "bias", None) is not None for lin in linears), "its shared experts' linears have a bias",
+         "spmdmoe's shared experts have none"),
+        (_act(mlp) != "silu", f"its shared experts' activation is {_act(mlp)!r}", "only SiLU (SwiGLU) is mapped"),
+    ]
+
+
+_FAMILIES = (
+    _Family("transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeSparseMoeBlock", _qwen3, lambda b: []),
+    _Family("transformers.models.mixtral.modeling_mixtral:MixtralSparseMoeBlock", _mixtral, _no_jitter),
+    _Family("transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3MoE", _deepseek_v3, _shared_mlp),
+)
+
+
+def _load(path: str) -> Optional[type]:
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:  # a transformers without this model
+        return None
+
+
+def _families() -> dict[type, _Family]:
+    return {cls: f for f in _FAMILIES if (cls := _load(f.block)) is not None}
+
+
+def _act(module: nn.Module) -> Optional[str]:
+    """The activation name a transformers module reads from its config (``hidden_act``), if it has one."""
+    config = getattr(module, "config", None)
+    return getattr(config, "hidden_act", None)
+
+
+def _expert_checks(experts: nn.Module, act: Optional[str]) -> list[Check]:
+    """What transformers' fused experts may hold that spmdmoe's grouped SwiGLU cannot compute exactly."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    fused = isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
+    return [
+        (not fused, f"its experts are a {type(experts).__name__} without 3-D gate_up_proj / down_proj parameters",
+         "only transformers 5's fused experts are mapped"),
+        (bool(getattr(experts, "has_bias", False)), "its experts have biases", "spmdmoe's experts have none"),
+        (not getattr(experts, "has_gate", True), "its experts have no gate projection", "only SwiGLU is mapped"),
+        (not getattr(experts, "is_concatenated", True), "its gate_up_proj interleaves gate and up rows",
+         "only the concatenated [gate | up] layout is mapped"),
+        (bool(getattr(experts, "is_transposed", False)), "its expert weights are transposed",
+         "only the (E, 2F, D) / (E, D, F) layout is mapped"),
+        (bool(getattr(experts, "has_post_expert_norm", False)), "its experts normalise their output",
+         "spmdmoe's experts do not"),
+        (act != "silu", f"its experts' activation is {act!r}", "only SiLU (SwiGLU) is mapped"),
+    ]
+
+
+def _config(name: str, block: nn.Module, family: _Family, precision: str) -> MoEConfig:
+    """The :class:`MoEConfig` of transformers block ``block``, or ``MoEConfigError`` for what it cannot express."""
+    experts = block.experts
+    for bad, problem, fix in _expert_checks(experts, _act(experts) or _act(block)) + family.checks(block):
+        if bad:
+            raise MoEConfigError(f"swap_moe: {name}: {problem}; {fix}")
+    E, D, F = experts.down_proj.shape
+    if tuple(experts.gate_up_proj.shape) != (E, 2 * F, D) or tuple(block.gate.weight.shape) != (E, D):
+        raise MoEConfigError(
+            f"swap_moe: {name}: expected gate.weight ({E}, {D}) and experts.gate_up_proj ({E}, {2 * F}, {D}) "
+            f"beside experts.down_proj ({E}, {D}, {F}), found {tuple(block.gate.weight.shape)} and "
+            f"{tuple(experts.gate_up_proj.shape)}; only transformers' own layout is mapped")
+    return MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=int(block.gate.top_k),
+                     expert_precision=precision,  # type: ignore[arg-type]
+                     **family.options(block))
+
+
+class SwappedMoeBlock(Adapter):
+    """A transformers MoE block with spmdmoe's forward (module docstring): ``forward(hidden_BLD) -> out_BLD``
+    (any leading dims), transformers' paths, parameters and buffers.
+
+    Children: ``gate`` (transformers' router module: ``weight`` (E, D); DeepSeek-V3 also
+    ``e_score_correction_bias`` (E,), which steers the choice as spmdmoe's ``expert_bias``), ``experts``
+    (:class:`FusedExperts`), ``shared_experts`` (transformers' MLP, where the block has one). Attributes:
+    ``layer``, the spmdmoe layer that runs the forward (a :class:`spmdmoe.moe.MoE`, or a
+    :class:`spmdmoe.moe.ParallelMoE` with SP / EP); it owns no parameters or saved buffers.
+    """
+
+    def __init__(self, source: nn.Module, config: MoEConfig, layer: _Layer):
+        nn.Module.__init__(self)
+        for key, value in vars(source).items():  # transformers' plain attributes (config, top_k, ...)
+            if not key.startswith("_"):
+                self.__dict__[key] = value
+        for key, module in source._modules.items():  # in transformers' order (its state dict's and parameters')
+            self._modules[key] = module
+        self.experts: FusedExperts = fused_experts(source.experts, config.expert_precision, config.fp8_wgrad)
+        shared: Optional[SharedExperts] = None
+        mlp = getattr(source, "shared_experts", None)
+        if mlp is not None:
+            with torch.device("meta"):
+                shared = SharedExperts(config.dim, mlp.gate_proj.weight.shape[0])
+            shared.w1, shared.w2, shared.w3 = mlp.gate_proj, mlp.down_proj, mlp.up_proj
+        device = self.gate.weight.device
+        self.register_buffer("tokens_per_expert_E", torch.zeros(config.num_experts, dtype=torch.int64, device=device),
+                             persistent=False)
+        with torch.device("meta"):
+            router = HFRouter(config)
+        router.gate = self.gate
+        bind(layer, self, router, self.experts, shared)
+        self._place_layer_buffers()
+
+    @property
+    def expert_bias_E(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+        return getattr(self.gate, "e_score_correction_bias", None)
+
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layer computes in: the experts' (DeepSeek-V3 keeps its gate in fp32)."""
+        return local(self.experts.down_proj).dtype
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.run_layer(hidden_states)
+
+
+def _unmapped(model: nn.Module, families: dict[type, _Family]) -> list[str]:
+    """Modules holding ``experts`` that are no block of the table (refused: never approximated)."""
+    return [f"{name} ({type(m).__module__}.{type(m).__name__})" for name, m in model.named_modules()
+            if "experts" in m._modules and type(m) not in families and not isinstance(m, SwappedMoeBlock)]
+
+
+def swap_moe(
+    model: nn.Module,
+    *,
+    sp_mesh: Optional[MeshLike] = None,
+    ep_mesh: Optional[MeshLike] = None,
+    ep_mode: Literal["sync", "sync_free"] = "sync",
+    expert_precision: Optional[Literal["bf16", "fp8_rowwise"]] = None,
+    agree_over: Optional[MeshLike] = None,
+) -> list[str]:
+    """Replace every MoE block of transformers model ``model`` (module docstring: which ones) by a
+    :class:`SwappedMoeBlock`, in place; returns their module names. Call it on every rank, after the weights
+    are in place (``from_pretrained``, ``from_config``) or on meta before ``to_empty`` and a load: every
+    weight keeps its value bitwise (under ``ep_mesh`` each rank keeps its experts' slice), and the layer's
+    own buffers (problem flags, capacity counters) start at zero on the model's device.
+
+    ``sp_mesh``, ``ep_mesh``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe` (which runs
+    here, a collective over ``agree_over``), local SP only (module docstring). ``expert_precision``:
+    ``"bf16"`` (default: the experts compute in their parameters' dtype) or ``"fp8_rowwise"``.
+
+    Raises ``MoEConfigError`` for what cannot be mapped exactly (module docstring), and for a model with no
+    MoE block.
+
+    >>> import torch
+    >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    >>> from spmdmoe.integrations.transformers import swap_moe
+    >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...     moe_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    ...     head_dim=8, num_experts=4, num_experts_per_tok=2))
+    >>> swap_moe(model)
+    ['model.layers.0.mlp', 'model.layers.1.mlp']
+    >>> model(input_ids=torch.tensor([[1, 2, 3]]), output_router_logits=True).router_logits[0].shape
+    torch.Size([3, 4])
+    """
+    precision = expert_precision or "bf16"
+    families = _families()
+    others = _unmapped(model, families)
+    if others:
+        raise MoEConfigError(f"swap_moe: {', '.join(others)}: not a transformers MoE block spmdmoe maps (their "
+                             f"forward may differ); mapped: {', '.join(c.__name__ for c in families)}")
+    targets = [(n, m) for n, m in model.named_modules() if type(m) in families]
+    if not targets:
+        raise MoEConfigError(f"swap_moe: {type(model).__name__} holds no transformers MoE block (already swapped, "
+                             f"or not an MoE model); mapped: {', '.join(c.__name__ for c in families)}")
+    for name, block in targets:
+        config = _config(name, block, families[type(block)], precision)
+        with torch.device("meta"):
+            layer: _Layer = MoE(config)
+        if sp_mesh is not None or ep_mesh is not None:
+            layer = parallelize_moe(layer, sp_mesh=sp_mesh, ep_mesh=ep_mesh, sp_mode="local", ep_mode=ep_mode,
+                                    agree_over=agree_over, device="meta")
+        shard_experts(block.experts, layer, {"gate_up_proj": "experts.w1", "down_proj": "experts.w2"})
+        swapped = SwappedMoeBlock(block, config, layer)
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent)._modules[child] = swapped
+        track(swapped)
+    return [n for n, _ in targets]
+

@@ -1,0 +1,148 @@
+"""``spmdmoe.integrations.transformers.swap_moe`` on tiny Qwen3-MoE, Mixtral and DeepSeek-V3 models (random
+weights from a config, ``tests/hf_models.py``), against the unswapped model from the same seed, on CPU.
+
+Tolerances (fp32): logits, loss and router logits within 1e-5 of the largest magnitude, every gradient within
+1e-4 of its largest (summation order differs: transformers adds expert by expert, spmdmoe per token);
+bf16: within 2 % of the largest logit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_models import MODELS, VOCAB  # noqa: E402  (skips this module without transformers)
+
+from spmdmoe.integrations.transformers import SwappedMoeBlock, swap_moe  # noqa: E402
+from spmdmoe.types.errors import MoEConfigError  # noqa: E402
+
+
+def _pair(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    ref = MODELS[name](seed)
+    ours = copy.deepcopy(ref)
+    swap_moe(ours)
+    return ref, ours
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max()) <= tol * max(float(a.abs().max()), 1e-30)
+
+
+def _run(model: torch.nn.Module, ids: torch.Tensor):  # type: ignore[no-untyped-def]
+    return model(input_ids=ids, labels=ids, output_router_logits=True)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_parity_with_the_unswapped_model(name):
+    """Logits, loss, router logits, the load-balancing loss and every gradient match the unswapped model's;
+    the module paths, parameter names and their order, state-dict keys and the gate objects are kept."""
+    ref, ours = _pair(name)
+    blocks = [n for n, m in ours.named_modules() if isinstance(m, SwappedMoeBlock)]
+    assert blocks and all(n.endswith(".mlp") for n in blocks)
+    assert [n for n, _ in ref.named_parameters()] == [n for n, _ in ours.named_parameters()]
+    assert list(ref.state_dict()) == list(ours.state_dict())
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(1))
+    a, b = _run(ref, ids), _run(ours, ids)
+    assert _close(a.logits, b.logits, 1e-5) and _close(a.loss, b.loss, 1e-5)
+    assert len(a.router_logits) == len(b.router_logits) == len(blocks)
+    assert all(_close(x, y, 1e-5) and x.dtype == y.dtype for x, y in zip(a.router_logits, b.router_logits))
+    if getattr(a, "aux_loss", None) is not None:
+        assert _close(a.aux_loss, b.aux_loss, 1e-5)
+    a.loss.backward()
+    b.loss.backward()
+    for (n, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            assert _close(p.grad, q.grad, 1e-4), n
+
+
+def test_bf16_parity():
+    """A bf16 Qwen3-MoE: the first block's router logits bitwise equal (its gate GEMM in bf16, as transformers'),
+    the model's logits within bf16 rounding."""
+    ref, ours = _pair("qwen3_moe")
+    ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
+    a, b = _run(ref, ids), _run(ours, ids)
+    assert torch.equal(a.router_logits[0], b.router_logits[0])  # the first block's input is the same: bitwise
+    assert _close(a.logits, b.logits, 2e-2)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_save_pretrained_round_trip(name, tmp_path):
+    """A swapped model saves the unswapped model's checkpoint (same files, keys and tensors: transformers'
+    per-expert layout), the unswapped model loads it, and a swapped model loads the unswapped one's."""
+    ref, ours = _pair(name)
+    with torch.no_grad():  # make the swapped model's weights its own, so a load is seen
+        for p in ours.parameters():
+            p.add_(0.01)
+    ours.save_pretrained(tmp_path / "swapped")
+    ref.save_pretrained(tmp_path / "plain")
+    from safetensors.torch import load_file
+
+    saved, plain = load_file(tmp_path / "swapped" / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
+    assert sorted(saved) == sorted(plain) and any(".experts.0." in k for k in saved)
+    loaded = type(ref).from_pretrained(tmp_path / "swapped")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), ours.state_dict().values()))
+    back = type(ref).from_pretrained(tmp_path / "plain")
+    swap_moe(back)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ref.state_dict().values()))
+    ours.load_state_dict(ref.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_training_steps_track_the_unswapped_model(name):
+    """Six AdamW steps with the model's own loss (the load-balancing loss in it where the model has one): the
+    two models' losses agree within 1e-4 at every step and fall."""
+    ref, ours = _pair(name)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
+    losses = []
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (ref, ours)]
+    for _ in range(6):
+        step = []
+        for model, opt in zip((ref, ours), opts):
+            loss = _run(model, ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step.append(float(loss.detach()))
+        losses.append(step)
+    assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in losses), losses
+    assert losses[-1][1] < losses[0][1] - 0.05, losses
+
+
+def test_gate_hooks_see_transformers_router_output():
+    """A forward hook on ``mlp.gate`` gets transformers' ``(router_logits, weights, ids)`` for the block's rows."""
+    ref, ours = _pair("mixtral")
+    seen: dict[str, tuple] = {}
+    for tag, model in (("ref", ref), ("ours", ours)):
+        model.model.layers[0].mlp.gate.register_forward_hook(lambda m, a, out, tag=tag: seen.__setitem__(tag, out))
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    _run(ref, ids), _run(ours, ids)
+    (la, wa, ia), (lb, wb, ib) = seen["ref"], seen["ours"]
+    assert _close(la, lb, 1e-6) and torch.equal(ia.sort(-1).values, ib.sort(-1).values)
+    assert _close(wa.gather(1, ia.argsort(-1)), wb.gather(1, ib.argsort(-1)), 1e-6)
+
+
+def test_refusals():
+    """What cannot be mapped exactly is refused with MoEConfigError naming the module and the fix."""
+    model = MODELS["mixtral"](0)
+    model.model.layers[1].mlp.jitter_noise = 0.1
+    with pytest.raises(MoEConfigError, match=r"model.layers.1.mlp: router_jitter_noise=0.1; set"):
+        swap_moe(model)
+    model = MODELS["qwen3_moe"](0)
+    model.model.layers[0].mlp.experts.config.hidden_act = "gelu"
+    with pytest.raises(MoEConfigError, match="activation is 'gelu'"):
+        swap_moe(model)
+    model = MODELS["qwen3_moe"](0)
+    block = model.model.layers[1].mlp
+    block.__class__ = type("MyBlock", (type(block),), {})  # a subclass: its forward may differ
+    with pytest.raises(MoEConfigError, match="MyBlock.*not a transformers MoE block spmdmoe maps"):
+        swap_moe(model)
+    model = MODELS["qwen3_moe"](0)
+    swap_moe(model)
+    with pytest.raises(MoEConfigError, match="holds no transformers MoE block"):
+        swap_moe(model)
