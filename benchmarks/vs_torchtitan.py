@@ -88,6 +88,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from expert_gemms import gemms, operands
 from older import config_in
 from shapes import SHAPES, Shape
+import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.checkpoint import to_torchtitan
 from spmdmoe.moe.fp8 import fp8_wgrad

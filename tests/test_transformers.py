@@ -133,6 +133,11 @@ def test_refusals():
     model.model.layers[1].mlp.jitter_noise = 0.1
     with pytest.raises(MoEConfigError, match=r"model.layers.1.mlp: router_jitter_noise=0.1; set"):
         swap_moe(model)
+    assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"  # refused before any block is swapped
+    model.model.layers[0].mlp._hf_hook = object()  # what accelerate's device_map dispatch attaches
+    model.model.layers[1].mlp.jitter_noise = 0.0
+    with pytest.raises(MoEConfigError, match="model.layers.0.mlp: dispatched by accelerate"):
+        swap_moe(model)
     model = MODELS["qwen3_moe"](0)
     model.model.layers[0].mlp.experts.config.hidden_act = "gelu"
     with pytest.raises(MoEConfigError, match="activation is 'gelu'"):

@@ -239,8 +239,8 @@ def swap_moe(
     if not targets:
         raise MoEConfigError(f"swap_moe: {type(model).__name__} holds no torchtitan.models.common.moe.MoE "
                              "(already swapped, or not a torchtitan MoE model)")
-    for name, moe in targets:
-        config = _config(name, moe, precision)
+    configs = [_config(name, moe, precision) for name, moe in targets]  # all refusals before any swap
+    for (name, moe), config in zip(targets, configs):
         with torch.device("meta"):
             layer: _Layer = MoE(config)
         if sp_mesh is not None or ep_mesh is not None:

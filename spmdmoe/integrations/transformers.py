@@ -25,22 +25,26 @@ What stays transformers': every parameter and buffer path (``mlp.gate.weight``,
 ``mlp.shared_experts.{gate,up,down}_proj.weight``) and the module objects behind the gate and the shared
 experts, so ``save_pretrained`` / ``from_pretrained`` (with transformers' per-expert checkpoint conversion)
 read and write the same keys: a swapped model saves a checkpoint the unswapped one loads, and the other way
-round. ``mlp.experts`` becomes :class:`~spmdmoe.integrations.transformers_modules.FusedExperts` on the same
+round (without ``ep_mesh``: under EP the expert weights are DTensors, which ``save_pretrained`` does not
+gather; save them with DCP or ``full_tensor()``). ``mlp.experts`` becomes :class:`~spmdmoe.integrations.transformers_modules.FusedExperts` on the same
 parameters (its ``gate_up_proj`` is spmdmoe's packed ``[w1 | w3]``), of a class derived from transformers'
 own, so its ``_init_weights`` still initialises it. The gate's forward hooks see transformers' router
 output, so ``output_router_logits=True`` still returns the router logits and the model's ``aux_loss``
 (its load-balancing loss) is computed from them as before. What is spmdmoe's: the routing, dispatch,
 experts and combine; with ``sp_mesh`` / ``ep_mesh`` its SP and EP.
 
-Refused with ``MoEConfigError``, never approximated: a block class outside the table (also a subclass of
-one in it, and any other module holding ``experts``), experts with a bias, an interleaved or transposed
-``gate_up_proj``, or without a gate, an activation other than SiLU, Mixtral's router jitter, shared experts
-that are not a bias-free SiLU MLP.
+Refused with ``MoEConfigError``, never approximated, before any block is swapped: a block class outside the
+table (also a subclass of one in it, and any other module holding ``experts``), experts with a bias, an
+interleaved or transposed ``gate_up_proj``, or without a gate, an activation other than SiLU, Mixtral's router
+jitter, shared experts that are not a bias-free SiLU MLP, expert weights that are DTensors already
+(transformers' tensor parallelism), blocks dispatched by accelerate (``device_map`` hooks).
 
 Numerics: the same routing decisions as transformers' (same gate GEMM dtype, same scores, same top-k
 rule); the output differs by summation order, and where transformers rounds the routing weights to the
-activations' dtype before weighting (Qwen3-MoE) spmdmoe keeps them fp32: fp32 models agree to ~1e-6,
-bf16 to bf16 rounding.
+activations' dtype before weighting (Qwen3-MoE) spmdmoe keeps them fp32: fp32 models agree to ~1e-7,
+bf16 to bf16 rounding. One deliberate difference: under ``torch.autocast`` DeepSeek-V3's fp32 gate GEMM stays
+fp32 here (spmdmoe turns autocast off for it), where transformers' ``F.linear(x.float(), w.float())`` runs in
+autocast's dtype, so tokens near a tie may choose other experts than transformers' under autocast.
 
 Parallelism. ``ep_mesh``: the experts are sharded over it (their parameters become DTensors ``Shard(0)``),
 each rank passing its own rows (any count, 0 included: the batch split of data parallelism). ``sp_mesh``:
@@ -64,6 +68,7 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 try:
     import transformers  # noqa: F401
@@ -82,6 +87,7 @@ from .transformers_modules import FusedExperts, HFRouter, fused_experts
 __all__ = ["swap_moe", "SwappedMoeBlock"]
 
 Check = tuple[bool, str, str]  # (refused, what was found, the fix)
+_SILU = ("silu", "swish")  # transformers' ACT2FN names of SiLU
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,7 @@ def _shared_mlp(block: nn.Module) -> list[Check]:
          "without gate_proj / up_proj / down_proj linears", "only a SwiGLU MLP is mapped"),
         (any(getattr(lin, "bias", None) is not None for lin in linears), "its shared experts' linears have a bias",
          "spmdmoe's shared experts have none"),
-        (_act(mlp) != "silu", f"its shared experts' activation is {_act(mlp)!r}", "only SiLU (SwiGLU) is mapped"),
+        (_act(mlp) not in _SILU, f"its shared experts' activation is {_act(mlp)!r}", "only SiLU (SwiGLU) is mapped"),
     ]
 
 
@@ -157,6 +163,9 @@ def _expert_checks(experts: nn.Module, act: Optional[str]) -> list[Check]:
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     fused = isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
     return [
+        (isinstance(gate_up, DTensor) or isinstance(down, DTensor), "its expert weights are DTensors already "
+         "(transformers' tensor parallelism, or a swapped model's experts)", "swap before any parallelism "
+         "(swap_moe(..., ep_mesh=...) shards the experts itself)"),
         (not fused, f"its experts are a {type(experts).__name__} without 3-D gate_up_proj / down_proj parameters",
          "only transformers 5's fused experts are mapped"),
         (bool(getattr(experts, "has_bias", False)), "its experts have biases", "spmdmoe's experts have none"),
@@ -167,7 +176,7 @@ def _expert_checks(experts: nn.Module, act: Optional[str]) -> list[Check]:
          "only the (E, 2F, D) / (E, D, F) layout is mapped"),
         (bool(getattr(experts, "has_post_expert_norm", False)), "its experts normalise their output",
          "spmdmoe's experts do not"),
-        (act != "silu", f"its experts' activation is {act!r}", "only SiLU (SwiGLU) is mapped"),
+        (act not in _SILU, f"its experts' activation is {act!r}", "only SiLU (SwiGLU) is mapped"),
     ]
 
 
@@ -202,7 +211,7 @@ class SwappedMoeBlock(Adapter):
     def __init__(self, source: nn.Module, config: MoEConfig, layer: _Layer):
         nn.Module.__init__(self)
         for key, value in vars(source).items():  # transformers' plain attributes (config, top_k, ...)
-            if not key.startswith("_"):
+            if not key.startswith("_") and key != "forward":
                 self.__dict__[key] = value
         for key, module in source._modules.items():  # in transformers' order (its state dict's and parameters')
             self._modules[key] = module
@@ -283,8 +292,12 @@ def swap_moe(
     if not targets:
         raise MoEConfigError(f"swap_moe: {type(model).__name__} holds no transformers MoE block (already swapped, "
                              f"or not an MoE model); mapped: {', '.join(c.__name__ for c in families)}")
-    for name, block in targets:
-        config = _config(name, block, families[type(block)], precision)
+    hooked = [n for n, m in targets if any(hasattr(x, "_hf_hook") for x in (m, *m.children()))]
+    if hooked:
+        raise MoEConfigError(f"swap_moe: {', '.join(hooked)}: dispatched by accelerate (device_map / offload hooks); "
+                             "swap before dispatching, or load without device_map")
+    configs = [_config(name, block, families[type(block)], precision) for name, block in targets]  # all, before any swap
+    for (name, block), config in zip(targets, configs):
         with torch.device("meta"):
             layer: _Layer = MoE(config)
         if sp_mesh is not None or ep_mesh is not None:

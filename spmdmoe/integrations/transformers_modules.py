@@ -40,7 +40,7 @@ class FusedExperts(GroupedExperts):
     def __init__(self, source: nn.Module, precision: str, fp8_wgrad: str):
         nn.Module.__init__(self)
         for key, value in vars(source).items():
-            if not key.startswith("_") and key not in ("training", "num_experts"):
+            if not key.startswith("_") and key not in ("training", "num_experts", "forward"):
                 self.__dict__[key] = value
         self._num_experts = int(source.gate_up_proj.shape[0])
         self.gate_up_proj, self.down_proj = source.gate_up_proj, source.down_proj
