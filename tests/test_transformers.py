@@ -13,16 +13,16 @@ import copy
 import pytest
 import torch
 
-from hf_models import MODELS, VOCAB  # noqa: E402  (skips this module without transformers)
+from hf_models import MODELS, VARIANTS, VOCAB  # noqa: E402  (skips this module without transformers)
 
 from spmdmoe.integrations.transformers import SwappedMoeBlock, swap_moe  # noqa: E402
 from spmdmoe.types.errors import MoEConfigError  # noqa: E402
 
 
-def _pair(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
-    ref = MODELS[name](seed)
+def _pair(name: str, seed: int = 0, **options) -> tuple[torch.nn.Module, torch.nn.Module]:
+    ref = {**MODELS, **VARIANTS}[name](seed)
     ours = copy.deepcopy(ref)
-    swap_moe(ours)
+    swap_moe(ours, **options)
     return ref, ours
 
 
@@ -35,7 +35,7 @@ def _run(model: torch.nn.Module, ids: torch.Tensor):  # type: ignore[no-untyped-
     return model(input_ids=ids, labels=ids, output_router_logits=True)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(MODELS) + sorted(VARIANTS))
 def test_parity_with_the_unswapped_model(name):
     """Logits, loss, router logits, the load-balancing loss and every gradient match the unswapped model's;
     the module paths, parameter names and their order, state-dict keys and the gate objects are kept."""
@@ -93,7 +93,7 @@ def test_save_pretrained_round_trip(name, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), ref.state_dict().values()))
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_training_steps_track_the_unswapped_model(name):
     """Six AdamW steps with the model's own loss (the load-balancing loss in it where the model has one): the
     two models' losses agree within 1e-4 at every step and fall."""
@@ -151,3 +151,61 @@ def test_refusals():
     swap_moe(model)
     with pytest.raises(MoEConfigError, match="holds no transformers MoE block"):
         swap_moe(model)
+
+
+def _grads_close(ref: torch.nn.Module, ours: torch.nn.Module, tol: float) -> bool:
+    return all(_close(p.grad, q.grad, tol) for p, q in zip(ref.parameters(), ours.parameters()) if p.grad is not None)
+
+
+def test_activation_checkpointing_and_compile():
+    """transformers' activation checkpointing of its decoder layers (the swapped block recomputed in the
+    backward), and ``torch.compile`` of the swapped model (``aot_eager`` on CPU): loss, aux loss and gradients as
+    the unswapped eager model's."""
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    ref, ours = _pair("qwen3_moe")
+    a = _run(ref, ids)
+    a.loss.backward()
+    ours.activation_checkpointing_enable()
+    calls = []
+    ours.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # (the recompute may stop early)
+    b = _run(ours, ids)
+    b.loss.backward()
+    assert len(calls) == 2  # the forward, and its recompute in the backward
+    assert _close(a.loss, b.loss, 1e-5) and _grads_close(ref, ours, 1e-4)
+    ours = copy.deepcopy(ref)
+    ours.zero_grad()
+    swap_moe(ours)
+    b = _run(torch.compile(ours, backend="aot_eager"), ids)
+    b.loss.backward()
+    assert _close(a.loss, b.loss, 1e-5) and _close(a.aux_loss, b.aux_loss, 1e-5) and _grads_close(ref, ours, 1e-4)
+
+
+def test_fp8_experts():
+    """``expert_precision="fp8_rowwise"`` (emulated on CPU): a bf16 model's logits within 2 % of the unswapped
+    bf16 model's, the loss within 1e-3 (FP8 rounding of the expert GEMMs' operands)."""
+    ref, ours = _pair("qwen3_moe", expert_precision="fp8_rowwise")
+    ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
+    a, b = _run(ref, ids), _run(ours, ids)
+    assert ours.model.layers[0].mlp.experts.precision == "fp8_rowwise"
+    assert _close(a.logits, b.logits, 2e-2) and _close(a.loss, b.loss, 1e-3)
+
+
+def test_swap_on_meta_then_materialise(nan_empty):
+    """A model built and swapped on meta, then ``to_empty`` (``torch.empty`` handing out NaN / the largest int
+    here) and a load: the swapped layer's own buffers (problem flags, load counts) are zero, and it matches the
+    unswapped model."""
+    ref = MODELS["deepseek_v3"](0)
+    with torch.device("meta"):
+        model = type(ref)(ref.config)
+    swap_moe(model)
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    with torch.no_grad():  # transformers' non-persistent buffers (rotary frequencies) are not in the state dict
+        mine = dict(model.named_buffers())
+        for name, a in ref.named_buffers():
+            mine[name].copy_(a)
+    block = model.model.layers[1].mlp
+    assert block.tokens_per_expert_E.eq(0).all() and all(b.eq(0).all() for b in block.layer._buffers.values())
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    assert _close(ref(input_ids=ids).logits, model(input_ids=ids).logits, 1e-5)

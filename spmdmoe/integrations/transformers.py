@@ -235,6 +235,13 @@ class SwappedMoeBlock(Adapter):
     def expert_bias_E(self) -> Optional[torch.Tensor]:  # type: ignore[override]
         return getattr(self.gate, "e_score_correction_bias", None)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:  # type: ignore[override]
+        was_meta = self.tokens_per_expert_E.is_meta
+        out = super()._apply(fn, recurse)
+        if was_meta and not self.tokens_per_expert_E.is_meta:  # to_empty: counts start at zero
+            self.tokens_per_expert_E.zero_()
+        return out
+
     def compute_dtype(self) -> torch.dtype:
         """The dtype the layer computes in: the experts' (DeepSeek-V3 keeps its gate in fp32)."""
         return local(self.experts.down_proj).dtype
@@ -260,8 +267,9 @@ def swap_moe(
 ) -> list[str]:
     """Replace every MoE block of transformers model ``model`` (module docstring: which ones) by a
     :class:`SwappedMoeBlock`, in place; returns their module names. Call it on every rank, after the weights
-    are in place (``from_pretrained``, ``from_config``) or on meta before ``to_empty`` and a load: every
-    weight keeps its value bitwise (under ``ep_mesh`` each rank keeps its experts' slice), and the layer's
+    are in place (``from_pretrained``, ``from_config``; on meta it also works, but then the model's own
+    non-persistent buffers, e.g. rotary frequencies, are transformers' to restore): every weight keeps its value
+    bitwise (under ``ep_mesh`` each rank keeps its experts' slice), and the layer's
     own buffers (problem flags, capacity counters) start at zero on the model's device.
 
     ``sp_mesh``, ``ep_mesh``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe` (which runs
