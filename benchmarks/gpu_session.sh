@@ -219,12 +219,12 @@ if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
   if [ "$NGPU" -gt 1 ]; then
     # EP (default 2) on the first EP GPUs; each candidate's top CUDA ops in profile_sync_free_T.txt, where the
     # eager steps' host time goes in host_sync_free_T.txt; TOKENS (default 4096 16384); GRAPH_ORDER: the order
-    # the graphs are captured in (sync_free.py --graph-order)
+    # the graphs are captured in (sync_free.py --graph-order); SHAPE (default dsmoe16b): the model's D, F, E, K
     ep=${EP:-2}; [ "$ep" -le "$NGPU" ] || ep=$NGPU
     echo "== sync-free EP $ep: a 4-layer stack, sync eager vs sync-free eager and graphed (issues 13, 42)"
     for T in ${TOKENS:-4096 16384}; do
       CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((ep - 1))) timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$ep" \
-        benchmarks/sync_free.py --tokens $T --dump-after 270 --out "$OUT/bench_sync_free.md" --profile "$OUT/profile_sync_free_$T.txt" \
+        benchmarks/sync_free.py --tokens $T --shape "${SHAPE:-dsmoe16b}" --dump-after 270 --out "$OUT/bench_sync_free.md" --profile "$OUT/profile_sync_free_$T.txt" \
         --host-profile "$OUT/host_sync_free_$T.txt" ${GRAPH_ORDER:+--graph-order "$GRAPH_ORDER"} \
         > "$OUT/log_sync_free_$T.txt" 2>&1; tail -2 "$OUT/log_sync_free_$T.txt"
     done

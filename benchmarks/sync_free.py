@@ -1,9 +1,9 @@
 """Sync-free EP against sync EP: a stack of MoE layers fwd+bwd, eager and CUDA-graphed, and the row moves.
 
-    torchrun --nproc-per-node N benchmarks/sync_free.py [--tokens 4096] [--layers 4] [--out FILE]
+    torchrun --nproc-per-node N benchmarks/sync_free.py [--tokens 4096] [--layers 4] [--shape dsmoe16b] [--out FILE]
     torchrun --nproc-per-node 4 benchmarks/sync_free.py --smoke      # CPU/gloo: runs every candidate once
 
-bf16, D=2048, F=1408, E=64, K=6, EP = N (each rank its own T tokens; ``max_tokens = T``), a stack of
+bf16, a shape of ``benchmarks/shapes.py`` (default DeepSeek-MoE-16B: D=2048, F=1408, E=64, K=6), EP = N (each rank its own T tokens; ``max_tokens = T``), a stack of
 ``--layers`` MoE layers (the output of one is the input of the next). Candidates, interleaved
 (``timing.timed``), median, max over ranks:
 
@@ -50,6 +50,8 @@ from spmdmoe.moe.dedup import destinations
 from spmdmoe.moe.symmetric import SymmetricTransport
 from spmdmoe.moe.sync_free import capacity_rows
 from spmdmoe.testing import capture_training_step
+
+from shapes import SHAPES
 
 _base: list[MoE] = []
 
@@ -149,6 +151,8 @@ def host_profile(eager: dict[str, Callable[[], None]], x: torch.Tensor, n: int, 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--shape", default="dsmoe16b", choices=sorted(SHAPES),
+                    help="D, F, E, K of this model (benchmarks/shapes.py); the tokens per GPU are --tokens")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--iters", type=int, default=5)
@@ -176,7 +180,7 @@ def main() -> None:
     else:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        device, dtype, (D, F, E, K) = torch.device("cuda", local), torch.bfloat16, (2048, 1408, 64, 6)
+        device, dtype, (D, F, E, K) = torch.device("cuda", local), torch.bfloat16, SHAPES[args.shape][:4]
         dist.init_process_group("nccl", device_id=device)
     n, rank, T, L = dist.get_world_size(), dist.get_rank(), args.tokens, args.layers
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance_coeff=1e-3)
