@@ -5,6 +5,8 @@ against the one-process unswapped model from the same seed (``tests/hf_models.py
   experts take every rank's tokens.
 - One MoE block under SP x EP with a sequence that does not divide by the SP size (37 tokens): ``sp_ep``
   (SP = EP = world) and, on 4 ranks, ``sp_x_ep`` (2x2: two batches, one per EP index, each split over SP).
+- Whole models under 2x2 SP x EP where the SP chunks are whole sequences (transformers' attention does not
+  gather keys over SP: ``docs/porting.md``).
 
 Tolerances: outputs and the loss within 1e-5 of the largest magnitude, gradients within 1e-4 of theirs
 (summation order differs). Dense gradients cover the rank's batch (summed over SP inside the layer);
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/hf_models.
 from hf_models import D, MODELS, VOCAB  # noqa: E402
 
 import spmdmoe  # noqa: E402
-from spmdmoe.integrations.transformers import swap_moe  # noqa: E402
+from spmdmoe.integrations.transformers import SwappedMoeBlock, swap_moe  # noqa: E402
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -102,3 +104,46 @@ def test_block_under_sp_and_ep_uneven_sequence(name, plan, world, request, devic
             assert _close(want, q.grad.to_local(), 1e-4), pname
         else:
             assert _close(grads[mine][0][pname], q.grad, 1e-4), pname
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_under_sp_x_ep_whole_samples(name, request, device):
+    """The whole model on a 2x2 mesh (EP "dp", SP "sp"): each EP index has its own batch of 4 sequences, split
+    over SP by the chunk rule into 2 whole sequences a rank (so transformers' attention needs nothing from the
+    other rank). Each rank's loss is half its batch's (its share of the batch mean). The layer sums its gate
+    and shared experts' gradients over SP itself; the test sums the rest of the model's over SP (what the
+    caller's data parallelism does, ``docs/porting.md``), and compares all with one process running both
+    batches."""
+    if dist.get_world_size() != 4:
+        pytest.skip("the 2x2 plan needs 4 ranks")
+    mesh = request.getfixturevalue("mesh2x2")
+    ep, sp = mesh["dp"], mesh["sp"]
+    b, s = ep.get_local_rank(), sp.get_local_rank()
+    ref = MODELS[name](0).to(device)
+    ours = copy.deepcopy(ref)
+    swap_moe(ours, sp_mesh=sp, ep_mesh=ep)
+    batches = [torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(20 + i)).to(device)
+               for i in range(2)]
+    ref_grads = []
+    for ids in batches:
+        ref.zero_grad()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+    mine = spmdmoe.shard(batches[b].reshape(-1), sp).local.view(-1, 9)  # 36 tokens: 18 a rank, 2 sequences
+    out = ours(input_ids=mine, labels=mine)
+    with torch.no_grad():
+        want = ref(input_ids=batches[b]).logits[2 * s:2 * s + 2]
+    assert _close(want, out.logits, 1e-5)
+    (out.loss / sp.size()).backward()
+    moe_dense = {n for n, _ in ours.named_parameters() if ".mlp.gate." in n or ".mlp.shared_experts." in n}
+    assert moe_dense and all(isinstance(ours.get_submodule(n.split(".mlp.")[0] + ".mlp"), SwappedMoeBlock)
+                             for n in moe_dense)
+    for pname, q in ours.named_parameters():
+        if isinstance(q, DTensor):  # experts: both batches' tokens
+            want = _expert_rows(ref_grads[0][pname] + ref_grads[1][pname], q)
+            assert _close(want, q.grad.to_local(), 1e-4), pname
+            continue
+        got = q.grad.detach().clone()
+        if pname not in moe_dense:  # the caller's reduction over the SP axis
+            dist.all_reduce(got, group=sp.get_group())
+        assert _close(ref_grads[b][pname], got, 1e-4), pname
