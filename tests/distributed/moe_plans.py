@@ -126,3 +126,19 @@ def summed_over(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(out, group=group)
     return out
+
+
+def kept_copies(ids_by_rank, n, e, S, R):
+    """The documented capacity rule, in plain Python over every rank's expert ids: rank ``d`` gets the first
+    ``S`` tokens of each source that need it (in token order), and keeps the first ``R`` of its copies in
+    expert-major order (local expert, then source rank, then token). Returns, per source rank, a list of
+    ``(t, k)`` copies kept."""
+    kept = [set() for _ in range(n)]
+    for d in range(n):
+        arrived = []  # (local expert, source, token, k)
+        for i, ids in enumerate(ids_by_rank):
+            visits = [t for t in range(len(ids)) if any(x // e == d for x in ids[t])][:S]
+            arrived += [(ids[t][k] - d * e, i, t, k) for t in visits for k in range(len(ids[t])) if ids[t][k] // e == d]
+        for _, i, t, k in sorted(arrived)[:R]:
+            kept[i].add((t, k))
+    return kept

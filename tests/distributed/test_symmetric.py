@@ -24,12 +24,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import spmdmoe
-from moe_plans import build_plan, reference_moe
+from moe_plans import build_plan, kept_copies, reference_moe
 from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
 from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.moe import symmetric, sync_free
 from spmdmoe.testing import assert_raises_everywhere, reference_tensor
-from test_sync_free import _kept_copies
 
 D, F, E = 16, 16, 8
 
@@ -254,7 +253,7 @@ def test_compiled_checkpointing_with_the_policy(world, device, request, peers):
 def test_overflow_drops_by_the_rule_and_raises_everywhere(world, device, request, peers):
     """A tiny capacity factor: no slot limit here (a source's every token can cross), the experts' buffer keeps
     its first ``R`` copies in expert-major order; the output is the weighted sum of the kept copies
-    (``test_sync_free._kept_copies`` with ``S = T_max``), every rank holds the same verdict and raises."""
+    (``moe_plans.kept_copies`` with ``S = T_max``), every rank holds the same verdict and raises."""
     n = world.size()
     total = 41
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
@@ -268,7 +267,7 @@ def test_overflow_drops_by_the_rule_and_raises_everywhere(world, device, request
     dist.all_gather_object(ids_by_rank, r.ids_TK.tolist())
     assert isinstance(plan.layer.transport, symmetric.SymmetricTransport)
     S, R = plan.layer.transport.sizes(total)  # no slot limit: S = T_max
-    kept = _kept_copies(ids_by_rank, n, E // n, S, R)[world.get_local_rank()]
+    kept = kept_copies(ids_by_rank, n, E // n, S, R)[world.get_local_rank()]
     want = torch.zeros_like(x)
     for t, k in kept:
         e_ = int(r.ids_TK[t, k])

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import spmdmoe
-from moe_plans import build_plan, expert_grad_slice, reference_moe, summed_over
+from moe_plans import build_plan, expert_grad_slice, kept_copies, reference_moe, summed_over
 from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
 from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.moe import dedup, sync_free
@@ -131,22 +131,6 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     assert_raises_everywhere(SPMDCapacityError, plan.layer.update_expert_bias, match="EP capacity exceeded")
 
 
-def _kept_copies(ids_by_rank, n, e, S, R):
-    """The documented capacity rule, in plain Python over every rank's expert ids: rank ``d`` gets the first
-    ``S`` tokens of each source that need it (in token order), and keeps the first ``R`` of its copies in
-    expert-major order (local expert, then source rank, then token). Returns, per source rank, a list of
-    ``(t, k)`` copies kept."""
-    kept = [set() for _ in range(n)]
-    for d in range(n):
-        arrived = []  # (local expert, source, token, k)
-        for i, ids in enumerate(ids_by_rank):
-            visits = [t for t in range(len(ids)) if any(x // e == d for x in ids[t])][:S]
-            arrived += [(ids[t][k] - d * e, i, t, k) for t in visits for k in range(len(ids[t])) if ids[t][k] // e == d]
-        for _, i, t, k in sorted(arrived)[:R]:
-            kept[i].add((t, k))
-    return kept
-
-
 def test_dropped_copies_count_as_zero(world, device, request, nan_empty, monkeypatch):
     """With a tiny capacity, each output row is the weighted sum of the copies that fit, nothing else: the
     rule of ``sync_free.py`` (a slot keeps its first ``S`` tokens, an experts' buffer its first ``R`` copies in
@@ -166,7 +150,7 @@ def test_dropped_copies_count_as_zero(world, device, request, nan_empty, monkeyp
     ids_by_rank = [None] * n
     dist.all_gather_object(ids_by_rank, r.ids_TK.tolist())
     S, R = sync_free.capacity_rows(TOTAL, 2, E // n, n, 0.25)  # 6 and 21 on 4 ranks
-    kept = _kept_copies(ids_by_rank, n, E // n, S, R)[world.get_local_rank()]
+    kept = kept_copies(ids_by_rank, n, E // n, S, R)[world.get_local_rank()]
     rows = [x_ref[t] * 0 for t in range(x.shape[0])]  # in the graph: a rank that keeps no copy still has a backward
     for t, k in kept:
         e_ = int(r.ids_TK[t, k])
