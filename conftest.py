@@ -12,4 +12,5 @@ if importlib.util.find_spec("torchtitan") is None:
     collect_ignore += ["spmdmoe/integrations/torchtitan.py", "spmdmoe/integrations/torchtitan_modules.py",
                        "tests/torchtitan_parallelize.py"]
 if importlib.util.find_spec("transformers") is None:
-    collect_ignore += ["spmdmoe/integrations/transformers.py", "spmdmoe/integrations/transformers_modules.py"]
+    collect_ignore += ["spmdmoe/integrations/transformers.py", "spmdmoe/integrations/transformers_modules.py",
+                       "spmdmoe/integrations/transformers_sp.py"]

@@ -50,8 +50,8 @@ Parallelism. ``ep_mesh``: the experts are sharded over it (their parameters beco
 each rank passing its own rows (any count, 0 included: the batch split of data parallelism). ``sp_mesh``:
 the layer's rows are this rank's part of the SP axis's tokens by spmdmoe's chunk rule (``spmdmoe.shard``
 of the flattened ``B * L`` tokens), the gate's and shared experts' gradients are summed over it inside the
-layer, and the rest of the model must be run sequence-parallel by the caller (``docs/porting.md``:
-attention, positions, dense gradients). Only local SP (``sp_mode="local"``): gather mode would shard the
+layer, and the rest of the model must run sequence-parallel too: ``transformers_sp.sequence_parallel(model,
+sp_mesh)`` does it for transformers' decoders (attention, positions, dense gradients; ``docs/porting.md``). Only local SP (``sp_mode="local"``): gather mode would shard the
 hidden dim of ``gate_up_proj``, which packs two matrices. Under ``sp_mesh`` or ``ep_mesh`` the router
 logits a rank records, and so the model's ``aux_loss``, are its own rows'.
 

@@ -7,6 +7,9 @@ against the one-process unswapped model from the same seed (``tests/hf_models.py
   (SP = EP = world) and, on 4 ranks, ``sp_x_ep`` (2x2: two batches, one per EP index, each split over SP).
 - Whole models under 2x2 SP x EP where the SP chunks are whole sequences (transformers' attention does not
   gather keys over SP: ``docs/porting.md``).
+- Whole models sequence-parallel (``transformers_sp.sequence_parallel``: keys and values gathered over SP,
+  global positions, dense gradients summed over SP) on a 37-token sequence, SP = EP = world and 2x2; a bad
+  input on one rank raises on every rank.
 
 Tolerances: outputs and the loss within 1e-5 of the largest magnitude, gradients within 1e-4 of theirs
 (summation order differs). Dense gradients cover the rank's batch (summed over SP inside the layer);
@@ -28,7 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/hf_models.
 from hf_models import D, MODELS, VOCAB  # noqa: E402
 
 import spmdmoe  # noqa: E402
+from spmdmoe import SPMDLayoutError  # noqa: E402
 from spmdmoe.integrations.transformers import SwappedMoeBlock, swap_moe  # noqa: E402
+from spmdmoe.integrations.transformers_sp import sequence_parallel, sp_batch  # noqa: E402
+from spmdmoe.testing import assert_raises_everywhere  # noqa: E402
+from spmdmoe.types.errors import MoEConfigError  # noqa: E402
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -147,3 +154,62 @@ def test_model_under_sp_x_ep_whole_samples(name, request, device):
         if pname not in moe_dense:  # the caller's reduction over the SP axis
             dist.all_reduce(got, group=sp.get_group())
         assert _close(ref_grads[b][pname], got, 1e-4), pname
+
+
+def _sp_model(name: str, sp, ep, device):  # type: ignore[no-untyped-def]
+    ref = MODELS[name](0).to(device)
+    ours = copy.deepcopy(ref)
+    swap_moe(ours, sp_mesh=sp, ep_mesh=ep)
+    return ref, sequence_parallel(ours, sp)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("plan", ["sp_ep", "sp_x_ep"])
+def test_whole_model_sequence_parallel(name, plan, world, request, device):
+    """Each rank its chunk of a 37-token sequence (``sp_batch``); the sum of the ranks' losses is the one-process
+    loss, the logits are its rows, every gradient its gradient (dense: summed over SP inside; experts: every
+    batch's, their rows). ``sp_x_ep``: two sequences, one per EP index, each split over SP."""
+    if plan == "sp_x_ep":
+        if dist.get_world_size() != 4:
+            pytest.skip("the 2x2 plan needs 4 ranks")
+        mesh = request.getfixturevalue("mesh2x2")
+        ep, sp = mesh["dp"], mesh["sp"]
+        batches, mine = 2, ep.get_local_rank()
+    else:
+        ep = sp = world
+        batches, mine = 1, 0
+    ref, ours = _sp_model(name, sp, ep, device)
+    seqs = [torch.randint(0, VOCAB, (1, 37), generator=torch.Generator().manual_seed(30 + i)).to(device)
+            for i in range(batches)]
+    ref_grads, ref_out = [], []
+    for ids in seqs:
+        ref.zero_grad()
+        out = ref(input_ids=ids, labels=ids)
+        out.loss.backward()
+        ref_out.append(out)
+        ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+    out = ours(**sp_batch(seqs[mine], sp))
+    out.loss.backward()
+    total = out.loss.detach().clone()
+    dist.all_reduce(total, group=sp.get_group())
+    assert _close(ref_out[mine].loss, total, 1e-5)
+    assert _close(spmdmoe.shard(ref_out[mine].logits, sp, dim=1).local, out.logits, 1e-5)
+    for pname, q in ours.named_parameters():
+        if isinstance(q, DTensor):
+            assert _close(_expert_rows(sum(g[pname] for g in ref_grads), q), q.grad.to_local(), 1e-4), pname
+        else:
+            assert _close(ref_grads[mine][pname], q.grad, 1e-4), pname
+
+
+@pytest.mark.one_rank_bad
+def test_sequence_parallel_bad_input_on_one_rank_raises_everywhere(world, device):
+    """One rank passes an attention mask, or a chunk one token too long: every rank raises, none hangs."""
+    _, ours = _sp_model("qwen3_moe", world, world, device)
+    ids = torch.randint(0, VOCAB, (1, 37), generator=torch.Generator().manual_seed(40)).to(device)
+    batch = sp_batch(ids, world)
+    masked = dict(batch, attention_mask=torch.ones_like(batch["input_ids"])) if dist.get_rank() == 1 else batch
+    caught = assert_raises_everywhere(MoEConfigError, lambda: ours(**masked), match="rank 1")  # who found it
+    assert dist.get_rank() != 1 or "drop it" in str(caught), caught  # and there, what and the fix
+    longer = ids[:, :batch["input_ids"].shape[1] + 1]
+    wrong = dict(batch, input_ids=longer, labels=longer) if dist.get_rank() == 0 else batch
+    assert_raises_everywhere(SPMDLayoutError, lambda: ours(**wrong))
