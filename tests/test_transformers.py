@@ -59,11 +59,17 @@ def test_parity_with_the_unswapped_model(name):
             assert _close(p.grad, q.grad, 1e-4), n
 
 
-def test_bf16_parity():
-    """A bf16 Qwen3-MoE: the first block's router logits bitwise equal (its gate GEMM in bf16, as transformers'),
-    the model's logits within bf16 rounding."""
-    ref, ours = _pair("qwen3_moe")
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_bf16_parity(name):
+    """bf16 models: the first block's router logits bitwise equal (Qwen3-MoE's gate GEMM in bf16 as transformers';
+    DeepSeek-V3's gate kept fp32, as transformers' loading keeps it, with bf16 experts), the model's logits within
+    bf16 rounding."""
+    ref, ours = _pair(name)
     ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
+    for model in (ref, ours) if name == "deepseek_v3" else ():
+        for layer in model.model.layers[1:]:  # transformers' _keep_in_fp32_modules_strict, as from_pretrained applies it
+            gate = layer.mlp.gate
+            gate.weight.data, gate.e_score_correction_bias.data = gate.weight.data.float(), gate.e_score_correction_bias.float()
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
     a, b = _run(ref, ids), _run(ours, ids)
     assert torch.equal(a.router_logits[0], b.router_logits[0])  # the first block's input is the same: bitwise
