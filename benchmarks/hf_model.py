@@ -4,8 +4,9 @@ training step time and step peak memory, one process, candidates interleaved (is
 The model is Qwen3-30B-A3B-shaped per block (hidden 2048, 32 query / 4 KV heads of 128, 128 experts of 768,
 top-8, renormalised), cut to ``--layers`` blocks and a ``--vocab`` so it fits one GPU; bf16 weights, AdamW is
 not run (a step is the model's forward with its own loss, router aux loss included, and backward). The
-unswapped model runs transformers' default experts implementation (``grouped_mm``). Before the timing both
-models' losses are compared on the same batch (bf16: within 2 %).
+unswapped model runs transformers' default experts implementation (``grouped_mm``); a third candidate swaps with
+FP8 experts (``--no-fp8`` drops it). Before the timing the bf16 models' losses are compared on the same batch
+(within 2 %).
 
     python benchmarks/hf_model.py                 # GPU: prints a table (append it to RESULTS.md)
     python benchmarks/hf_model.py --smoke         # CPU, tiny, fp32: the loss check only
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, fp32: the loss check only")
+    ap.add_argument("--no-fp8", action="store_true", help="no swapped FP8 candidate (expert_precision='fp8_rowwise')")
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.vocab, args.batch, args.seq = 2, 128, 2, 33
@@ -58,6 +60,10 @@ def main() -> None:
     plain = build(args, device, dtype)
     swapped = copy.deepcopy(plain)
     swap_moe(swapped)
+    models = {"transformers": plain, "spmdmoe": swapped}
+    if not args.smoke and not args.no_fp8:
+        models["spmdmoe FP8"] = copy.deepcopy(plain)
+        swap_moe(models["spmdmoe FP8"], expert_precision="fp8_rowwise")
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
 
     def step(model: torch.nn.Module) -> float:
@@ -77,9 +83,9 @@ def main() -> None:
 
     from timing import report, timed
 
-    ms = timed({"transformers": lambda: step(plain), "spmdmoe": lambda: step(swapped)}, args.iters, args.reps)
+    ms = timed({name: (lambda m=m: step(m)) for name, m in models.items()}, args.iters, args.reps)
     peak = {}
-    for name, model in (("transformers", plain), ("spmdmoe", swapped)):
+    for name, model in models.items():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -92,7 +98,7 @@ def main() -> None:
              f"{args.layers}, vocab {args.vocab}, {args.batch} x {args.seq} tokens, bf16, forward + backward with "
              f"the model's loss (aux included); losses {losses}",
              "", "| model | step ms | tokens/s | step peak GiB | vs transformers |", "|---|---|---|---|---|"]
-    for name in ("transformers", "spmdmoe"):
+    for name in models:
         lines.append(f"| {name} | {ms[name]:.2f} | {tokens / ms[name] * 1e3:,.0f} | {peak[name]:.2f} | "
                      f"{ms['transformers'] / ms[name]:.2f}x |")
     report("\n".join(lines), args.out)
