@@ -163,12 +163,13 @@ def _sp_model(name: str, sp, ep, device):  # type: ignore[no-untyped-def]
     return ref, sequence_parallel(ours, sp)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("plan", ["sp_ep", "sp_x_ep"])
+@pytest.mark.parametrize("name,plan", [(name, plan) for name in sorted(MODELS) for plan in ("sp_ep", "sp_x_ep")]
+                         + [("qwen3_moe", "sp_ep, checkpointed")])
 def test_whole_model_sequence_parallel(name, plan, world, request, device):
     """Each rank its chunk of a 37-token sequence (``sp_batch``); the sum of the ranks' losses is the one-process
     loss, the logits are its rows, every gradient its gradient (dense: summed over SP inside; experts: every
-    batch's, their rows). ``sp_x_ep``: two sequences, one per EP index, each split over SP."""
+    batch's, their rows). ``sp_x_ep``: two sequences, one per EP index, each split over SP; ``checkpointed``:
+    transformers' activation checkpointing of the decoder layers (the recompute gathers again)."""
     if plan == "sp_x_ep":
         if dist.get_world_size() != 4:
             pytest.skip("the 2x2 plan needs 4 ranks")
@@ -179,6 +180,8 @@ def test_whole_model_sequence_parallel(name, plan, world, request, device):
         ep = sp = world
         batches, mine = 1, 0
     ref, ours = _sp_model(name, sp, ep, device)
+    if plan.endswith("checkpointed"):
+        ours.activation_checkpointing_enable()
     seqs = [torch.randint(0, VOCAB, (1, 37), generator=torch.Generator().manual_seed(30 + i)).to(device)
             for i in range(batches)]
     ref_grads, ref_out = [], []
@@ -213,3 +216,21 @@ def test_sequence_parallel_bad_input_on_one_rank_raises_everywhere(world, device
     longer = ids[:, :batch["input_ids"].shape[1] + 1]
     wrong = dict(batch, input_ids=longer, labels=longer) if dist.get_rank() == 0 else batch
     assert_raises_everywhere(SPMDLayoutError, lambda: ours(**wrong))
+    last = dist.get_world_size() - 1
+    for bad in ({"position_ids": torch.arange(batch["input_ids"].shape[1])[None]}, {"output_router_logits": True}):
+        call = dict(batch, **bad) if dist.get_rank() == last else batch
+        caught = assert_raises_everywhere(MoEConfigError, lambda: ours(**call), match=f"rank {last}")
+        assert dist.get_rank() != last or next(iter(bad)) in str(caught), caught
+
+
+def test_sequence_parallel_refusals(world, device):
+    """Tied parameters (their SP sum would cover one use only) and a second application are refused."""
+    ref = MODELS["qwen3_moe"](0).to(device)
+    tied = copy.deepcopy(ref)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    swap_moe(tied, sp_mesh=world)
+    with pytest.raises(MoEConfigError, match="ties parameters"):
+        sequence_parallel(tied, world)
+    _, ours = _sp_model("qwen3_moe", world, world, device)
+    with pytest.raises(MoEConfigError, match="already applied"):
+        sequence_parallel(ours, world)
