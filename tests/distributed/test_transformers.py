@@ -72,19 +72,22 @@ def test_model_under_ep_each_rank_its_own_batch(name, world, device):
             assert _close(p.grad, q.grad, 1e-4), pname
 
 
+def _plan(plan: str, world, request):  # type: ignore[no-untyped-def]
+    """``(ep, sp, batches, this rank's batch)``: ``sp_x_ep`` is the 2x2 mesh (EP "dp", SP "sp": a batch per EP
+    index), anything else SP = EP = world (one batch)."""
+    if not plan.startswith("sp_x_ep"):
+        return world, world, 1, 0
+    if dist.get_world_size() != 4:
+        pytest.skip("the 2x2 plan needs 4 ranks")
+    mesh = request.getfixturevalue("mesh2x2")
+    return mesh["dp"], mesh["sp"], 2, mesh["dp"].get_local_rank()
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("plan", ["sp_ep", "sp_x_ep"])
 def test_block_under_sp_and_ep_uneven_sequence(name, plan, world, request, device):
     """The last layer's MoE block, each rank its chunk of a 37-token sequence (chunk rule) of its batch."""
-    if plan == "sp_x_ep":
-        if dist.get_world_size() != 4:
-            pytest.skip("the 2x2 plan needs 4 ranks")
-        mesh = request.getfixturevalue("mesh2x2")
-        ep, sp = mesh["dp"], mesh["sp"]
-        batches, mine = 2, ep.get_local_rank()
-    else:
-        ep = sp = world
-        batches, mine = 1, 0
+    ep, sp, batches, mine = _plan(plan, world, request)
     ref_model = MODELS[name](0).to(device)
     ours_model = copy.deepcopy(ref_model)
     swap_moe(ours_model, sp_mesh=sp, ep_mesh=ep)
@@ -170,15 +173,7 @@ def test_whole_model_sequence_parallel(name, plan, world, request, device):
     loss, the logits are its rows, every gradient its gradient (dense: summed over SP inside; experts: every
     batch's, their rows). ``sp_x_ep``: two sequences, one per EP index, each split over SP; ``checkpointed``:
     transformers' activation checkpointing of the decoder layers (the recompute gathers again)."""
-    if plan == "sp_x_ep":
-        if dist.get_world_size() != 4:
-            pytest.skip("the 2x2 plan needs 4 ranks")
-        mesh = request.getfixturevalue("mesh2x2")
-        ep, sp = mesh["dp"], mesh["sp"]
-        batches, mine = 2, ep.get_local_rank()
-    else:
-        ep = sp = world
-        batches, mine = 1, 0
+    ep, sp, batches, mine = _plan(plan, world, request)
     ref, ours = _sp_model(name, sp, ep, device)
     if plan.endswith("checkpointed"):
         ours.activation_checkpointing_enable()
