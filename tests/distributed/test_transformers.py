@@ -10,6 +10,7 @@ against the one-process unswapped model from the same seed (``tests/hf_models.py
 - Whole models sequence-parallel (``transformers_sp.sequence_parallel``: keys and values gathered over SP,
   global positions, dense gradients summed over SP) on a 37-token sequence, SP = EP = world and 2x2; a bad
   input on one rank raises on every rank.
+- FSDP2 over a swapped model (data parallel, each rank its own batch).
 
 Tolerances: outputs and the loss within 1e-5 of the largest magnitude, gradients within 1e-4 of theirs
 (summation order differs). Dense gradients cover the rank's batch (summed over SP inside the layer);
@@ -229,3 +230,28 @@ def test_sequence_parallel_refusals(world, device):
     _, ours = _sp_model("qwen3_moe", world, world, device)
     with pytest.raises(MoEConfigError, match="already applied"):
         sequence_parallel(ours, world)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_fsdp2_over_a_swapped_model(name, world, device):
+    """FSDP2 (``fully_shard`` of each decoder layer, then the model) over a swapped model, each rank its own batch:
+    the loss is the unswapped model's on that batch, every full gradient the ranks' mean of the unswapped model's
+    (the fused expert parameters are sharded and gathered by FSDP2 like any other)."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    ref = MODELS[name](0).to(device)
+    ours = copy.deepcopy(ref)
+    swap_moe(ours)
+    for layer in ours.model.layers:
+        fully_shard(layer, mesh=world)
+    fully_shard(ours, mesh=world)
+    ids = torch.randint(0, VOCAB, (1 + rank % 2, 9), generator=torch.Generator().manual_seed(50 + rank)).to(device)
+    a, b = ref(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+    assert _close(a.loss, b.loss, 1e-5)
+    a.loss.backward()
+    b.loss.backward()
+    for (pname, p), q in zip(ref.named_parameters(), ours.parameters()):
+        mean = p.grad.detach().clone()
+        dist.all_reduce(mean)
+        assert _close(mean / dist.get_world_size(), q.grad.full_tensor(), 1e-4), pname
