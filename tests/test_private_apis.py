@@ -210,16 +210,17 @@ def test_symmetric_memory_as_called():
     """``torch.distributed._symmetric_memory`` as ``moe/symmetric.py`` calls it (the sync-free EP transport on one
     host): ``empty(n, dtype=, device=)``, ``rendezvous(tensor, group_name)``, and on the handle
     ``barrier(channel=, timeout_ms=)`` (the bound that traps instead of hanging), ``get_buffer(rank, sizes,
-    dtype)``, ``buffer_ptrs``, ``world_size``, ``rank``. Without a GPU only the names and signatures are
+    dtype, storage_offset)``, ``world_size``, ``rank``. Without a GPU only the names and signatures are
     checkable; ``tests/distributed/test_symmetric.py`` runs them on NCCL."""
     from torch.distributed import _symmetric_memory as symm_mem
 
     assert list(inspect.signature(symm_mem.empty).parameters)[-2:] == ["dtype", "device"]
     assert list(inspect.signature(symm_mem.rendezvous).parameters) == ["tensor", "group"]
     handle = torch._C._distributed_c10d._SymmetricMemory
-    for name in ("barrier", "get_buffer", "buffer_ptrs", "world_size", "rank"):
+    for name in ("barrier", "get_buffer", "world_size", "rank"):
         assert hasattr(handle, name), name
     assert "timeout_ms" in handle.barrier.__doc__ and "channel" in handle.barrier.__doc__, handle.barrier.__doc__
+    assert "storage_offset" in handle.get_buffer.__doc__, handle.get_buffer.__doc__  # its 4th argument
 
 
 def test_ordered_effects_as_registered():

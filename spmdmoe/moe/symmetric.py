@@ -112,7 +112,8 @@ def _nccl(axis: MeshAxis) -> bool:
 class _Staging:
     buf: torch.Tensor  # uint8, this rank's symmetric buffer
     hdl: Any  # its _SymmetricMemory handle
-    ptrs: torch.Tensor  # int64 (n,): every rank's buffer address, on the device
+    offset: int  # bytes from the start of the handle's buffer to ``buf`` (a pooled allocation may not start it)
+    ptrs: torch.Tensor  # int64 (n,): every rank's address of its ``buf``, on the device
     views: dict[torch.dtype, PeerRows]
     captured: bool = False  # a CUDA graph captured a move on it
 
@@ -142,18 +143,27 @@ def _buffer(group: str, device: torch.device, nbytes: int) -> _Staging:
         if st is not None and st.captured:
             _retired.append(st)
         buf, hdl = _allocate(group, device, size)
-        ptrs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64)
+        # the handle's buffers may start before ``buf`` (torch's symmetric memory can carve ``buf`` out of a pooled
+        # block; the same offset on every rank): address every rank's copy of ``buf`` itself, never the block's start
+        offset = buf.data_ptr() - hdl.get_buffer(hdl.rank, (1,), torch.uint8).data_ptr()
+        own = hdl.get_buffer(hdl.rank, (size,), torch.uint8, offset)
+        if offset < 0 or own.data_ptr() != buf.data_ptr():
+            raise RuntimeError(f"spmdmoe's symmetric EP buffer: the handle's view of this rank's buffer starts at "
+                               f"{own.data_ptr():#x}, the buffer at {buf.data_ptr():#x}; set SPMDMOE_EP_SYMMETRIC=0 "
+                               "(the padded all-to-all transport) and report the torch version")
+        ptrs = torch.tensor([hdl.get_buffer(r, (size,), torch.uint8, offset).data_ptr()
+                             for r in range(hdl.world_size)], dtype=torch.int64)
         if device.type == "cuda":  # from pinned memory: no host sync
             ptrs = ptrs.pin_memory().to(device, non_blocking=True)
-        st = _staging[key] = _Staging(buf, hdl, ptrs, {})
+        st = _staging[key] = _Staging(buf, hdl, offset, ptrs, {})
     return st
 
 
 def _peers(st: _Staging, dtype: torch.dtype) -> PeerRows:
-    """Every rank's staging buffer as flat ``dtype`` elements."""
+    """Every rank's staging buffer (its copy of ``buf``) as flat ``dtype`` elements."""
     if dtype not in st.views:
-        n = st.hdl.world_size
-        views = tuple(st.hdl.get_buffer(r, (st.buf.numel() // dtype.itemsize,), dtype) for r in range(n))
+        n, numel, first = st.hdl.world_size, st.buf.numel() // dtype.itemsize, st.offset // dtype.itemsize
+        views = tuple(st.hdl.get_buffer(r, (numel,), dtype, first) for r in range(n))
         st.views[dtype] = PeerRows(views, st.ptrs, st.hdl.rank)
     return st.views[dtype]
 

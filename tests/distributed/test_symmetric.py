@@ -35,16 +35,17 @@ D, F, E = 16, 16, 8
 
 class _GlooHandle:
     """A symmetric buffer emulated over gloo: each rank keeps a copy of every peer's buffer, refreshed by the
-    barrier (an all-gather), which is where the real one makes the peers' writes visible."""
+    barrier (an all-gather), which is where the real one makes the peers' writes visible. ``buf`` may be a view
+    into a larger block (``_gloo_pooled``): the handle's buffers are the blocks, as a pooled allocation gives."""
 
     def __init__(self, buf: torch.Tensor, group: str):
         self.pg = c10d._resolve_process_group(group)
-        self.buf, self.rank, self.world_size = buf, dist.get_rank(self.pg), dist.get_world_size(self.pg)
-        self.copies = [buf if r == self.rank else torch.empty_like(buf) for r in range(self.world_size)]
-        self.buffer_ptrs = [c.data_ptr() for c in self.copies]
+        block = buf if buf._base is None else buf._base
+        self.buf, self.rank, self.world_size = block, dist.get_rank(self.pg), dist.get_world_size(self.pg)
+        self.copies = [block if r == self.rank else torch.empty_like(block) for r in range(self.world_size)]
 
-    def get_buffer(self, rank: int, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
-        return self.copies[rank].view(dtype)[: sizes[0]]
+    def get_buffer(self, rank: int, sizes: tuple, dtype: torch.dtype, storage_offset: int = 0) -> torch.Tensor:
+        return self.copies[rank].view(dtype)[storage_offset: storage_offset + sizes[0]]
 
     def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
         got = [torch.empty_like(self.buf) for _ in range(self.world_size)]
@@ -56,6 +57,15 @@ class _GlooHandle:
 
 def _gloo_allocate(group, device, nbytes):
     buf = torch.full((nbytes,), 255, dtype=torch.uint8, device=device)  # NaN in every float view, as nan_empty
+    return buf, _GlooHandle(buf, group)
+
+
+def _gloo_pooled(group, device, nbytes):
+    """``buf`` 512 bytes into a block that another user of the pool holds around it (the block's other bytes
+    must not change)."""
+    block = torch.full((nbytes + 1024,), 77, dtype=torch.uint8, device=device)
+    buf = block[512: 512 + nbytes]
+    buf.fill_(255)
     return buf, _GlooHandle(buf, group)
 
 
@@ -147,6 +157,25 @@ def test_bitwise_equal_to_the_other_transports(world, device, request, peers, pl
     g = reference_tensor((total, D), 8, device=device)[plan.rows]
     _equal(_all_three(plan, x, g))
     plan.layer.check_capacity()  # lossless
+
+
+def test_a_buffer_inside_a_pooled_block(world, device, request, monkeypatch, nan_empty):
+    """The staging buffer carved out of a larger block (as torch's symmetric-memory pool may give it): every move
+    reads and writes the buffer itself, never the block's other bytes, and the results stay bitwise those of the
+    other transports (gloo emulation; on CUDA the real allocation is checked at each rendezvous)."""
+    if device.type == "cuda":
+        pytest.skip("the emulated pool (the real one: symmetric._buffer's check)")
+    monkeypatch.setattr(symmetric, "_allocate", _gloo_pooled)
+    monkeypatch.setattr(symmetric, "_staging", {})
+    monkeypatch.setattr(symmetric, "_one_host", {})
+    monkeypatch.setattr(symmetric, "_nccl", lambda axis: True)
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=3)
+    plan = build_plan("sp_ep", reference_moe(cfg, 3, device), 41, world, request, ep_mode="sync_free")
+    x = reference_tensor((41, D), 7, device=device)[plan.rows]
+    g = reference_tensor((41, D), 8, device=device)[plan.rows]
+    _equal(_all_three(plan, x, g))
+    block = next(iter(symmetric._staging.values())).buf._base
+    assert block[:512].eq(77).all() and block[-512:].eq(77).all()
 
 
 @pytest.mark.parametrize("case", ["one_expert", "idle_experts"])
