@@ -82,7 +82,7 @@ from ..moe.layer import _Layer
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshLike
 from ._bound import Adapter, bind, local, shard_experts, track
-from .transformers_modules import FusedExperts, HFRouter, fused_experts
+from .transformers_modules import FusedExperts, HFRouter, fused_experts, keep_attributes
 
 __all__ = ["swap_moe", "SwappedMoeBlock"]
 
@@ -210,9 +210,7 @@ class SwappedMoeBlock(Adapter):
 
     def __init__(self, source: nn.Module, config: MoEConfig, layer: _Layer):
         nn.Module.__init__(self)
-        for key, value in vars(source).items():  # transformers' plain attributes (config, top_k, ...)
-            if not key.startswith("_") and key != "forward":
-                self.__dict__[key] = value
+        keep_attributes(self, source)
         for key, module in source._modules.items():  # in transformers' order (its state dict's and parameters')
             self._modules[key] = module
         self.experts: FusedExperts = fused_experts(source.experts, config.expert_precision, config.fp8_wgrad)

@@ -20,7 +20,7 @@ from ..moe.experts import GroupedExperts
 from ..moe.router import Router, Routing
 from ._bound import local
 
-__all__ = ["FusedExperts", "HFRouter", "fused_experts"]
+__all__ = ["FusedExperts", "HFRouter", "fused_experts", "keep_attributes"]
 
 
 class FusedExperts(GroupedExperts):
@@ -39,12 +39,9 @@ class FusedExperts(GroupedExperts):
 
     def __init__(self, source: nn.Module, precision: str, fp8_wgrad: str):
         nn.Module.__init__(self)
-        for key, value in vars(source).items():
-            if not key.startswith("_") and key not in ("training", "num_experts", "forward"):
-                self.__dict__[key] = value
+        keep_attributes(self, source, "num_experts")  # num_experts: the property below
         self._num_experts = int(source.gate_up_proj.shape[0])
         self.gate_up_proj, self.down_proj = source.gate_up_proj, source.down_proj
-        self.training = source.training
         self.set_precision(precision, fp8_wgrad)
 
     @property
@@ -63,6 +60,15 @@ class FusedExperts(GroupedExperts):
 
     def unpack(self) -> None:
         """Nothing to do: ``gate_up_proj`` is one contiguous parameter, which FSDP2 shards as it is."""
+
+
+def keep_attributes(target: nn.Module, source: nn.Module, *skip: str) -> None:
+    """Give ``target`` the public plain attributes of the transformers module ``source`` it replaces (``config``,
+    ``top_k``, ``training``, ...; not ``skip``, nor a ``forward`` set on the instance, as accelerate's hooks set
+    it: that one still calls ``source``)."""
+    for key, value in vars(source).items():
+        if not key.startswith("_") and key != "forward" and key not in skip:
+            target.__dict__[key] = value
 
 
 _FUSED: dict[type, type] = {}

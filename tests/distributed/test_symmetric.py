@@ -159,16 +159,13 @@ def test_bitwise_equal_to_the_other_transports(world, device, request, peers, pl
     plan.layer.check_capacity()  # lossless
 
 
-def test_a_buffer_inside_a_pooled_block(world, device, request, monkeypatch, nan_empty):
+def test_a_buffer_inside_a_pooled_block(world, device, request, peers, monkeypatch, nan_empty):
     """The staging buffer carved out of a larger block (as torch's symmetric-memory pool may give it): every move
     reads and writes the buffer itself, never the block's other bytes, and the results stay bitwise those of the
     other transports (gloo emulation; on CUDA the real allocation is checked at each rendezvous)."""
     if device.type == "cuda":
         pytest.skip("the emulated pool (the real one: symmetric._buffer's check)")
-    monkeypatch.setattr(symmetric, "_allocate", _gloo_pooled)
-    monkeypatch.setattr(symmetric, "_staging", {})
-    monkeypatch.setattr(symmetric, "_one_host", {})
-    monkeypatch.setattr(symmetric, "_nccl", lambda axis: True)
+    monkeypatch.setattr(symmetric, "_allocate", _gloo_pooled)  # over the peers fixture's emulation
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=3)
     plan = build_plan("sp_ep", reference_moe(cfg, 3, device), 41, world, request, ep_mode="sync_free")
     x = reference_tensor((41, D), 7, device=device)[plan.rows]
