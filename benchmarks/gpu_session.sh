@@ -22,6 +22,10 @@ trap 'kill_tree $$; for f in "$OUT"/nccl_*/*.sid; do [ -f "$f" ] && pkill -9 -s 
 # a 4x H100 call whose outer limit fell inside a benchmark's run returned nothing that way, issue 42)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+# GPU0: the first GPU this call uses (default 0): two parts at once on one host, each on its own GPUs
+# (`GPU0=2 WORLDS=2 gpu_session.sh dist` on GPUs 2,3 beside `gpu_session.sh syncfree` on 0,1); NGPU counts from it
+GPU0=${GPU0:-0}; NGPU=$((NGPU - GPU0))
+gpus() { seq -s, "$GPU0" $((GPU0 + $1 - 1)); }  # CUDA_VISIBLE_DEVICES for this call's first $1 GPUs
 peer_wheels() {  # torchtitan, torchao and their pins from the carried .whl/ (../shared/tools/peer_wheels.sh)
   [ ! -d .whl ] || python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
 }
@@ -54,7 +58,7 @@ dist_suite() {  # $1 ranks: $OUT/tests_nccl_$1.md, a row per file, a total, a ro
   first=$(for f in ${FILES:-$FIRST}; do echo "tests/distributed/test_$f.py"; done)  # FILES="torchtitan": those only
   for f in $first $([ -n "${FILES:-}" ] || ls tests/distributed/test_*.py | grep -vxF "$first"); do
     while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-4}" ]; do wait -n; done
-    run_file "$n" "$f" "$(seq -s, $(( (i % lanes) * n )) $(( (i % lanes) * n + n - 1 )))" &
+    run_file "$n" "$f" "$(seq -s, $(( GPU0 + (i % lanes) * n )) $(( GPU0 + (i % lanes) * n + n - 1 )))" &
     i=$((i + 1))
   done
   wait
@@ -101,7 +105,7 @@ if [ -n "${SINGLE:-}" ] && [ "${CPU_CASE_RUN:-1}" = 1 ]; then
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
   echo "== main job on NCCL"
-  timeout --foreground -k 10 200 torchrun --standalone --nproc-per-node "$NGPU" examples/train_moe.py --device cuda 2>&1 | grep -v "^W1" > "$OUT/train_moe_cuda.txt"; tail -3 "$OUT/train_moe_cuda.txt"
+  CUDA_VISIBLE_DEVICES=$(gpus "$NGPU") timeout --foreground -k 10 200 torchrun --standalone --nproc-per-node "$NGPU" examples/train_moe.py --device cuda 2>&1 | grep -v "^W1" > "$OUT/train_moe_cuda.txt"; tail -3 "$OUT/train_moe_cuda.txt"
 fi
 if [ -n "${SINGLE:-}" ]; then
   wait "${CPU_RUN:-$SINGLE}"
@@ -158,14 +162,14 @@ print(",4 4 --compile" if fsdp_meshes_per_parameter() else "")')  # the benchmar
   for layout in "${layouts[@]}"; do
     set -- $layout; [ $# -ge 2 ] || continue  # an empty entry (a trailing comma)
     [ "$NGPU" -ge "$1" ] || continue
-    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1))) timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$1" \
+    CUDA_VISIBLE_DEVICES=$(gpus "$1") timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$1" \
       benchmarks/torchtitan_model.py --part ep --ep "$2" --steps 20 ${3:-} --out "$OUT/bench_titan_ep.md" \
       > "$OUT/log_titan_ep_$1_$2${3:-}.txt" 2>&1
     echo "torchtitan parallelize, $1 GPUs, EP $2 ${3:-}: exit $?"
   done
   for n in ${PEER_EPS:-2 4}; do
     [ "$NGPU" -ge "$n" ] || continue
-    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout --foreground -k 10 480 torchrun --standalone --nproc-per-node "$n" \
+    CUDA_VISIBLE_DEVICES=$(gpus "$n") timeout --foreground -k 10 480 torchrun --standalone --nproc-per-node "$n" \
       benchmarks/vs_torchtitan.py --shape "${SHAPE:-dsmoe16b}" --out "$OUT/bench_peer_ep$n.md" ${PEER_ARGS:-} \
       $([ "${PEER_PROFILE:-0}" = 1 ] && echo --profile "$OUT/profile_peer_ep$n.txt") > "$OUT/log_peer_ep$n.txt" 2>&1
     echo "vs_torchtitan, EP $n: exit $?"
@@ -219,13 +223,14 @@ if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
   if [ "$NGPU" -gt 1 ]; then
     # EP (default 2) on the first EP GPUs; each candidate's top CUDA ops in profile_sync_free_T.txt, where the
     # eager steps' host time goes in host_sync_free_T.txt; TOKENS (default 4096 16384); GRAPH_ORDER: the order
-    # the graphs are captured in (sync_free.py --graph-order); SHAPE (default dsmoe16b): the model's D, F, E, K
+    # the graphs are captured in (sync_free.py --graph-order); SHAPE (default dsmoe16b): the model's D, F, E, K;
+    # SF_ARGS: more sync_free.py options (--empty-cache)
     ep=${EP:-2}; [ "$ep" -le "$NGPU" ] || ep=$NGPU
     echo "== sync-free EP $ep: a 4-layer stack, sync eager vs sync-free eager and graphed (issues 13, 42)"
     for T in ${TOKENS:-4096 16384}; do
-      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((ep - 1))) timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$ep" \
+      CUDA_VISIBLE_DEVICES=$(gpus "$ep") timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$ep" \
         benchmarks/sync_free.py --tokens $T --shape "${SHAPE:-dsmoe16b}" --dump-after 270 --out "$OUT/bench_sync_free.md" --profile "$OUT/profile_sync_free_$T.txt" \
-        --host-profile "$OUT/host_sync_free_$T.txt" ${GRAPH_ORDER:+--graph-order "$GRAPH_ORDER"} \
+        --host-profile "$OUT/host_sync_free_$T.txt" ${GRAPH_ORDER:+--graph-order "$GRAPH_ORDER"} ${SF_ARGS:-} \
         > "$OUT/log_sync_free_$T.txt" 2>&1; tail -2 "$OUT/log_sync_free_$T.txt"
     done
   fi
@@ -243,7 +248,7 @@ if [ "$PART" = hf ]; then
   # transformers' Qwen3-MoE, swapped vs unswapped (issue 45); transformers from the carried .whl/ (hf_wheels.sh)
   peer_wheels
   echo "== transformers Qwen3-30B-A3B-shaped blocks: swap_moe vs transformers' own MoE (issue 45)"
-  timeout --foreground -k 10 300 python3 benchmarks/hf_model.py --out "$OUT/bench_hf_model.md" > "$OUT/log_hf_model.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=$GPU0 timeout --foreground -k 10 300 python3 benchmarks/hf_model.py --out "$OUT/bench_hf_model.md" > "$OUT/log_hf_model.txt" 2>&1
   tail -3 "$OUT/log_hf_model.txt"
 fi
 echo "== summary"

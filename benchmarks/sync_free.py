@@ -22,9 +22,13 @@ candidate, by own time) and the host cost of one call of each launch the step ma
 kernels through their custom op and launched directly, an NCCL all-to-all, a plain torch op).
 
 Each graph is captured on a stack of its own (same seed, same weights), in ``--graph-order`` (the capacity
-factors and ``lossless``, comma-separated): the lossless graph's grouped GEMMs ran 19-37 % slower than eager
-when it was the first graph, captured on the eager candidate's stack, while the ``capacity_factor 2.0``
-graph of the same shapes ran them at eager speed (RESULTS, issue 42); the order tells the two apart.
+factors and ``lossless``, comma-separated; a key twice: a second graph), one alive at a time: captured, timed
+in a rotation with the eager candidates (its ratio is to that rotation's sync eager step), checked (a lossless
+graph's replay bit for bit against the sync eager step, on every rank; a capacity factor's overflow: an
+overflowed graph dropped rows, and its time does not count), profiled, freed. Two graphs of the stack alive at
+once and replayed by turns ran 1.2-1.8x slower each (every kernel that touches the experts' rows, GEMMs
+included), one alone at eager speed or faster (RESULTS, issue 42, tenth session); ``--graphs-together`` keeps
+them all alive and times them in one rotation, as this benchmark did before.
 
 Also: peak memory of one step per candidate, and the row moves alone, the first layer's routing, every rank
 moving at once: the symmetric transport's dispatch and combine reads (``peer_dispatch`` + ``peer_pull_sum``, with
@@ -38,7 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 from unittest import mock
 
 import torch
@@ -74,10 +78,12 @@ def run(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor) -> torch.T
     return h
 
 
-def graphed(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor):
-    """The stack's fwd+bwd captured once (after a warm-up on a side stream); returns the replay."""
-    graph, _ = capture_training_step(lambda: run(stack, x, g), stack, x)
-    return graph.replay
+def graphed(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor
+            ) -> tuple[Callable[[], None], Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    """The stack's fwd+bwd captured once (after a warm-up on a side stream): the replay, and a function that
+    returns the last replay's output and input gradient (the graph's static tensors)."""
+    graph, out = capture_training_step(lambda: run(stack, x, g), stack, x)
+    return graph.replay, lambda: (out, x.grad)
 
 
 def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: torch.Tensor, T: int, n: int,
@@ -162,6 +168,9 @@ def main() -> None:
     ap.add_argument("--host-profile", default=None, help="write where an eager step's host time goes here")
     ap.add_argument("--graph-order", default="lossless,1.25",
                     help="the order the graphs are captured in: capacity factors and 'lossless'")
+    ap.add_argument("--graphs-together", action="store_true",
+                    help="keep every graph alive and time them all in one rotation (by default each graph is "
+                         "captured, timed with the eager candidates and freed before the next)")
     ap.add_argument("--dump-after", type=float, default=0,
                     help="seconds: then print every thread's stack and exit (a hang shows where it is)")
     args = ap.parse_args()
@@ -226,26 +235,67 @@ def main() -> None:
         torch.cuda.synchronize()
         mem[name] = (torch.cuda.max_memory_allocated() - start) / 2**30
         steps[name] = eager
-    # the graphs, each on a stack of its own, in --graph-order (module docstring)
+    # the graphs, each on a stack of its own, in --graph-order (module docstring); by default one alive at a time,
+    # timed in a rotation of its own with the eager candidates (two graphs of the stack alive at once, replayed
+    # by turns, ran 1.2-1.8x slower each: RESULTS, issue 42, tenth session; --graphs-together shows it)
     progress("peak memory measured")
+    eager_steps = dict(steps)
+    t: dict[str, float] = {}
+    ratio: dict[str, float] = {}  # each candidate against the sync eager step of its own rotation
+    tables: dict[str, str] = {}
+    pools: dict[str, float] = {}
+    checks: dict[str, str] = {}
+    overflowed: list[str] = []
+
+    def measure(graphs: dict[str, Any]) -> None:
+        """Times the eager candidates and ``graphs`` (name: ``(replay, result, capacity factor, stack)``) in one
+        rotation; checks each graph (bitwise, or its overflow) and profiles it while it is alive."""
+        got = timed({**eager_steps, **{k: v[0] for k, v in graphs.items()}}, args.iters, args.reps)
+        for name, ms in got.items():
+            if name in graphs or name not in t:
+                t[name], ratio[name] = ms, got["sync eager"] / ms
+        for name, (replay, result, c, own) in graphs.items():
+            if c is None:  # a lossless graph's last replay against the sync eager step, bit for bit, every rank
+                flag = torch.tensor([float(not all(torch.equal(a, b) for a, b in zip(outs[0], result())))], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                checks[name] = f"replay == sync eager bitwise: {not flag.item()}"
+            else:
+                try:
+                    for layer in own:
+                        layer.check_capacity()
+                    checks[name] = "no overflow"
+                except Exception as exc:  # SPMDCapacityError: the factor was too small for this routing
+                    overflowed.append(f"{c}: {type(exc).__name__}")
+                    checks[name] = f"overflowed ({type(exc).__name__}): its time does not count"
+            if args.profile:
+                tables[name] = kernel_table(replay)
+        progress(f"timed {list(graphs) or 'the eager candidates'}")
+
+    alive: dict[str, Any] = {}
     for key in args.graph_order.split(","):
         c = None if key == "lossless" else float(key)
         name = "sync-free graphed" if c is None else f"sync-free, capacity_factor {c} (graphed)"
+        while name in pools:  # a key given twice: a second graph of the same stack kind, captured later
+            name += " again"
+        if not args.graphs_together:
+            alive.clear()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         own = sync_free(c)
-        if c is not None:
-            stacks[f"sync-free, capacity_factor {c}"] = own  # its overflow is checked below
         transports[name] = type(own[0].transport).__name__
-        steps[name] = graphed(own, x.detach().clone().requires_grad_(), g)
+        before = torch.cuda.memory_reserved()
+        replay, result = graphed(own, x.detach().clone().requires_grad_(), g)
+        pools[name] = (torch.cuda.memory_reserved() - before) / 2**30
+        alive[name] = (replay, result, c, own)
+        del replay, result, own  # (alive holds the graph: cleared, it is freed before the next capture)
         progress(f"captured {name}")
-    t = timed(steps, args.iters, args.reps)
-    progress("timed")
-    overflowed = []
-    for c in (float(k) for k in args.graph_order.split(",") if k != "lossless"):
-        try:
-            for layer in stacks[f"sync-free, capacity_factor {c}"]:
-                layer.check_capacity()
-        except Exception as exc:  # SPMDCapacityError: the factor was too small for this routing
-            overflowed.append(f"{c}: {type(exc).__name__}")
+        if not args.graphs_together:
+            measure(dict(alive))
+    if args.graphs_together:
+        measure(dict(alive))
+    alive.clear()
+    if not t:
+        measure({})
 
     # the row moves alone: Q rows each way (dispatch, combine) vs the rows the sync transport sends (a token
     # once per rank it needs, this run's first layer's routing) in one even exchange each way
@@ -268,18 +318,19 @@ def main() -> None:
     moves = timed(moves, args.iters, args.reps)
     progress("row moves timed")
 
-    base = t["sync eager"]
     lines = [f"device: {n}x {torch.cuda.get_device_name()}, torch {torch.__version__}, EP={n}, D={D} F={F} E={E} K={K}, "
              f"T/rank={T}, {L} layers, bf16; sync-free == sync bitwise: {same}",
-             "", "| candidate | stack fwd+bwd ms | vs sync eager |", "|---|---|---|"]
-    lines += [f"| {name} | {ms:.3f} | {base / ms:.2f}x |" for name, ms in t.items()]
+             "", "| candidate | stack fwd+bwd ms | vs sync eager (same rotation) |", "|---|---|---|"]
+    lines += [f"| {name} | {ms:.3f} | {ratio[name]:.2f}x |" for name, ms in t.items()]
     lines += ["", "| stack (eager step) | peak step GiB above the inputs |", "|---|---|"]
     lines += [f"| {name} | {gib:.2f} |" for name, gib in mem.items()]
     lines += ["", f"capacity overflow after the timing: {overflowed or 'none'}; lossless slot S = {S} rows "
                   f"(Q = {n * S} rows per buffer vs {T * K} routed rows per rank)", "",
               "| row moves | ms |", "|---|---|"]
     lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
-    lines += ["", f"transports: {transports}"]
+    lines += ["", f"transports: {transports}",
+              "graphs (" + ("all alive, timed together" if args.graphs_together else "one alive at a time") + "): "
+              + "; ".join(f"{k}: pool {pools[k]:.2f} GiB reserved at capture, {checks[k]}" for k in pools)]
     if crossing:
         from spmdmoe.moe import symmetric
 
@@ -297,11 +348,11 @@ def main() -> None:
         if rank == 0:
             with open(args.host_profile, "w") as f:
                 f.write(text)
-    if args.profile:  # where each candidate's step goes (the graphed ones replayed): kernels, copies, fills
-        tables = [f"## {name}\n{kernel_table(step)}" for name, step in steps.items()]
+    if args.profile:  # where each candidate's step goes (the graphed ones replayed while alive): kernels, copies, fills
+        tables = {**{name: kernel_table(step) for name, step in eager_steps.items()}, **tables}
         if rank == 0:
             with open(args.profile, "w") as f:
-                f.write("\n\n".join(tables) + "\n")
+                f.write("\n\n".join(f"## {name}\n{table}" for name, table in tables.items()) + "\n")
 
 
 if __name__ == "__main__":
