@@ -4,7 +4,10 @@
     torchrun --nproc-per-node 4 benchmarks/sync_free.py --smoke      # CPU/gloo: runs every candidate once
 
 bf16, a shape of ``benchmarks/shapes.py`` (default DeepSeek-MoE-16B: D=2048, F=1408, E=64, K=6), EP = N (each rank its own T tokens; ``max_tokens = T``), a stack of
-``--layers`` MoE layers (the output of one is the input of the next). Candidates, interleaved
+``--layers`` MoE layers on a residual stream (``h = h + layer(h)``: without it the activations shrank about a
+thousandfold a layer at the default init, and the fourth layer's router saw ties, every token on the same six
+experts, one rank doing all the expert work: RESULTS, issue 42, tenth session; ``--no-residual`` runs that stack
+again). Candidates, interleaved
 (``timing.timed``), median, max over ranks:
 
 * ``sync eager``: ``ep_mode="sync"``, one host read of the split sizes per layer forward;
@@ -70,10 +73,13 @@ def build(cfg: MoEConfig, layers: int, dtype: torch.dtype, device: torch.device,
     return torch.nn.ModuleList([parallelize_moe(m, ep_mesh=dist.group.WORLD, **ep) for m in _base])
 
 
+RESIDUAL = [True]  # --no-residual: each layer's output is the next one's input, nothing added
+
+
 def run(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     h = x
     for layer in stack:
-        h = layer(h)
+        h = h + layer(h) if RESIDUAL[0] else layer(h)
     (h.float() * g).sum().backward()
     return h
 
@@ -168,12 +174,15 @@ def main() -> None:
     ap.add_argument("--host-profile", default=None, help="write where an eager step's host time goes here")
     ap.add_argument("--graph-order", default="lossless,1.25",
                     help="the order the graphs are captured in: capacity factors and 'lossless'")
+    ap.add_argument("--no-residual", action="store_true",
+                    help="no residual stream: the stack this benchmark ran before (its deep layers route on ties)")
     ap.add_argument("--graphs-together", action="store_true",
                     help="keep every graph alive and time them all in one rotation (by default each graph is "
                          "captured, timed with the eager candidates and freed before the next)")
     ap.add_argument("--dump-after", type=float, default=0,
                     help="seconds: then print every thread's stack and exit (a hang shows where it is)")
     args = ap.parse_args()
+    RESIDUAL[0] = not args.no_residual
     smoke = args.smoke
     if args.dump_after:
         import faulthandler
@@ -259,14 +268,17 @@ def main() -> None:
                 flag = torch.tensor([float(not all(torch.equal(a, b) for a, b in zip(outs[0], result())))], device=device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 checks[name] = f"replay == sync eager bitwise: {not flag.item()}"
-            else:
+            else:  # dropped copies add zero: the output and input gradient stay finite (every rank)
+                flag = torch.tensor([float(not all(torch.isfinite(t).all() for t in result()))], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                finite = f"output and input gradient finite: {not flag.item()}"
                 try:
                     for layer in own:
                         layer.check_capacity()
-                    checks[name] = "no overflow"
+                    checks[name] = f"no overflow, {finite}"
                 except Exception as exc:  # SPMDCapacityError: the factor was too small for this routing
                     overflowed.append(f"{c}: {type(exc).__name__}")
-                    checks[name] = f"overflowed ({type(exc).__name__}): its time does not count"
+                    checks[name] = f"overflowed ({type(exc).__name__}): its time does not count; {finite}"
             if args.profile:
                 tables[name] = kernel_table(replay)
         progress(f"timed {list(graphs) or 'the eager candidates'}")
@@ -319,7 +331,7 @@ def main() -> None:
     progress("row moves timed")
 
     lines = [f"device: {n}x {torch.cuda.get_device_name()}, torch {torch.__version__}, EP={n}, D={D} F={F} E={E} K={K}, "
-             f"T/rank={T}, {L} layers, bf16; sync-free == sync bitwise: {same}",
+             f"T/rank={T}, {L} layers{'' if RESIDUAL[0] else ' (no residual)'}, bf16; sync-free == sync bitwise: {same}",
              "", "| candidate | stack fwd+bwd ms | vs sync eager (same rotation) |", "|---|---|---|"]
     lines += [f"| {name} | {ms:.3f} | {ratio[name]:.2f}x |" for name, ms in t.items()]
     lines += ["", "| stack (eager step) | peak step GiB above the inputs |", "|---|---|"]
