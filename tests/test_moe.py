@@ -179,6 +179,49 @@ def test_grouped_mm_native_and_fallback_agree(dims):
     assert native_grouped_mm_ok(x, w) == (dims == (16, 8))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's grouped GEMM)")
+@pytest.mark.parametrize("sizes", [[0, 0, 0, 0], [96, 32, 0, 0], [0, 128, 0, 0]], ids=["all empty", "trailing empty", "one"])
+def test_grouped_gemms_with_empty_groups_at_the_buffer_end(sizes, nan_empty):
+    """torch's grouped GEMM (CUTLASS) on a capacity buffer that a capacity factor fills (the last offset equal to
+    the rows) or an idle rank leaves empty (every offset zero): an empty group's operands start at the
+    allocation's end. The up- and down-projections forward and backward: valid rows and every weight gradient
+    against per-group ``mm``; an empty group's weight gradient exactly zero (CUTLASS leaves the accumulator of a
+    problem with no K tiles unwritten: NVIDIA/cutlass#2674), nothing non-finite (``torch.empty`` hands out NaN)."""
+    from spmdmoe.moe.gemm import grouped_mm_pair
+
+    R, D, Fh, dev = sum(sizes) or 128, 256, 128, "cuda"
+    x = torch.randn(R, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w1, w3 = ((torch.randn(4, Fh, D, device=dev) / D**0.5).bfloat16().requires_grad_() for _ in range(2))
+    w2 = (torch.randn(4, D, Fh, device=dev) / Fh**0.5).bfloat16().requires_grad_()
+    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    h = grouped_mm_pair(x, w1, w3, offs)
+    y = grouped_mm(F.silu(h[:, :Fh]) * h[:, Fh:], w2, offs)  # rows past the last offset: unspecified, never read
+    valid = int(sum(sizes))
+    g = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
+    y.backward(g)
+    refs = [t.detach().float().requires_grad_() for t in (x, w1, w3, w2)]
+    rx, r1, r3, r2 = refs
+    starts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
+    out = [(F.silu(rx[a:a + n] @ r1[i].T) * (rx[a:a + n] @ r3[i].T)) @ r2[i].T
+           for i, (a, n) in enumerate(zip(starts, sizes))]
+    if valid:
+        torch.cat(out).backward(g[:valid].float())
+
+    def rel(a, b):  # bf16 GEMMs against fp32: the error's norm against the reference's
+        return float((a.float() - b).norm() / b.norm().clamp(min=1e-30))
+
+    if valid:
+        assert rel(y[:valid], torch.cat(out)) < 1e-2
+    for name, got, ref in (("w1", w1.grad, r1.grad), ("w3", w3.grad, r3.grad), ("w2", w2.grad, r2.grad)):
+        assert torch.isfinite(got).all(), f"{name}: non-finite weight gradient"
+        for i, n in enumerate(sizes):
+            if n == 0:
+                assert torch.count_nonzero(got[i]) == 0, f"{name}[{i}] (an empty group) is not zero"
+        if valid:
+            assert rel(got, ref) < 1e-2, (name, rel(got, ref))
+    assert torch.isfinite(x.grad[:valid]).all()
+
+
 def test_masked_loop_keeps_a_nan_tail_out_of_every_gradient():
     """The compiled fallback on a capacity buffer: its tail rows (past the last offset) and the gradient
     arriving for them hold NaN; the output's tail is zero and no gradient of the valid rows or the weights
