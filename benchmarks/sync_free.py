@@ -35,7 +35,8 @@ them all alive and times them in one rotation, as this benchmark did before.
 
 Also: peak memory of one step per candidate, and the row moves alone, the first layer's routing, every rank
 moving at once: the symmetric transport's dispatch and combine reads (``peer_dispatch`` + ``peer_pull_sum``, with
-their barriers) against an even NCCL ``all_to_all_single`` of the same rows each way (a token once per rank it
+their barriers; called eagerly, where at 4k tokens the host's launches set the pace, and replayed from a CUDA graph
+each, their device time) against an even NCCL ``all_to_all_single`` of the same rows each way (a token once per rank it
 needs), against the peer-copy ceiling (a copy-engine ``copy_`` of the same off-rank bytes from the peer's
 buffer, each way), and the padded exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows).
 """
@@ -110,13 +111,29 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
     peers = _peers(_buffer(group, x_TD.device, n * T * D * x_TD.element_size()), x_TD.dtype)
     src = peers.views[(me + 1) % n][: crossing * D]
     dst = torch.empty_like(src)
+    dispatch = lambda: peer_dispatch(x_TD, meta_TW, need_Tn, group, T, me * e, me * e + e)  # noqa: E731
+    combine = lambda: peer_pull_sum(y_QD, need_Tn, mask_Q, group, T)  # noqa: E731
     return {  # (the keys name rank 0's counts; timed pairs the candidates by position)
-        "symmetric dispatch op (stage, ids of every rank, the rows with an expert here, 2 barriers)":
-            lambda: peer_dispatch(x_TD, meta_TW, need_Tn, group, T, me * e, me * e + e),
-        "symmetric combine op (stage, a row per token and rank visited, 2 barriers)":
-            lambda: peer_pull_sum(y_QD, need_Tn, mask_Q, group, T),
+        "symmetric dispatch op (stage, ids of every rank, the rows with an expert here, 2 barriers)": dispatch,
+        "symmetric combine op (stage, a row per token and rank visited, 2 barriers)": combine,
+        # the same ops replayed from CUDA graphs: their device time, without the host's launches
+        "symmetric dispatch op, graphed": _graph_of(dispatch),
+        "symmetric combine op, graphed": _graph_of(combine),
         f"peer-copy ceiling: copy_ of {crossing} rows from the peer, x 2": lambda: [dst.copy_(src) for _ in range(2)],
     }, crossing
+
+
+def _graph_of(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (one warm-up call on a side stream first): the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def host_profile(eager: dict[str, Callable[[], None]], x: torch.Tensor, n: int, D: int, dtype: torch.dtype,
@@ -350,7 +367,8 @@ def main() -> None:
         staging = sum(st.buf.numel() for st in symmetric._staging.values()) / 2**30
         lines += [f"rank 0's rows that its peer reads: {crossing} ({GB * 1e3:.0f} MB a direction); the dispatch op "
                   f"{GB / moves[next(k for k in moves if k.startswith('symmetric dispatch'))] * 1e3:.0f} GB/s of "
-                  f"them, the peer-copy ceiling "
+                  f"them eagerly, {GB / moves['symmetric dispatch op, graphed'] * 1e3:.0f} GB/s graphed; the "
+                  f"peer-copy ceiling "
                   f"{2 * GB / moves[next(k for k in moves if k.startswith('peer-copy'))] * 1e3:.0f} GB/s",
                   f"the symmetric staging buffer (held for the job, not in the peak column): {staging:.2f} GiB"]
     if rank == 0:
