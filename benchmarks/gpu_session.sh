@@ -23,8 +23,10 @@ trap 'kill_tree $$; for f in "$OUT"/nccl_*/*.sid; do [ -f "$f" ] && pkill -9 -s 
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 # GPU0: the first GPU this call uses (default 0): two parts at once on one host, each on its own GPUs
-# (`GPU0=2 WORLDS=2 gpu_session.sh dist` on GPUs 2,3 beside `gpu_session.sh syncfree` on 0,1); NGPU counts from it
+# (`GPU0=2 WORLDS=2 gpu_session.sh dist` on GPUs 2,3 beside `gpu_session.sh syncfree` on 0,1); NGPU counts from it.
+# Honoured by the dist, titan, syncfree and hf parts and the main job; the other parts take the first GPUs
 GPU0=${GPU0:-0}; NGPU=$((NGPU - GPU0))
+[ "$NGPU" -ge 1 ] || { echo "GPU0=$GPU0: this host has $((NGPU + GPU0)) GPUs"; exit 2; }
 gpus() { seq -s, "$GPU0" $((GPU0 + $1 - 1)); }  # CUDA_VISIBLE_DEVICES for this call's first $1 GPUs
 peer_wheels() {  # torchtitan, torchao and their pins from the carried .whl/ (../shared/tools/peer_wheels.sh)
   [ ! -d .whl ] || python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v WARNING | tail -2
@@ -224,7 +226,7 @@ if [ "$PART" = syncfree ] || [ "$PART" = all ]; then
     # EP (default 2) on the first EP GPUs; each candidate's top CUDA ops in profile_sync_free_T.txt, where the
     # eager steps' host time goes in host_sync_free_T.txt; TOKENS (default 4096 16384); GRAPH_ORDER: the order
     # the graphs are captured in (sync_free.py --graph-order); SHAPE (default dsmoe16b): the model's D, F, E, K;
-    # SF_ARGS: more sync_free.py options (--empty-cache)
+    # SF_ARGS: more sync_free.py options (--graphs-together, --no-residual)
     ep=${EP:-2}; [ "$ep" -le "$NGPU" ] || ep=$NGPU
     echo "== sync-free EP $ep: a 4-layer stack, sync eager vs sync-free eager and graphed (issues 13, 42)"
     for T in ${TOKENS:-4096 16384}; do

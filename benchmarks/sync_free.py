@@ -44,6 +44,7 @@ buffer, each way), and the padded exchange (two even ``all_to_all_single`` of ``
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from typing import Any, Callable, Optional
@@ -301,13 +302,14 @@ def main() -> None:
         progress(f"timed {list(graphs) or 'the eager candidates'}")
 
     alive: dict[str, Any] = {}
-    for key in args.graph_order.split(","):
+    for key in [k for k in args.graph_order.split(",") if k]:
         c = None if key == "lossless" else float(key)
         name = "sync-free graphed" if c is None else f"sync-free, capacity_factor {c} (graphed)"
         while name in pools:  # a key given twice: a second graph of the same stack kind, captured later
             name += " again"
-        if not args.graphs_together:
-            alive.clear()
+        if not args.graphs_together:  # the last graph and its stack freed (a parallel layer sits in a reference
+            alive.clear()  # cycle, and its gradients live in the graph's pool: collected before the cache empties)
+            gc.collect()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         own = sync_free(c)
@@ -323,7 +325,8 @@ def main() -> None:
     if args.graphs_together:
         measure(dict(alive))
     alive.clear()
-    if not t:
+    gc.collect()
+    if not t:  # --graph-order "": the eager candidates alone
         measure({})
 
     # the row moves alone: Q rows each way (dispatch, combine) vs the rows the sync transport sends (a token
