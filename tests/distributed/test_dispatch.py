@@ -52,7 +52,7 @@ def _experts(routed, expert_of_row):
 
 
 @pytest.mark.parametrize("tokens_of", [lambda n: [5] * n, lambda n: [0] + [7] * (n - 1), lambda n: [0] * n,
-                                       lambda n: [1, 0, 9, 2][:n]], ids=["even", "empty_first", "all_empty", "mixed"])
+                                       lambda n: ([1, 0, 9, 2] * n)[:n]], ids=["even", "empty_first", "all_empty", "mixed"])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "idle_experts"])
 def test_all_to_all_transport(world, device, tokens_of, skew, nan_empty):
     n, r = world.size(), world.get_local_rank()
