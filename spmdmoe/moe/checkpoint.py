@@ -247,9 +247,17 @@ def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout], agree_ov
                 param = module.get_parameter(name)
                 if isinstance(param, DTensor):  # FSDP2: hand it this rank's shard of the slice
                     local = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+                elif _same_elements(local, param):  # the layer's own state dict (or DCP loaded in place): with one
+                    local = param.detach()  # expert a rank its view has other strides, a "partial overlap" to copy_
                 state_dict[key] = local
 
     return hook
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of one storage (strides of size-1 dims aside)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and all(
+        s == t for n, s, t in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
 _KIND = {0: "missing", 1: "a plain tensor", 2: "a DTensor in this layer's layout", 3: "a DTensor in another layout"}
