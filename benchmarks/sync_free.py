@@ -28,10 +28,11 @@ Each graph is captured on a stack of its own (same seed, same weights), in ``--g
 factors and ``lossless``, comma-separated; a key twice: a second graph), one alive at a time: captured, timed
 in a rotation with the eager candidates (its ratio is to that rotation's sync eager step), checked (a lossless
 graph's replay bit for bit against the sync eager step, on every rank; a capacity factor's overflow: an
-overflowed graph dropped rows, and its time does not count), profiled, freed. Two graphs of the stack alive at
-once and replayed by turns ran 1.2-1.8x slower each (every kernel that touches the experts' rows, GEMMs
-included), one alone at eager speed or faster (RESULTS, issue 42, tenth session); ``--graphs-together`` keeps
-them all alive and times them in one rotation, as this benchmark did before.
+overflowed graph dropped rows, and its time does not count), profiled, freed. With two graphs of the stack
+alive at once and replayed by turns, the lossless one ran 1.2-1.9x slower than eager in five runs of six
+(every kernel that touches the experts' rows, GEMMs included; cause not found), alone at eager speed or faster
+(RESULTS, issue 42, tenth session); ``--graphs-together`` keeps them all alive and times them in one rotation,
+as this benchmark did before.
 
 Also: peak memory of one step per candidate, and the row moves alone, the first layer's routing, every rank
 moving at once: the symmetric transport's dispatch and combine reads (``peer_dispatch`` + ``peer_pull_sum``, with
@@ -118,23 +119,10 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
         "symmetric dispatch op (stage, ids of every rank, the rows with an expert here, 2 barriers)": dispatch,
         "symmetric combine op (stage, a row per token and rank visited, 2 barriers)": combine,
         # the same ops replayed from CUDA graphs: their device time, without the host's launches
-        "symmetric dispatch op, graphed": _graph_of(dispatch),
-        "symmetric combine op, graphed": _graph_of(combine),
+        "symmetric dispatch op, graphed": capture_training_step(dispatch, torch.nn.Module(), warmup=1)[0].replay,
+        "symmetric combine op, graphed": capture_training_step(combine, torch.nn.Module(), warmup=1)[0].replay,
         f"peer-copy ceiling: copy_ of {crossing} rows from the peer, x 2": lambda: [dst.copy_(src) for _ in range(2)],
     }, crossing
-
-
-def _graph_of(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` captured in a CUDA graph (one warm-up call on a side stream first): the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def host_profile(eager: dict[str, Callable[[], None]], x: torch.Tensor, n: int, D: int, dtype: torch.dtype,
@@ -263,8 +251,8 @@ def main() -> None:
         mem[name] = (torch.cuda.max_memory_allocated() - start) / 2**30
         steps[name] = eager
     # the graphs, each on a stack of its own, in --graph-order (module docstring); by default one alive at a time,
-    # timed in a rotation of its own with the eager candidates (two graphs of the stack alive at once, replayed
-    # by turns, ran 1.2-1.8x slower each: RESULTS, issue 42, tenth session; --graphs-together shows it)
+    # timed in a rotation of its own with the eager candidates (with two graphs of the stack alive at once and
+    # replayed by turns the lossless one ran slower in five runs of six: the module docstring; --graphs-together)
     progress("peak memory measured")
     eager_steps = dict(steps)
     t: dict[str, float] = {}

@@ -142,3 +142,20 @@ def kept_copies(ids_by_rank, n, e, S, R):
         for _, i, t, k in sorted(arrived)[:R]:
             kept[i].add((t, k))
     return kept
+
+
+def kept_reference(moe: MoE, leaf: torch.Tensor, kept: set) -> torch.Tensor:
+    """The layer's output with only the ``kept`` ``(t, k)`` copies (``kept_copies``), differentiable in ``leaf``
+    (the router's weights included): fp32, one masked pass per expert."""
+    r = moe.router(leaf, moe.expert_bias, moe.router.gate.weight)
+    keep_TK = torch.zeros(r.ids_TK.shape, dtype=torch.bool, device=leaf.device)
+    if kept:
+        t, k = zip(*kept)
+        keep_TK[list(t), list(k)] = True
+    xf, out = leaf.float(), leaf.new_zeros(leaf.shape, dtype=torch.float32)
+    w1, w2, w3 = (w.float() for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3))
+    for e_ in range(moe.config.num_experts):
+        t, k = torch.nonzero((r.ids_TK == e_) & keep_TK, as_tuple=True)
+        h = torch.nn.functional.silu(xf[t] @ w1[e_].T) * (xf[t] @ w3[e_].T)
+        out = out.index_add(0, t, r.weights_TK[t, k, None].float() * (h @ w2[e_].T))
+    return out

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import spmdmoe
-from moe_plans import build_plan, kept_copies, reference_moe
+from moe_plans import build_plan, kept_copies, kept_reference, reference_moe
 from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
 from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.moe import symmetric, sync_free
@@ -294,11 +294,8 @@ def test_overflow_drops_by_the_rule_and_raises_everywhere(world, device, request
     assert isinstance(plan.layer.transport, symmetric.SymmetricTransport)
     S, R = plan.layer.transport.sizes(total)  # no slot limit: S = T_max
     kept = kept_copies(ids_by_rank, n, E // n, S, R)[world.get_local_rank()]
-    want = torch.zeros_like(x)
-    for t, k in kept:
-        e_ = int(r.ids_TK[t, k])
-        h = torch.nn.functional.silu(x[t] @ moe.experts.w1[e_].T) * (x[t] @ moe.experts.w3[e_].T)
-        want[t] += r.weights_TK[t, k] * (h @ moe.experts.w2[e_].T)
+    with torch.no_grad():
+        want = kept_reference(moe, x, kept)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
     state = plan.layer.capacity_overflow.clone()
     table = [torch.empty_like(state) for _ in range(n)]
@@ -306,23 +303,6 @@ def test_overflow_drops_by_the_rule_and_raises_everywhere(world, device, request
     assert all(torch.equal(t, table[0]) for t in table), "every rank holds the same verdict"
     assert int(state[0]) > 0
     assert_raises_everywhere(SPMDCapacityError, plan.layer.check_capacity, match=f"the buffers hold {S} and {R}")
-
-
-def _kept_reference(moe, leaf, kept):
-    """The layer's output with only the ``kept`` ``(t, k)`` copies (``kept_copies``), differentiable in ``leaf``
-    (the router's weights included): fp32, one masked pass per expert."""
-    r = moe.router(leaf, moe.expert_bias, moe.router.gate.weight)
-    keep_TK = torch.zeros(r.ids_TK.shape, dtype=torch.bool, device=leaf.device)
-    if kept:
-        t, k = zip(*kept)
-        keep_TK[list(t), list(k)] = True
-    xf, out = leaf.float(), leaf.new_zeros(leaf.shape, dtype=torch.float32)
-    w1, w2, w3 = (w.float() for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3))
-    for e_ in range(moe.config.num_experts):
-        t, k = torch.nonzero((r.ids_TK == e_) & keep_TK, as_tuple=True)
-        h = torch.nn.functional.silu(xf[t] @ w1[e_].T) * (xf[t] @ w3[e_].T)
-        out = out.index_add(0, t, r.weights_TK[t, k, None].float() * (h @ w2[e_].T))
-    return out
 
 
 # (tokens per source, capacity factor, dims, dtype): a tiny CPU case, and on CUDA the benchmark's that turned
@@ -368,7 +348,7 @@ def test_overflow_forward_and_backward_read_no_unwritten_row(world, device, requ
     dist.all_gather_object(ids_by_rank, ids)
     S, R = plan.layer.transport.sizes(total)
     kept = kept_copies(ids_by_rank, n, Em // n, S, R)
-    want = _kept_reference(moe, leaf, kept[rank])
+    want = kept_reference(moe, leaf, kept[rank])
     (want * g).sum().backward()
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     finite = all(torch.isfinite(t).all() for t in got if t is not None)
