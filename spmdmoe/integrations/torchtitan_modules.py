@@ -77,11 +77,11 @@ class Experts(GroupedExperts, _TTModule):
         weights = [local(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)]
         return weights if self.dtype is None else [w.to(self.dtype) for w in weights]
 
-    def forward(self, routed: Any) -> torch.Tensor:
+    def forward(self, routed: Any, later: Any = None) -> torch.Tensor:
         dtype = routed.x_RD.dtype
         if self.dtype is None or dtype == self.dtype:
-            return super().forward(routed)
-        return super().forward(dataclasses.replace(routed, x_RD=routed.x_RD.to(self.dtype))).to(dtype)
+            return super().forward(routed, later)
+        return super().forward(dataclasses.replace(routed, x_RD=routed.x_RD.to(self.dtype)), later).to(dtype)
 
 
 class _Router(Router, _TTModule):

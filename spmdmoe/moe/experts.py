@@ -29,6 +29,7 @@ from .fp8_cache import Fp8WeightCache, fresh_cache
 from .gemm import plain_tensor, grouped_mm, grouped_mm_pair, joined
 from .grads import sync_grads
 from .permute import weighted_combine
+from .wgrad_later import LaterWgrad
 
 __all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu", "swiglu_rows"]
 
@@ -108,9 +109,27 @@ class GroupedExperts(nn.Module):
         returns this rank's local tensors)."""
         return [self.w1, self.w2, self.w3]
 
-    def forward(self, routed: RoutedTokens) -> torch.Tensor:
+    def later_wgrad(self) -> Optional[LaterWgrad]:
+        """An anchor for the up-projection's weight gradients (``spmdmoe.moe.wgrad_later``), made by the layer
+        between its dispatch's launch and wait, where that split is exact: bf16, ``w1`` and ``w3`` plain packed
+        parameters needing a gradient (this class's, not the integrations' views), not an FSDP2 unit of
+        their own, no SP sum of them here, grad mode on, not under ``torch.compile``.
+        ``None`` elsewhere (one node makes the input and weight gradients)."""
+        if (self.precision != "bf16" or self.grad_axis is not None or not torch.is_grad_enabled()
+                or torch.compiler.is_compiling()):
+            return None
+        w1, _, w3 = self.read_weights()
+        # the module's own parameters (not views or casts of them, as the integrations read; not FSDP2's
+        # sharded ones, which its pre-forward hook swaps later, nor a unit FSDP2 reduce-scatters at its input)
+        if (not all(isinstance(w, nn.Parameter) and w.requires_grad for w in (w1, w3)) or joined(w1, w3) is None
+                or _fsdp_unit(self)):
+            return None
+        return LaterWgrad(w1, w3)
+
+    def forward(self, routed: RoutedTokens, later: Optional[LaterWgrad] = None) -> torch.Tensor:
         """``y_RD`` for ``routed.x_RD``; ``y_TD``, the sum of each token's copies, when the transport asks for
-        it (``routed.copies_TK``: the FP8 experts fuse that sum into their down-projection's node)."""
+        it (``routed.copies_TK``: the FP8 experts fuse that sum into their down-projection's node). ``later``:
+        :meth:`later_wgrad`'s anchor, made earlier in this forward."""
         weights = self.read_weights()
         if self.grad_axis is not None:
             weights = sync_grads(weights, self.grad_axis, agreed=self.grad_set)
@@ -120,8 +139,15 @@ class GroupedExperts(nn.Module):
             assert routed.valid_rows is not None
             return fp8_swiglu(routed.x_RD, routed.group_offsets, routed.valid_rows, *weights, quantized,
                               self.fp8_wgrad, routed.fp8_rows, routed.weights_R, routed.copies_TK)
-        y_RD = grouped_swiglu(routed, *weights)
+        y_RD = grouped_swiglu(routed, *weights, later=later)
         return y_RD if routed.copies_TK is None else weighted_combine(y_RD, routed.copies_TK, None)
+
+
+def _fsdp_unit(module: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` made ``module`` a unit (its post-backward then reduce-scatters the
+    gradients once the unit's input gradient is done)."""
+    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
+    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
 
 
 def experts_block(src: GroupedExperts, experts: slice, hidden: slice, precision: str, fp8_wgrad: str
@@ -155,9 +181,11 @@ class SharedExperts(nn.Module):
 
 
 def grouped_swiglu(
-    routed: RoutedTokens, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor
+    routed: RoutedTokens, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor,
+    later: Optional[LaterWgrad] = None,
 ) -> torch.Tensor:
-    """``y_RD`` for the routed rows: three grouped GEMMs with the device offsets.
+    """``y_RD`` for the routed rows: three grouped GEMMs with the device offsets (``later``: the up-projection's
+    weight gradients come from that anchor, ``GroupedExperts.later_wgrad``).
 
     A rank whose slice of the hidden dim is empty (tensor-parallel experts with
     ``F < n`` or ``F % n`` leaving the last ranks none, by the chunk rule)
@@ -171,7 +199,7 @@ def grouped_swiglu(
         if routed.weights_R is not None:  # folded weights: in the graph too (zero gradient, but a backward runs)
             h_R0 = h_R0 * routed.weights_R.to(h_R0.dtype).unsqueeze(1)
         return h_R0 @ w2_eDF.transpose(1, 2).reshape(0, D)
-    h13_R2F = grouped_mm_pair(x_RD, w1_eFD, w3_eFD, offs, sizes)
+    h13_R2F = grouped_mm_pair(x_RD, w1_eFD, w3_eFD, offs, sizes, later)
     valid = routed.valid_rows
     assert valid is not None
     return grouped_mm(swiglu_rows(h13_R2F, valid, routed.weights_R), w2_eDF, offs, sizes)

@@ -142,14 +142,16 @@ def up_weights(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> torch.Tensor:
 
 class _UpProjection(torch.autograd.Function):
     """``[x @ w1[g].T | x @ w3[g].T]`` per group as ONE grouped GEMM on ``[w1 | w3]``: the backward's input
-    gradient is one GEMM too (no sum of two GEMMs' outputs); the weights' gradients are two."""
+    gradient is one GEMM too (no sum of two GEMMs' outputs); the weights' gradients are two, made here, or,
+    given ``later`` (``wgrad_later.LaterWgrad``; ``w1`` and ``w3`` then come detached), by its anchor."""
 
     @staticmethod
     def forward(ctx: Any, x_MI: torch.Tensor, w1_eFI: torch.Tensor, w3_eFI: torch.Tensor,  # type: ignore[override]
-                offsets_e: torch.Tensor) -> torch.Tensor:
+                offsets_e: torch.Tensor, later: Any = None, token: Optional[torch.Tensor] = None) -> torch.Tensor:
         w13 = up_weights(w1_eFI, w3_eFI)
         x_MI = x_MI.contiguous()
         ctx.save_for_backward(x_MI, w13, offsets_e)
+        ctx.later = later
         return _native(x_MI, w13.transpose(-2, -1), offs=offsets_e)
 
     @staticmethod
@@ -157,25 +159,39 @@ class _UpProjection(torch.autograd.Function):
     def backward(ctx: Any, g_M2F: torch.Tensor) -> Any:  # type: ignore[override]
         x_MI, w13, offsets_e = ctx.saved_tensors
         g_M2F = g_M2F.contiguous()
-        F = w13.shape[1] // 2
         dx = _native(g_M2F, w13, offs=offsets_e) if ctx.needs_input_grad[0] else None
-        # the weight gradients as two GEMMs on column slices of g: each contiguous, as autograd wants
-        # a gradient of a non-dense (packed) parameter; a view of one [dw1 | dw3] would be copied
-        dw1 = _native(g_M2F[:, :F].transpose(-2, -1), x_MI, offs=offsets_e) if ctx.needs_input_grad[1] else None
-        dw3 = _native(g_M2F[:, F:].transpose(-2, -1), x_MI, offs=offsets_e) if ctx.needs_input_grad[2] else None
-        return dx, dw1, dw3, None
+        if ctx.later is not None:
+            return dx, None, None, None, None, ctx.later.hold(g_M2F, x_MI, offsets_e)
+        return (dx, *up_weight_grads(g_M2F, x_MI, offsets_e, ctx.needs_input_grad[1:3]), None, None, None)
+
+
+def up_weight_grads(g_M2F: torch.Tensor, x_MI: torch.Tensor, offsets_e: torch.Tensor, needs: tuple[bool, bool]
+                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(dw1, dw3)``, ``(e, F, I)`` each (``None`` where ``needs`` says no), from the up-projection's output
+    gradient ``g_M2F`` (contiguous) and its rows ``x_MI``: two grouped GEMMs on column slices of ``g``, each
+    result contiguous, as autograd wants a gradient of a non-dense (packed) parameter (a view of one
+    ``[dw1 | dw3]`` would be copied)."""
+    F = g_M2F.shape[1] // 2
+    dw1 = _native(g_M2F[:, :F].transpose(-2, -1), x_MI, offs=offsets_e) if needs[0] else None
+    dw3 = _native(g_M2F[:, F:].transpose(-2, -1), x_MI, offs=offsets_e) if needs[1] else None
+    return dw1, dw3
 
 
 def grouped_mm_pair(
     x_MI: torch.Tensor, w1_eFI: torch.Tensor, w3_eFI: torch.Tensor, offsets_e: torch.Tensor,
-    sizes: Optional[list[int]] = None,
+    sizes: Optional[list[int]] = None, later: Any = None,
 ) -> torch.Tensor:
     """``[grouped_mm(x, w1) | grouped_mm(x, w3)]``, ``(M, 2F)``: the experts' up-projections.
 
     On torch's grouped GEMM (bf16 under compile) one GEMM on ``[w1 | w3]`` (a view when the two are
     adjacent, else a copy); measured on H200 at T=16k, K=6: 5.5 ms fwd+bwd for the pair against 6.3 ms
     as two GEMMs (``benchmarks/RESULTS.md``). Otherwise two :func:`grouped_mm` concatenated.
+    ``later`` (``wgrad_later.LaterWgrad``, made earlier in the forward by the caller): the weights' gradients
+    come from its anchor, after whatever autograd runs between the two (torch's grouped GEMM only; otherwise
+    its anchor gets no gradient and never runs).
     """
     if native_grouped_mm_ok(x_MI, w1_eFI):
+        if later is not None:
+            return _UpProjection.apply(x_MI, w1_eFI.detach(), w3_eFI.detach(), offsets_e, later, later.token)
         return _UpProjection.apply(x_MI, w1_eFI, w3_eFI, offsets_e)
     return torch.cat([grouped_mm(x_MI, w1_eFI, offsets_e, sizes), grouped_mm(x_MI, w3_eFI, offsets_e, sizes)], dim=1)

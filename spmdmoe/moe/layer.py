@@ -172,11 +172,14 @@ class _Layer(nn.Module):
             problem.bits = problem.bits | (~finite_TE.all()).to(torch.int64) * BIT["nonfinite"]
         received = transport.launch_dispatch(h_TD, r.ids_TK, weights_TK, problem=problem, capacity=capacity,
                                              fp8_rows=self.experts.precision == "fp8_rowwise")
+        # made between the dispatch's launch and its wait, so its node (the up-projection's weight gradients)
+        # runs in the backward after the wait's, under the input gradient's exchange (wgrad_later.py)
+        later = self.experts.later_wgrad()
         shared_TD = None  # under the dispatch's rows in flight
         if shared_of is not None and self.shared_experts is not None:
             shared_TD = self.shared_experts(shared_of, *(w[n] for n in SHARED_WEIGHTS))
         routed = received()
-        return transport.combine(self.experts(routed), routed), shared_TD
+        return transport.combine(self.experts(routed, later=later), routed), shared_TD
 
     @staticmethod
     def _plus(out_TD: torch.Tensor, shared_TD: Optional[torch.Tensor]) -> torch.Tensor:

@@ -205,13 +205,15 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
 def test_shared_experts_run_while_the_dispatch_travels(world, device, request, monkeypatch, options, grad):
     """``Transport.launch_dispatch``: the layer issues the dispatch's two exchanges (the rows, their ids and
     weights) asynchronously, runs its shared experts, and only then waits for the rows; in the backward the
-    two reverse exchanges are launched before the shared experts' backward and waited for after it. The
-    output and the gradients are the same as with the dispatch waited for at once (``Transport.dispatch``),
-    bit for bit."""
+    two reverse exchanges are launched before the shared experts' backward and the routed experts' up-projection
+    weight gradients (``wgrad_later.py``) and waited for after them. The output and the gradients are the same
+    as with the dispatch waited for at once (``Transport.dispatch``) and as with one node making the experts'
+    input and weight gradients, bit for bit."""
     monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")  # the all-to-all transports (NCCL: test_symmetric.py)
     from moe_plans import build_plan, reference_moe
     from spmdmoe.collectives import alltoall
     from spmdmoe.moe import MoEConfig, layer as layer_module
+    from spmdmoe.moe.experts import GroupedExperts
 
     events = []
     real = alltoall.all_to_all_single
@@ -253,14 +255,21 @@ def test_shared_experts_run_while_the_dispatch_travels(world, device, request, m
     monkeypatch.setattr(alltoall, "all_to_all_single", logged)
     plan.layer.shared_experts.register_forward_pre_hook(lambda *_: events.append("shared"))
     plan.layer.shared_experts.w1.weight.register_hook(lambda g: events.append("shared backward"))
+    plan.layer.experts.w1.register_hook(lambda g: events.append("experts wgrad"))
     launched = step()
-    bwd = ["backward", "launch", "launch", "shared backward", "wait", "wait"] if grad else []
+    bwd = ["backward", "launch", "launch", "shared backward", "experts wgrad", "wait", "wait"] if grad else []
     assert events == ["launch", "launch", "shared", "wait", "wait"] + bwd, events
+    monkeypatch.setattr(GroupedExperts, "later_wgrad", lambda self: None)  # one node: dx, dw1 and dw3
+    events.clear()
+    one_node = step()
+    if grad:
+        assert events.index("experts wgrad") < events.index("launch", events.index("backward")), events
     monkeypatch.setattr(layer_module._Layer, "_pipeline", _waited_at_once(layer_module._Layer._pipeline))
     waited = step()
-    for a, b, c in zip(launched, waited, plain, strict=True):
+    for a, b, c, d in zip(launched, waited, plain, one_node, strict=True):
         assert_close_everywhere(a, c, **EXACT)
         assert_close_everywhere(b, c, **EXACT)
+        assert_close_everywhere(d, c, **EXACT)
 
 
 def _alive(refs, seconds=2.0):
