@@ -39,7 +39,11 @@ moving at once: the symmetric transport's dispatch and combine reads (``peer_dis
 their barriers; called eagerly, where at 4k tokens the host's launches set the pace, and replayed from a CUDA graph
 each, their device time) against an even NCCL ``all_to_all_single`` of the same rows each way (a token once per rank it
 needs), against the peer-copy ceiling (a copy-engine ``copy_`` of the same off-rank bytes from the peer's
-buffer, each way), and the padded exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows).
+buffer, each way), and the padded exchange (two even ``all_to_all_single`` of ``Q = N*S`` rows). A design probe
+beside them (issue 42: the moves under compute): the dispatch's bytes moved by the copy engines (stage, barrier,
+every peer's whole staged block by ``copy_``, barrier; no SM work but the barriers), and a GEMM of about the
+experts' up-projection size alone, then with each dispatch on a side stream at once (does the move hide under it,
+and does the GEMM slow down). ``--moves-only``: the row moves alone (no stack timing, no graphs).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
     ceiling: a copy-engine ``copy_`` of this rank's off-rank rows' bytes from the next rank's buffer, every
     rank at once, each way; and the number of those rows."""
     from spmdmoe.moe.dedup import pack_meta
-    from spmdmoe.moe.symmetric import _buffer, _peers, peer_dispatch, peer_pull_sum
+    from spmdmoe.moe.symmetric import _buffer, _peers, _regions, peer_dispatch, peer_pull_sum
 
     e, me, group = transport.local_experts, transport.axis.rank, transport.axis.group.group_name
     need_Tn = destinations(ids_TK, e, n)
@@ -110,12 +114,69 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
     mask_Q = peer_dispatch(x_TD, meta_TW, need_Tn, group, T, me * e, me * e + e)[2]
     y_QD = torch.randn(n * T, D, device=x_TD.device, dtype=x_TD.dtype)
     crossing = int(need_Tn[:, [d for d in range(n) if d != me]].sum())  # this rank's rows that peers read
-    peers = _peers(_buffer(group, x_TD.device, n * T * D * x_TD.element_size()), x_TD.dtype)
+    # (the transport's own size for this T: the buffer does not grow here, which would leave views stale)
+    st = _buffer(group, x_TD.device, _regions([(n * T * D, x_TD.dtype), (n * T * meta_TW.shape[1], meta_TW.dtype)])[1])
+    peers = _peers(st, x_TD.dtype)
     src = peers.views[(me + 1) % n][: crossing * D]
     dst = torch.empty_like(src)
     dispatch = lambda: peer_dispatch(x_TD, meta_TW, need_Tn, group, T, me * e, me * e + e)  # noqa: E731
     combine = lambda: peer_pull_sum(y_QD, need_Tn, mask_Q, group, T)  # noqa: E731
+    # a design probe (issue 42: pull by the copy engines, under compute): the dispatch's bytes moved by copy_
+    # (the copy engines, no SM) instead of the Triton reads: stage x and the ids, barrier, each peer's whole staged
+    # block copied (every token, needed or not: at EP 2 top-6 of 64, 98.8 % are), barrier
+    rows_all = peers.views
+    meta_peers = _peers(st, meta_TW.dtype).views
+    W, x_off = meta_TW.shape[1], -(-T * meta_TW.shape[1] * 4 // 16) * 16 // x_TD.element_size()
+    ce_x = torch.empty(n * T, D, device=x_TD.device, dtype=x_TD.dtype)
+    ce_meta = torch.empty(n * T, W, device=x_TD.device, dtype=meta_TW.dtype)
+
+    def ce_dispatch() -> None:
+        meta_peers[me][: T * W].view(T, W).copy_(meta_TW)
+        rows_all[me][x_off: x_off + T * D].view(T, D).copy_(x_TD)
+        st.hdl.barrier(channel=0)
+        for s in [(me + 1 + j) % n for j in range(n)]:  # each rank from its next peer on (the pull kernel's order)
+            ce_meta[s * T: (s + 1) * T].copy_(meta_peers[s][: T * W].view(T, W))
+            ce_x[s * T: (s + 1) * T].copy_(x_TD if s == me else rows_all[s][x_off: x_off + T * D].view(T, D))
+        st.hdl.barrier(channel=0)
+
+    # pushed instead (NVLink writes, as NCCL and DeepEP's kernels move rows; pulls are reads): each rank's ids and
+    # rows copied into every rank's buffer at its source slot by copy_, barrier, each rank's n slots copied out
+    # into its own tensors, barrier
+    p_x = -(-n * T * W * 4 // 16) * 16 // x_TD.element_size()
+
+    def ce_push() -> None:
+        for d in [(me + 1 + j) % n for j in range(n)]:
+            meta_peers[d][me * T * W: (me + 1) * T * W].view(T, W).copy_(meta_TW)
+            rows_all[d][p_x + me * T * D: p_x + (me + 1) * T * D].view(T, D).copy_(x_TD)
+        st.hdl.barrier(channel=0)
+        ce_meta.copy_(meta_peers[me][: n * T * W].view(n * T, W))
+        ce_x.copy_(rows_all[me][p_x: p_x + n * T * D].view(n * T, D))
+        st.hdl.barrier(channel=0)
+
+    # what runs beside a GEMM: an (M, D) x (D, 2F)-like bf16 GEMM of about the experts' up-projection size
+    a = torch.randn(2 * T, D, device=x_TD.device, dtype=x_TD.dtype)
+    b = torch.randn(D, 2816, device=x_TD.device, dtype=x_TD.dtype)
+    gemm = lambda: a @ b  # noqa: E731
+    side = torch.cuda.Stream(x_TD.device)
+
+    def beside(move: Callable[[], object]) -> Callable[[], None]:
+        def both() -> None:  # the GEMM on the compute stream, the move on a side stream, joined after
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                move()
+            gemm()
+            main.wait_stream(side)
+        return both
+
     return {  # (the keys name rank 0's counts; timed pairs the candidates by position)
+        "copy-engine dispatch (stage, barrier, every peer's whole block by copy_, barrier)": ce_dispatch,
+        "GEMM alone (2T x D x 2F bf16)": gemm,
+        "GEMM + symmetric dispatch op on a side stream": beside(dispatch),
+        "GEMM + copy-engine dispatch on a side stream": beside(ce_dispatch),
+        "copy-engine push dispatch (every rank's block written into each peer's slot by copy_, barrier, copied "
+        "out, barrier)": ce_push,
+        "GEMM + copy-engine push on a side stream": beside(ce_push),
         "symmetric dispatch op (stage, ids of every rank, the rows with an expert here, 2 barriers)": dispatch,
         "symmetric combine op (stage, a row per token and rank visited, 2 barriers)": combine,
         # the same ops replayed from CUDA graphs: their device time, without the host's launches
@@ -185,6 +246,8 @@ def main() -> None:
     ap.add_argument("--graphs-together", action="store_true",
                     help="keep every graph alive and time them all in one rotation (by default each graph is "
                          "captured, timed with the eager candidates and freed before the next)")
+    ap.add_argument("--moves-only", action="store_true",
+                    help="time the row moves alone (no stack timing, no graphs of the stack)")
     ap.add_argument("--dump-after", type=float, default=0,
                     help="seconds: then print every thread's stack and exit (a hang shows where it is)")
     args = ap.parse_args()
@@ -290,7 +353,7 @@ def main() -> None:
         progress(f"timed {list(graphs) or 'the eager candidates'}")
 
     alive: dict[str, Any] = {}
-    for key in [k for k in args.graph_order.split(",") if k]:
+    for key in [k for k in args.graph_order.split(",") if k and not args.moves_only]:
         c = None if key == "lossless" else float(key)
         name = "sync-free graphed" if c is None else f"sync-free, capacity_factor {c} (graphed)"
         while name in pools:  # a key given twice: a second graph of the same stack kind, captured later
@@ -314,7 +377,7 @@ def main() -> None:
         measure(dict(alive))
     alive.clear()
     gc.collect()
-    if not t:  # --graph-order "": the eager candidates alone
+    if not t and not args.moves_only:  # --graph-order "": the eager candidates alone
         measure({})
 
     # the row moves alone: Q rows each way (dispatch, combine) vs the rows the sync transport sends (a token

@@ -15,9 +15,13 @@ Every rank of a group holds one buffer of the same size; :class:`PeerRows` is th
 The caller orders the accesses (a barrier after the peers staged, another before anyone stages again); the
 kernels only read peers' memory and write this rank's ``out``. Each is the other's backward.
 
-Not measured yet (``benchmarks/sync_free.py``'s row-move table has them beside an even NCCL all-to-all of the
-same rows and a copy-engine peer copy; the 2-GPU run is pending, issue 42). A probe of the same kind of kernel
-(REFERENCE.md) read 49,152 rows of 2048 bf16 from one peer of an H200 pair at ~300 GB/s.
+Measured (``benchmarks/sync_free.py``'s row moves, RESULTS, issue 42, eleventh session, H100, 16k tokens a rank of
+2048 bf16): the EP dispatch (stage, every rank's ids, the rows, two barriers; graphed) moves the rows that cross at
+179 GB/s at EP 2 (66 MB a direction; the copy engines' ``copy_`` from the peer: 360 GB/s) and 140 GB/s at EP 4
+(168 MB; an even NCCL all-to-all of the same rows: about 290 GB/s). The EP 4 figure is from before each rank
+read its sources in its own order: in program order every rank read rank 0's buffer first, then rank 1's (three
+readers on one rank's links, the others idle: the suspected cause), and copy-engine probes in that order, pulling
+or pushing, did no better (1.31 ms against the kernel's 1.27). Not yet measured with the rotated order.
 """
 
 from __future__ import annotations
@@ -48,16 +52,20 @@ class PeerRows:
 
 
 @triton.jit
-def _pull_rows_kernel(ptrs, mask_ptr, out_ptr, offset, Tm, D, BLOCK_D: tl.constexpr):
-    """Program (q, block of D): ``out[q] = rank (q // Tm)'s row (q % Tm)`` if ``mask[q]``, else 0. ``ptrs``:
-    int64 base addresses of the ranks' buffers; ``offset``: the region's first element in them."""
-    q = tl.program_id(0).to(tl.int64)
+def _pull_rows_kernel(ptrs, mask_ptr, out_ptr, offset, Tm, D, first, n, BLOCK_D: tl.constexpr):
+    """Program (j * Tm + t, block of D): with ``s = (first + j) % n``, ``out[s * Tm + t] = rank s's row t`` if
+    ``mask[s * Tm + t]``, else 0. The programs run about in order, so a rank reads its sources in turn from
+    ``first`` (each rank another: no rank's buffer read by every peer at once). ``ptrs``: int64 base addresses of
+    the ranks' buffers; ``offset``: the region's first element in them."""
+    pid = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    s = q // Tm
+    j = pid // Tm
+    s = (first + j) % n
+    q = s * Tm + (pid - j * Tm)
     base = tl.load(ptrs + s).to(tl.pointer_type(out_ptr.dtype.element_ty))
     keep = tl.load(mask_ptr + q) != 0
     m = offs < D
-    v = tl.load(base + offset + (q - s * Tm) * D + offs, mask=m & (offs * 0 + keep.to(tl.int32) > 0), other=0.0)
+    v = tl.load(base + offset + (pid - j * Tm) * D + offs, mask=m & (offs * 0 + keep.to(tl.int32) > 0), other=0.0)
     tl.store(out_ptr + q * D + offs, v, mask=m)
 
 
@@ -92,7 +100,9 @@ def pull_rows_triton(peers: PeerRows, mask_Q: torch.Tensor, t_max: int, D: int, 
     out = torch.empty((Q, D), dtype=peers.views[0].dtype, device=mask_Q.device)
     if Q > 0 and D > 0:
         grid, block = _grid(Q, D)
-        _pull_rows_kernel[grid](peers.ptrs, mask_Q, out, offset, t_max, D, BLOCK_D=block, num_warps=CONFIG["num_warps"])
+        n = len(peers.views)  # each rank starts at its next peer (the kernel's docstring)
+        _pull_rows_kernel[grid](peers.ptrs, mask_Q, out, offset, t_max, D, (peers.rank + 1) % n, n, BLOCK_D=block,
+                                num_warps=CONFIG["num_warps"])
     return out
 
 
