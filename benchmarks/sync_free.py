@@ -43,7 +43,8 @@ buffer, each way), and the padded exchange (two even ``all_to_all_single`` of ``
 beside them (issue 42: the moves under compute): the dispatch's bytes moved by the copy engines (stage, barrier,
 every peer's whole staged block by ``copy_``, barrier; no SM work but the barriers), and a GEMM of about the
 experts' up-projection size alone, then with each dispatch on a side stream at once (does the move hide under it,
-and does the GEMM slow down). ``--moves-only``: the row moves alone (no stack timing, no graphs).
+and does the GEMM slow down), and with the even NCCL all-to-all launched before it (the all-to-all transports'
+overlap). ``--moves-only``: the row moves alone (no stack timing, no graphs).
 """
 
 from __future__ import annotations
@@ -99,12 +100,16 @@ def graphed(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor
     return graph.replay, lambda: (out, x.grad)
 
 
+GEMM_ALONE = "GEMM alone (2T x D x 2F bf16)"  # the probes' compute: about the experts' up-projection
+
+
 def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: torch.Tensor, T: int, n: int,
                     D: int) -> tuple[dict[str, Callable[[], object]], int]:
     """The symmetric transport's two reads with this routing (the dispatch: every rank's ids and weights, then
     the tokens with an expert here; the combine: a row back per token and rank visited), and the peer-copy
     ceiling: a copy-engine ``copy_`` of this rank's off-rank rows' bytes from the next rank's buffer, every
-    rank at once, each way; and the number of those rows."""
+    rank at once, each way; the design probes (module docstring): the dispatch by the copy engines, pulled and
+    pushed, and a GEMM alone and beside each dispatch (:data:`GEMM_ALONE`); and the number of those rows."""
     from spmdmoe.moe.dedup import pack_meta
     from spmdmoe.moe.symmetric import _buffer, _peers, _regions, peer_dispatch, peer_pull_sum
 
@@ -171,7 +176,7 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
 
     return {  # (the keys name rank 0's counts; timed pairs the candidates by position)
         "copy-engine dispatch (stage, barrier, every peer's whole block by copy_, barrier)": ce_dispatch,
-        "GEMM alone (2T x D x 2F bf16)": gemm,
+        GEMM_ALONE: gemm,
         "GEMM + symmetric dispatch op on a side stream": beside(dispatch),
         "GEMM + copy-engine dispatch on a side stream": beside(ce_dispatch),
         "copy-engine push dispatch (every rank's block written into each peer's slot by copy_, barrier, copied "
@@ -398,6 +403,14 @@ def main() -> None:
     if isinstance(first_free := stacks["sync-free eager"][0].transport, SymmetricTransport):
         peer_moves, crossing = symmetric_moves(first_free, x.detach(), ids_TK, T, n, D)
         moves.update(peer_moves)
+        gemm = peer_moves[GEMM_ALONE]
+
+        def a2a_beside() -> None:  # NCCL's own stream: launched, the GEMM, waited for (the all-to-all transports'
+            works = [dist.all_to_all_single(out_even, rows_even, async_op=True) for _ in range(2)]  # overlap)
+            gemm()
+            for w in works:
+                w.wait()
+        moves["GEMM + the even all_to_all_single x 2, launched before it"] = a2a_beside
     moves = timed(moves, args.iters, args.reps)
     progress("row moves timed")
 
