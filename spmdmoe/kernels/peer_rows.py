@@ -97,6 +97,8 @@ def pull_rows_triton(peers: PeerRows, mask_Q: torch.Tensor, t_max: int, D: int, 
     """``(Q, D)`` in the buffers' dtype: row ``s * t_max + t`` is rank ``s``'s row ``t`` (its buffer read from
     element ``offset`` as ``(t_max, D)`` rows) where ``mask_Q`` (bool ``(Q,)``) is set, zero elsewhere."""
     Q = mask_Q.shape[0]
+    if Q != len(peers.views) * t_max:
+        raise ValueError(f"pull_rows: mask_Q has {Q} rows, expected n * t_max = {len(peers.views)} * {t_max}")
     out = torch.empty((Q, D), dtype=peers.views[0].dtype, device=mask_Q.device)
     if Q > 0 and D > 0:
         grid, block = _grid(Q, D)

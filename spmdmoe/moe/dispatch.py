@@ -61,6 +61,9 @@ class Transport(Protocol):
     / ``combine`` do.
     """
 
+    # whether the dispatch's backward exchange is in flight between two autograd nodes (``routed.Dispatching``)
+    backward_in_flight: bool
+
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
                         problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
                         fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
@@ -160,6 +163,8 @@ class AllToAllTransport(Dispatching):
     received token back (the reverse all-to-all), summed over the ranks a token visited. Backward: the
     same moves reversed (gathers, never scatter-adds). Zero rows anywhere are fine.
     """
+
+    backward_in_flight = True
 
     def __init__(self, axis: MeshAxis, num_experts: int, raises: bool = True):
         self.axis = axis

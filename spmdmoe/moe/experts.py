@@ -111,18 +111,18 @@ class GroupedExperts(nn.Module):
 
     def later_wgrad(self) -> Optional[LaterWgrad]:
         """An anchor for the up-projection's weight gradients (``spmdmoe.moe.wgrad_later``), made by the layer
-        between its dispatch's launch and wait, where that split is exact: bf16, ``w1`` and ``w3`` plain packed
-        parameters needing a gradient (this class's, not the integrations' views), not an FSDP2 unit of
+        between its dispatch's launch and wait, where that split is exact: experts not in FP8 (``precision``
+        ``"bf16"``: the activations' dtype), ``w1`` and ``w3`` plain packed parameters both needing a gradient,
+        read as they are (this class's ``read_weights``, not a subclass's views or casts), not an FSDP2 unit of
         their own, no SP sum of them here, grad mode on, not under ``torch.compile``.
         ``None`` elsewhere (one node makes the input and weight gradients)."""
         if (self.precision != "bf16" or self.grad_axis is not None or not torch.is_grad_enabled()
-                or torch.compiler.is_compiling()):
-            return None
-        w1, _, w3 = self.read_weights()
-        # the module's own parameters (not views or casts of them, as the integrations read; not FSDP2's
-        # sharded ones, which its pre-forward hook swaps later, nor a unit FSDP2 reduce-scatters at its input)
-        if (not all(isinstance(w, nn.Parameter) and w.requires_grad for w in (w1, w3)) or joined(w1, w3) is None
-                or _fsdp_unit(self)):
+                or torch.compiler.is_compiling() or type(self).read_weights is not GroupedExperts.read_weights):
+            return None  # (a subclass reading views or casts, as the integrations do: not read here for nothing)
+        w1, w3 = self.w1, self.w3
+        # the module's own parameters (not FSDP2's sharded ones, which its pre-forward hook swaps later, nor a
+        # unit FSDP2 reduce-scatters at its input)
+        if not (w1.requires_grad and w3.requires_grad) or joined(w1, w3) is None or _fsdp_unit(self):
             return None
         return LaterWgrad(w1, w3)
 

@@ -187,11 +187,11 @@ def grouped_mm_pair(
     adjacent, else a copy); measured on H200 at T=16k, K=6: 5.5 ms fwd+bwd for the pair against 6.3 ms
     as two GEMMs (``benchmarks/RESULTS.md``). Otherwise two :func:`grouped_mm` concatenated.
     ``later`` (``wgrad_later.LaterWgrad``, made earlier in the forward by the caller): the weights' gradients
-    come from its anchor, after whatever autograd runs between the two (torch's grouped GEMM only; otherwise
-    its anchor gets no gradient and never runs).
+    come from its anchor, after whatever autograd runs between the two (torch's grouped GEMM, eager, only;
+    otherwise its anchor gets no gradient and never runs).
     """
     if native_grouped_mm_ok(x_MI, w1_eFI):
-        if later is not None:
+        if later is not None and not torch.compiler.is_compiling():  # (the experts compiled alone: one node)
             return _UpProjection.apply(x_MI, w1_eFI.detach(), w3_eFI.detach(), offsets_e, later, later.token)
         return _UpProjection.apply(x_MI, w1_eFI, w3_eFI, offsets_e)
     return torch.cat([grouped_mm(x_MI, w1_eFI, offsets_e, sizes), grouped_mm(x_MI, w3_eFI, offsets_e, sizes)], dim=1)

@@ -173,13 +173,15 @@ class _Layer(nn.Module):
         received = transport.launch_dispatch(h_TD, r.ids_TK, weights_TK, problem=problem, capacity=capacity,
                                              fp8_rows=self.experts.precision == "fp8_rowwise")
         # made between the dispatch's launch and its wait, so its node (the up-projection's weight gradients)
-        # runs in the backward after the wait's, under the input gradient's exchange (wgrad_later.py)
-        later = self.experts.later_wgrad()
+        # runs in the backward after the wait's, under the input gradient's exchange (wgrad_later.py); only
+        # where that exchange is in flight (else the split would only keep the operands longer)
+        later = self.experts.later_wgrad() if transport.backward_in_flight else None
         shared_TD = None  # under the dispatch's rows in flight
         if shared_of is not None and self.shared_experts is not None:
             shared_TD = self.shared_experts(shared_of, *(w[n] for n in SHARED_WEIGHTS))
         routed = received()
-        return transport.combine(self.experts(routed, later=later), routed), shared_TD
+        y = self.experts(routed) if later is None else self.experts(routed, later=later)
+        return transport.combine(y, routed), shared_TD
 
     @staticmethod
     def _plus(out_TD: torch.Tensor, shared_TD: Optional[torch.Tensor]) -> torch.Tensor:

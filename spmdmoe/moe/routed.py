@@ -114,6 +114,11 @@ class Dispatching(ABC):
     """The transports' base (``spmdmoe.moe.dispatch.Transport``): each defines :meth:`launch_dispatch`, which
     starts the dispatch and returns its wait; :meth:`dispatch` is the two at once."""
 
+    # whether the dispatch's backward launches its exchange in one autograd node and waits in another, with
+    # what autograd runs between them under it (the all-to-all transports): the layer then has the experts'
+    # weight gradients made there (``wgrad_later.py``)
+    backward_in_flight: bool = False
+
     @abstractmethod
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
                         problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,

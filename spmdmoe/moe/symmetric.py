@@ -344,6 +344,8 @@ class _Handle:
 class SymmetricTransport(SyncFreeTransport):
     """Sync-free EP over CUDA symmetric memory (the module docstring); ``SyncFreeTransport``'s arguments."""
 
+    backward_in_flight = False  # its moves run on the compute stream, one op each
+
     def sizes(self, t_max: int) -> tuple[int, int]:
         """``(T_max, R)``: no slots here (a source's every token can cross), ``R`` as ``SyncFreeTransport``'s."""
         return t_max, super().sizes(t_max)[1]

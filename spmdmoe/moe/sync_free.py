@@ -139,6 +139,8 @@ class _Handle:
 class SyncFreeTransport(Dispatching):
     """EP over ``axis`` with static capacity and no host sync (see the module docstring)."""
 
+    backward_in_flight = True  # the padded all-to-all's exchanges (``SymmetricTransport``: no)
+
     def __init__(self, axis: MeshAxis, num_experts: int, top_k: int, capacity_factor: Optional[float]):
         self.axis = axis
         self.num_experts = num_experts

@@ -15,10 +15,14 @@ backward, the anchor (``dw1``, ``dw3``: two grouped GEMMs, a third of the expert
 launch's node, which waits for the exchange. The GEMMs are the same on the same operands: the gradients are
 bit for bit those of one node.
 
-Only where it is exact and cheap to prove so: bf16 experts whose ``w1`` and ``w3`` are plain, packed
-parameters (``gemm.joined``), not summed over an SP axis here (``grad_axis``: the sum's node would need the
-gradients first), in eager mode (under ``torch.compile`` inductor schedules the backward itself). FSDP2's
-unpacked experts keep one node: FSDP2 reduce-scatters a unit's gradients when its input gradient is done.
+Only where it pays and is exact and cheap to prove so: a transport whose backward exchange is in flight
+between two nodes (``Dispatching.backward_in_flight``: the all-to-all ones); experts not in FP8 whose ``w1``
+and ``w3`` are plain, packed parameters (``gemm.joined``) read as they are (``GroupedExperts.later_wgrad``), not
+summed over an SP axis here (``grad_axis``: the sum's node would need the gradients first), in eager mode
+(under ``torch.compile`` inductor schedules the backward itself). FSDP2's unpacked experts keep one node: FSDP2
+reduce-scatters a unit's gradients when its input gradient is done. A backward that reaches the up-projection
+but not the weights (``torch.autograd.grad`` of the input alone) leaves the operands held until the graph is
+freed, where one node would have freed them with its saved tensors.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ plan           axes                      batches
 ``gather``     SP = world, gather mode   one batch; experts' hidden dim split over SP
 ``gather_ep``  2x2 gather on "sp", EP    two batches, gathered over SP, dispatched over EP
 =============  ========================  =====================================================
+
+The 2-D plans run on 2 x (world / 2) meshes (``mesh2d``): 2x2 on 4 ranks, 2x4 on 8; not on 2 (2x1 has no SP).
 """
 
 from __future__ import annotations
@@ -77,23 +79,23 @@ def build_plan(name: str, moe: MoE, total: int, world, request, layer: Any = Non
     ``ep_options``: ``ep_mode``, ``capacity_factor``, ``max_tokens`` for the plans with EP."""
     n, rank, E, F = world.size(), world.get_local_rank(), moe.config.num_experts, moe.config.hidden_dim
     if name in FOUR_RANK_PLANS:
-        if n != 4:
-            pytest.skip("the 2x2 plans need 4 ranks")
-        mesh = request.getfixturevalue("mesh2x2")
+        if n < 4 or n % 2:
+            pytest.skip("the 2x2 plans need an even number of ranks, 4 or more")
+        mesh = request.getfixturevalue("mesh2d")  # 2 x (n / 2): the EP "dp" dim of 2, SP over the rest
         ep, sp = mesh["dp"], mesh["sp"]
-        b, s = ep.get_local_rank(), sp.get_local_rank()
+        m, b, s = sp.size(), ep.get_local_rank(), sp.get_local_rank()
         b_off, b_rows = layout.chunk_offset(total, 2, b), layout.local_tokens(total, 2, b)
-        start = b_off + layout.chunk_offset(b_rows, 2, s)
-        rows = slice(start, start + layout.local_tokens(b_rows, 2, s))
+        start = b_off + layout.chunk_offset(b_rows, m, s)
+        rows = slice(start, start + layout.local_tokens(b_rows, m, s))
         gather = name == "gather_ep"
         layer = layer or parallelize_moe(moe, sp_mesh=sp, ep_mesh=ep, sp_mode="gather" if gather else "local",
                                          **ep_options)
         wrap = lambda t: spmdmoe.from_local(t, sp, global_tokens=b_rows)  # noqa: E731
-        f0 = layout.chunk_offset(F, 2, s) if gather else 0
-        hidden = slice(f0, f0 + (layout.local_tokens(F, 2, s) if gather else F))
+        f0 = layout.chunk_offset(F, m, s) if gather else 0
+        hidden = slice(f0, f0 + (layout.local_tokens(F, m, s) if gather else F))
         e = E // 2
         halves = [slice(layout.chunk_offset(total, 2, i), layout.chunk_offset(total, 2, i) + layout.local_tokens(total, 2, i)) for i in range(2)]
-        return Plan(name, layer, rows, wrap, ep.get_group(), slice(b * e, (b + 1) * e), hidden, sp.get_group(), 2 if gather else 1, halves)
+        return Plan(name, layer, rows, wrap, ep.get_group(), slice(b * e, (b + 1) * e), hidden, sp.get_group(), m if gather else 1, halves)
     if name == "ep":
         off, size = _batches(total, n)[rank]
         layer = layer or parallelize_moe(moe, ep_mesh=world, **ep_options)

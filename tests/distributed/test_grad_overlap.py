@@ -218,7 +218,7 @@ def test_deepcopy_runs_the_copy(device):
             p.mul_(2)
     leaf, x = _input(13, device)
     y, y_copy = block(x), copy_(x)
-    assert not torch.equal(y, y_copy)
+    assert y.numel() == 0 or not torch.equal(y, y_copy)  # (a rank holding none of the 13 rows: 8 ranks and more)
     y_copy.pow(2).sum().backward()
     assert all(p.grad is None for p in block.parameters())
     assert all(p.grad is not None for p in copy_.parameters())
