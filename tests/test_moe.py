@@ -487,13 +487,17 @@ def test_experts_on_a_capacity_buffer_never_read_past_valid_rows(dims):
 
 
 def test_experts_pack_w1_w3_side_by_side():
-    """w1 and w3 share one storage after construction and after .to(), so the up-projection is one GEMM
-    on a view; their gradients are contiguous (no copy by autograd); unpack() gives each its own."""
+    """w1 and w3 share one storage after construction, after .to() and in a deepcopy, so the up-projection is
+    one GEMM on a view; their gradients are contiguous (no copy by autograd); unpack() gives each its own."""
+    import copy
+
     from spmdmoe.moe.gemm import joined
 
     moe = MoE(MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2)).to(torch.float64)
     ex = moe.experts
     assert joined(ex.w1, ex.w3) is not None
+    twin = copy.deepcopy(ex)
+    assert joined(twin.w1, twin.w3) is not None and torch.equal(twin.w1, ex.w1) and torch.equal(twin.w3, ex.w3)
     moe.to(torch.float32)  # fp32: the fused GEMM path (torch's grouped GEMM) on CPU
     assert joined(ex.w1, ex.w3) is not None
     w1 = ex.w1.detach().clone()
@@ -502,7 +506,9 @@ def test_experts_pack_w1_w3_side_by_side():
     ex.unpack()
     assert joined(ex.w1, ex.w3) is None and ex.w1.is_contiguous() and torch.equal(ex.w1, w1)
     ex.to(torch.float64)
-    assert joined(ex.w1, ex.w3) is None  # unpacked stays unpacked (FSDP2)
+    assert joined(ex.w1, ex.w3) is None  # unpacked stays unpacked (FSDP2), in a copy too
+    twin = copy.deepcopy(ex)
+    assert joined(twin.w1, twin.w3) is None and not twin.packing
 
 
 def test_output_may_be_modified_in_place():

@@ -93,6 +93,13 @@ class GroupedExperts(nn.Module):
         self.packing = False
         self.w1.data, self.w3.data = self.w1.data.contiguous(), self.w3.data.contiguous()
 
+    def __setstate__(self, state: dict) -> None:
+        """``copy.deepcopy`` / unpickling copy ``w1`` and ``w3`` one by one: packed again here (the copy's
+        up-projection stays one grouped GEMM on a view, not a join per step)."""
+        super().__setstate__(state)
+        if self.packing:
+            self.pack()
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         out = super()._apply(fn, recurse)
         if self.packing:
