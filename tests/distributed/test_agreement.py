@@ -59,14 +59,15 @@ def self_groups():
 def _plan(name, world, request, device, total=23):
     moe = reference_moe(CFG, 0, device)
     if name == "sp_ep_dp":  # EP on the SP axis, plus a dp axis: the count exchange does not span the layer
-        if world.size() != 4:
-            pytest.skip("needs 4 ranks")
-        mesh = request.getfixturevalue("mesh2x2")
+        if world.size() < 4 or world.size() % 2:
+            pytest.skip("needs an even number of ranks, 4 or more")
+        mesh = request.getfixturevalue("mesh2d")  # 2 x world/2: 2x2 on 4 ranks
         layer = parallelize_moe(moe, sp_mesh=mesh["sp"], ep_mesh=mesh["sp"], dp_mesh=mesh["dp"])
         sp, b = mesh["sp"], mesh["dp"].get_local_rank()
+        m = sp.size()
         b_rows = layout.local_tokens(total, 2, b)
-        start = layout.chunk_offset(total, 2, b) + layout.chunk_offset(b_rows, 2, sp.get_local_rank())
-        rows = slice(start, start + layout.local_tokens(b_rows, 2, sp.get_local_rank()))
+        start = layout.chunk_offset(total, 2, b) + layout.chunk_offset(b_rows, m, sp.get_local_rank())
+        rows = slice(start, start + layout.local_tokens(b_rows, m, sp.get_local_rank()))
 
         return SimpleNamespace(layer=layer, rows=rows, wrap=lambda t: spmdmoe.from_local(t, sp, global_tokens=b_rows))
     return build_plan(name, moe, total, world, request)
@@ -208,13 +209,13 @@ def test_bad_rank_runs_every_backward_upstream(world, device, request, plan_name
 
 
 @pytest.mark.timeout(60)
-def test_whole_sp_group_without_token_count_beside_ep_peers(world, device, request, mesh2x2):
-    """Gather mode over sp with EP over dp: both ranks of one SP group pass plain rows (no T to
+def test_whole_sp_group_without_token_count_beside_ep_peers(world, device, request):
+    """Gather mode over sp with EP over dp: every rank of one SP group passes plain rows (no T to
     gather at); they stand in zero tokens, the EP peers go on, and every rank raises at the step boundary."""
     plan = _plan("gather_ep", world, request, device)
     X = reference_tensor((23, D), 1, device=device)
     x = plan.wrap(X[plan.rows].clone().requires_grad_())
-    if mesh2x2["dp"].get_local_rank() == 0:
+    if request.getfixturevalue("mesh2d")["dp"].get_local_rank() == 0:
         x = x.local
     assert_raises_everywhere(SPMDLayoutError, lambda: _step(plan.layer, x), match=r"\(rank 0: input is not in")
 
@@ -259,10 +260,13 @@ def test_plain_moe_in_a_job_of_several_processes(world, device):
 
 
 @pytest.mark.timeout(60)
-def test_layers_that_differ_per_pipeline_stage(world, device, mesh2x2):
+def test_layers_that_differ_per_pipeline_stage(world, device, request):
     """Each dp row here plays a pipeline stage with its own layer: agreeing over the world rejects it
     (the weights differ), agreeing over the stage's group accepts it; load_state_dict agrees there too."""
-    stage, sp = mesh2x2["dp"].get_local_rank(), mesh2x2["sp"]
+    if world.size() < 4 or world.size() % 2:
+        pytest.skip("needs an even number of ranks, 4 or more")
+    mesh = request.getfixturevalue("mesh2d")  # 2 x world/2: 2x2 on 4 ranks
+    stage, sp = mesh["dp"].get_local_rank(), mesh["sp"]
     moe = reference_moe(CFG, 10 + stage, device)
     assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(moe, sp_mesh=sp), match=r"weights")
     layer = parallelize_moe(moe, sp_mesh=sp, agree_over=sp)

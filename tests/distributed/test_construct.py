@@ -102,14 +102,17 @@ def test_from_local_varying(world, device):
     assert v.local_tokens == rows and v.placement == Varying()
 
 
-def test_named_dim_of_2d_mesh(mesh2x2, device):
+def test_named_dim_of_2d_mesh(mesh2d, device):
+    """Each named dim of a 2 x world/2 mesh (2x2 on 4 ranks) as an axis, by the sub-mesh or by (mesh, name)."""
+    if dist.get_world_size() < 4:
+        pytest.skip("a 2-D mesh with both dims above 1 needs 4 ranks or more")
     for name in ("sp", "dp"):
-        sub = mesh2x2[name]
+        sub = mesh2d[name]
         full = reference_tensor((5, 2), seed=5, device=device)
         x = spmdmoe.shard(full, sub)
-        y = spmdmoe.from_local(x.local, (mesh2x2, name), global_tokens=5)
-        assert x.axis == y.axis and x.axis.size == 2
-        assert x.local_tokens == [3, 2][sub.get_local_rank()]
+        y = spmdmoe.from_local(x.local, (mesh2d, name), global_tokens=5)
+        assert x.axis == y.axis and x.axis.size == sub.size()
+        assert x.local_tokens == layout.local_tokens(5, sub.size(), sub.get_local_rank())  # 3, 2 on 2 ranks
         assert_close_everywhere(_gather_rows(y), full, rtol=0, atol=0)
 
 
@@ -144,19 +147,20 @@ def test_from_local_exchanges_the_same_with_checks_off(world, device, monkeypatc
     assert calls == [1, 1, 1, 1]
 
 
-def test_mesh_axis_cache_follows_groups_and_stays_bounded(mesh2x2, device):
+def test_mesh_axis_cache_follows_groups_and_stays_bounded(mesh2d, device):
     """Two equal-looking meshes with different groups get different axes; re-indexing a mesh
     (a new DeviceMesh object each time) neither grows the cache nor changes the axis."""
     from spmdmoe.types import mesh as mesh_module
 
-    other = spmdmoe.init_mesh(mesh2x2.device_type, (2, 2), mesh_dim_names=("dp", "sp"))
-    assert other["sp"] == mesh2x2["sp"]  # DeviceMesh equality ignores the groups
-    a, b = spmdmoe.mesh_axis(mesh2x2["sp"]), spmdmoe.mesh_axis(other["sp"])
-    assert a.group is mesh2x2["sp"].get_group() and b.group is other["sp"].get_group() and a != b
+    mesh = mesh2d  # 2 x world/2 (2x2 on 4 ranks)
+    other = spmdmoe.init_mesh(mesh.device_type, tuple(mesh.shape), mesh_dim_names=("dp", "sp"))
+    assert other["sp"] == mesh["sp"]  # DeviceMesh equality ignores the groups
+    a, b = spmdmoe.mesh_axis(mesh["sp"]), spmdmoe.mesh_axis(other["sp"])
+    assert a.group is mesh["sp"].get_group() and b.group is other["sp"].get_group() and a != b
     size = len(mesh_module._cache)
     for _ in range(20):
-        assert spmdmoe.mesh_axis(mesh2x2["sp"]) is a and spmdmoe.mesh_axis((mesh2x2, "sp")) is a
-        spmdmoe.shard(torch.zeros(5, 2, device=device), mesh2x2["sp"])
+        assert spmdmoe.mesh_axis(mesh["sp"]) is a and spmdmoe.mesh_axis((mesh, "sp")) is a
+        spmdmoe.shard(torch.zeros(5, 2, device=device), mesh["sp"])
     assert len(mesh_module._cache) == size
 
 
