@@ -28,6 +28,7 @@ from .fp8 import fp8_swiglu, quantize_weights
 from .fp8_cache import Fp8WeightCache, fresh_cache
 from .gemm import plain_tensor, grouped_mm, grouped_mm_pair, joined
 from .grads import sync_grads
+from .overlap import is_fsdp_unit
 from .permute import weighted_combine
 from .wgrad_later import LaterWgrad
 
@@ -129,7 +130,7 @@ class GroupedExperts(nn.Module):
         w1, w3 = self.w1, self.w3
         # the module's own parameters (not FSDP2's sharded ones, which its pre-forward hook swaps later, nor a
         # unit FSDP2 reduce-scatters at its input)
-        if not (w1.requires_grad and w3.requires_grad) or joined(w1, w3) is None or _fsdp_unit(self):
+        if not (w1.requires_grad and w3.requires_grad) or joined(w1, w3) is None or is_fsdp_unit(self):
             return None
         return LaterWgrad(w1, w3)
 
@@ -148,13 +149,6 @@ class GroupedExperts(nn.Module):
                               self.fp8_wgrad, routed.fp8_rows, routed.weights_R, routed.copies_TK)
         y_RD = grouped_swiglu(routed, *weights, later=later)
         return y_RD if routed.copies_TK is None else weighted_combine(y_RD, routed.copies_TK, None)
-
-
-def _fsdp_unit(module: nn.Module) -> bool:
-    """Whether FSDP2's ``fully_shard`` made ``module`` a unit (its post-backward then reduce-scatters the
-    gradients once the unit's input gradient is done)."""
-    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
-    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
 
 
 def experts_block(src: GroupedExperts, experts: slice, hidden: slice, precision: str, fp8_wgrad: str
