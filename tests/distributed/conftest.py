@@ -231,6 +231,15 @@ def mesh2d(request):
     return _mesh2d_once(n)
 
 
+@pytest.fixture
+def mesh2d_wide(request):
+    """``mesh2d`` with both dims above 1: 2x2 on 4 ranks, 2x4 on 8 (the 2-D plans: EP over "dp", SP over "sp")."""
+    n = dist.get_world_size()
+    if n < 4:
+        pytest.skip(f"a (2, world / 2) mesh with both dims above 1 needs 4 ranks or more, found {n}")
+    return request.getfixturevalue("mesh2d")
+
+
 _MESH2D: dict[int, DeviceMesh] = {}
 
 

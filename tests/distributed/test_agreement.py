@@ -59,9 +59,7 @@ def self_groups():
 def _plan(name, world, request, device, total=23):
     moe = reference_moe(CFG, 0, device)
     if name == "sp_ep_dp":  # EP on the SP axis, plus a dp axis: the count exchange does not span the layer
-        if world.size() < 4 or world.size() % 2:
-            pytest.skip("needs an even number of ranks, 4 or more")
-        mesh = request.getfixturevalue("mesh2d")  # 2 x world/2: 2x2 on 4 ranks
+        mesh = request.getfixturevalue("mesh2d_wide")  # 2 x world/2: 2x2 on 4 ranks
         layer = parallelize_moe(moe, sp_mesh=mesh["sp"], ep_mesh=mesh["sp"], dp_mesh=mesh["dp"])
         sp, b = mesh["sp"], mesh["dp"].get_local_rank()
         m = sp.size()
@@ -215,7 +213,7 @@ def test_whole_sp_group_without_token_count_beside_ep_peers(world, device, reque
     plan = _plan("gather_ep", world, request, device)
     X = reference_tensor((23, D), 1, device=device)
     x = plan.wrap(X[plan.rows].clone().requires_grad_())
-    if request.getfixturevalue("mesh2d")["dp"].get_local_rank() == 0:
+    if request.getfixturevalue("mesh2d_wide")["dp"].get_local_rank() == 0:
         x = x.local
     assert_raises_everywhere(SPMDLayoutError, lambda: _step(plan.layer, x), match=r"\(rank 0: input is not in")
 
@@ -260,13 +258,10 @@ def test_plain_moe_in_a_job_of_several_processes(world, device):
 
 
 @pytest.mark.timeout(60)
-def test_layers_that_differ_per_pipeline_stage(world, device, request):
+def test_layers_that_differ_per_pipeline_stage(world, device, mesh2d_wide):
     """Each dp row here plays a pipeline stage with its own layer: agreeing over the world rejects it
     (the weights differ), agreeing over the stage's group accepts it; load_state_dict agrees there too."""
-    if world.size() < 4 or world.size() % 2:
-        pytest.skip("needs an even number of ranks, 4 or more")
-    mesh = request.getfixturevalue("mesh2d")  # 2 x world/2: 2x2 on 4 ranks
-    stage, sp = mesh["dp"].get_local_rank(), mesh["sp"]
+    stage, sp = mesh2d_wide["dp"].get_local_rank(), mesh2d_wide["sp"]
     moe = reference_moe(CFG, 10 + stage, device)
     assert_raises_everywhere(MoEConfigError, lambda: parallelize_moe(moe, sp_mesh=sp), match=r"weights")
     layer = parallelize_moe(moe, sp_mesh=sp, agree_over=sp)

@@ -190,7 +190,7 @@ def test_grid_mesh_is_an_exchange_within_the_ep_group_made_once():
 
 @pytest.mark.one_rank_bad
 @pytest.mark.parametrize("bad", ["missing", "plain"])
-def test_bad_entry_on_one_rank_with_dtensors_wider_than_the_layers_group(world, device, request, bad):
+def test_bad_entry_on_one_rank_with_dtensors_wider_than_the_layers_group(world, device, mesh2d_wide, bad):
     """The experts are DTensors sharded over the whole world; the layer's EP group (and its agree_over) is one
     axis of a 2x2 mesh (2 x world/2 on more ranks). Before: the bad rank's group agreed and raised, while the other group went on into the
     DTensors' own gathers over the world and waited there. The load now agrees over the world whenever some
@@ -198,9 +198,7 @@ def test_bad_entry_on_one_rank_with_dtensors_wider_than_the_layers_group(world, 
     ref = reference_moe(CFG, 9, device)
     sd = {k: (distribute_tensor(v.detach(), world, [DShard(0)]) if k.startswith("experts.") else v.detach().clone())
           for k, v in ref.state_dict().items()}
-    if world.size() < 4 or world.size() % 2:
-        pytest.skip("needs an even number of ranks, 4 or more")
-    ep = request.getfixturevalue("mesh2d")["sp"]
+    ep = mesh2d_wide["sp"]
     layer = parallelize_moe(reference_moe(CFG, 10, device), ep_mesh=ep, agree_over=ep)
     last = world.size() - 1
     if dist.get_rank() == last:

@@ -25,9 +25,7 @@ def axis_mesh(request, world, device):
     """The world axis, or the 'sp' dim of a 2 x world/2 mesh (a sub-group: 2 ranks of 4, 4 of 8)."""
     if request.param == "world":
         return world
-    if dist.get_world_size() < 4 or dist.get_world_size() % 2:
-        pytest.skip("the 2-D mesh needs an even number of ranks, 4 or more")
-    return request.getfixturevalue("mesh2d")["sp"]
+    return request.getfixturevalue("mesh2d_wide")["sp"]
 
 
 def _seed(total, features, tag):

@@ -102,15 +102,13 @@ def test_from_local_varying(world, device):
     assert v.local_tokens == rows and v.placement == Varying()
 
 
-def test_named_dim_of_2d_mesh(mesh2d, device):
+def test_named_dim_of_2d_mesh(mesh2d_wide, device):
     """Each named dim of a 2 x world/2 mesh (2x2 on 4 ranks) as an axis, by the sub-mesh or by (mesh, name)."""
-    if dist.get_world_size() < 4:
-        pytest.skip("a 2-D mesh with both dims above 1 needs 4 ranks or more")
     for name in ("sp", "dp"):
-        sub = mesh2d[name]
+        sub = mesh2d_wide[name]
         full = reference_tensor((5, 2), seed=5, device=device)
         x = spmdmoe.shard(full, sub)
-        y = spmdmoe.from_local(x.local, (mesh2d, name), global_tokens=5)
+        y = spmdmoe.from_local(x.local, (mesh2d_wide, name), global_tokens=5)
         assert x.axis == y.axis and x.axis.size == sub.size()
         assert x.local_tokens == layout.local_tokens(5, sub.size(), sub.get_local_rank())  # 3, 2 on 2 ranks
         assert_close_everywhere(_gather_rows(y), full, rtol=0, atol=0)
