@@ -131,7 +131,9 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
     # block copied (every token, needed or not: at EP 2 top-6 of 64, 98.8 % are), barrier
     rows_all = peers.views
     meta_peers = _peers(st, meta_TW.dtype).views
-    W, x_off = meta_TW.shape[1], -(-T * meta_TW.shape[1] * 4 // 16) * 16 // x_TD.element_size()
+    W, size = meta_TW.shape[1], x_TD.element_size()
+    x_off = _regions([(T * W, meta_TW.dtype), (T * D, x_TD.dtype)])[0][1] // size  # peer_dispatch's staging layout
+    order = [(me + 1 + j) % n for j in range(n)]  # each rank from its next peer on (the pull kernel's order)
     ce_x = torch.empty(n * T, D, device=x_TD.device, dtype=x_TD.dtype)
     ce_meta = torch.empty(n * T, W, device=x_TD.device, dtype=meta_TW.dtype)
 
@@ -139,7 +141,7 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
         meta_peers[me][: T * W].view(T, W).copy_(meta_TW)
         rows_all[me][x_off: x_off + T * D].view(T, D).copy_(x_TD)
         st.hdl.barrier(channel=0)
-        for s in [(me + 1 + j) % n for j in range(n)]:  # each rank from its next peer on (the pull kernel's order)
+        for s in order:
             ce_meta[s * T: (s + 1) * T].copy_(meta_peers[s][: T * W].view(T, W))
             ce_x[s * T: (s + 1) * T].copy_(x_TD if s == me else rows_all[s][x_off: x_off + T * D].view(T, D))
         st.hdl.barrier(channel=0)
@@ -147,10 +149,10 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
     # pushed instead (NVLink writes, as NCCL and DeepEP's kernels move rows; pulls are reads): each rank's ids and
     # rows copied into every rank's buffer at its source slot by copy_, barrier, each rank's n slots copied out
     # into its own tensors, barrier
-    p_x = -(-n * T * W * 4 // 16) * 16 // x_TD.element_size()
+    p_x = _regions([(n * T * W, meta_TW.dtype), (n * T * D, x_TD.dtype)])[0][1] // size
 
     def ce_push() -> None:
-        for d in [(me + 1 + j) % n for j in range(n)]:
+        for d in order:
             meta_peers[d][me * T * W: (me + 1) * T * W].view(T, W).copy_(meta_TW)
             rows_all[d][p_x + me * T * D: p_x + (me + 1) * T * D].view(T, D).copy_(x_TD)
         st.hdl.barrier(channel=0)
