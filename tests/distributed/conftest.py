@@ -5,7 +5,7 @@ CPU, NCCL when CUDA is present (each rank on ``cuda:LOCAL_RANK``). Tests that
 need exactly four ranks are marked ``world4``. Every test gets a 120 s
 timeout unless it sets its own, so a hang fails fast instead of blocking CI.
 Tests marked ``one_rank_bad`` (an input wrong on one rank) get process groups
-of their own with a 30 s timeout in the ``world`` and ``mesh2x2`` fixtures,
+of their own with a 30 s timeout in the ``world``, ``mesh2x2`` and ``mesh2d`` fixtures,
 made afresh after any failure, so reverting a fix fails that test instead of
 hanging the suite (``fresh_mesh``). On NCCL a collective timeout kills the
 process: ``benchmarks/gpu_session.sh`` runs each file in its own ``torchrun``.
