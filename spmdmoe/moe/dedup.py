@@ -26,11 +26,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ..collectives.alltoall import exchange_launched, exchanged_op
+from ..collectives.alltoall import exchange_launched
 from ..types.mesh import MeshAxis
 from .permute import scatter_rows, weighted_combine
 
-__all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta", "launch_tokens", "send_back"]
+__all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta", "launch_tokens", "launch_back"]
 
 
 def destinations(ids_TK: torch.Tensor, local_experts: int, ranks: int) -> torch.Tensor:
@@ -103,8 +103,11 @@ def launch_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Te
     return lambda: (x_wait(), *unpack_meta(meta_wait(), axis.rank, local_experts, live_Q))
 
 
-def send_back(y_QD: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis
-              ) -> torch.Tensor:
+def launch_back(y_QD: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis
+                ) -> Callable[[], torch.Tensor]:
     """The experts' row per received token back to its rank (the reverse of :func:`launch_tokens`' exchange),
-    and each token's rows summed over the ranks it visited (fp32, rounded once): ``(T, D)``."""
-    return weighted_combine(exchanged_op(y_QD, recv, send, axis, 0), pos_Tn, None)
+    started now; the call it returns waits and gives each token's rows summed over the ranks it visited (fp32,
+    rounded once): ``(T, D)``. One ``all_to_all_single`` over ``axis`` in flight until that call
+    (:func:`spmdmoe.collectives.alltoall.exchange_launched`); its reverse in the backward."""
+    rows_wait = exchange_launched(y_QD, recv, send, axis, 0)
+    return lambda: weighted_combine(rows_wait(), pos_Tn, None)

@@ -45,7 +45,7 @@ from ..agreement import GRAD_OFF, grad_mode_codes, raise_problems
 from ..collectives.alltoall import exchange_split_sizes
 from ..sticky import Problem
 from ..types.mesh import MeshAxis
-from .dedup import destinations, launch_tokens, send_back, send_positions
+from .dedup import destinations, launch_back, launch_tokens, send_positions
 from .permute import count_per_expert, weighted_combine
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .symmetric import SymmetricTransport, symmetric_usable
@@ -104,17 +104,25 @@ class Transport(Protocol):
         """:meth:`launch_dispatch` and its wait, nothing in between."""
         ...
 
-    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
-        """Return the experts' rows to their tokens: ``out[t] = sum_k weights_TK[t, k] * y[copy (t, k)]``.
+    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
+        """Return the experts' rows to their tokens, started now: the call it returns waits and gives
+        ``out[t] = sum_k weights_TK[t, k] * y[copy (t, k)]``. Work issued in between (the shared experts) runs
+        while the rows travel, and its backward while their gradient does.
 
         Args:
             y_QD: ``(Q, D)``: what the experts returned for ``routed`` (each received row's weighted sum of
                 its copies; ``Q = T`` for the local transport).
-            routed: what :meth:`dispatch` returned in this forward.
+            routed: what the dispatch returned in this forward.
 
-        Returns ``(T, D)`` in ``y_QD``'s dtype: a token's rows summed over the ranks it visited in fp32,
-        rounded once. Backward: the output gradient back to each visited rank; the reverse collectives.
+        Returns (from the call) ``(T, D)`` in ``y_QD``'s dtype: a token's rows summed over the ranks it visited
+        in fp32, rounded once. Backward: the output gradient back to each visited rank; the reverse
+        collectives, launched where the gradient reaches the wait's node and waited for at the launch's. The
+        returned call must be made once, on every rank, before the next collective of the transport's group.
         """
+        ...
+
+    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """:meth:`launch_combine` and its wait, nothing in between."""
         ...
 
 
@@ -137,10 +145,11 @@ class LocalTransport(Dispatching):
         routed = dataclasses.replace(routed, handle=routed.copies_TK)
         return lambda: routed
 
-    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
         """The experts summed each token's weighted copies already: ``y_QD`` is the output (experts that
-        return a row per copy, ``routed.copies_TK`` withheld, are summed here)."""
-        return y_QD if routed.copies_TK is not None else weighted_combine(y_QD, routed.handle, None)
+        return a row per copy, ``routed.copies_TK`` withheld, are summed here, now)."""
+        out_TD = y_QD if routed.copies_TK is not None else weighted_combine(y_QD, routed.handle, None)
+        return lambda: out_TD
 
 
 @dataclass(frozen=True)
@@ -203,10 +212,11 @@ class AllToAllTransport(Dispatching):
         return lambda: routed_copies(*received(), e, sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
                                      handle=_Exchange(pos_Tn, send, recv))
 
-    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
-        """:meth:`Transport.combine`: the rows back, a token's summed over the ranks it visited."""
+    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
+        """:meth:`Transport.launch_combine`: the rows back (``all_to_all_single``, launched now), a token's summed
+        over the ranks it visited at the wait."""
         ex: _Exchange = routed.handle
-        return send_back(y_QD, ex.pos_Tn, ex.send, ex.recv, self.axis)
+        return launch_back(y_QD, ex.pos_Tn, ex.send, ex.recv, self.axis)
 
 
 def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k: int,

@@ -144,8 +144,9 @@ class _Layer(nn.Module):
         ``problem``: this rank's problem bits so far; the router adds non-finite
         logits of its own rows (checks on) and the transport carries or records them.
         ``capacity``: the sync-free transport's ``Capacity`` (``T_max`` and the overflow buffer), else ``None``.
-        ``shared_of``: the rows the shared experts take (``None``: no shared output), run while the dispatch's
-        rows travel (``Transport.launch_dispatch``); the caller adds their output.
+        ``shared_of``: the rows the shared experts take (``None``: no shared output), run while the combine's
+        rows travel (``Transport.launch_combine``), their backward while the output gradient does; the caller
+        adds their output.
         """
         cfg = self.config
         r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
@@ -176,12 +177,15 @@ class _Layer(nn.Module):
         # runs in the backward after the wait's, under the input gradient's exchange (wgrad_later.py); only
         # where that exchange is in flight (else the split would only keep the operands longer)
         later = self.experts.later_wgrad() if transport.backward_in_flight else None
-        shared_TD = None  # under the dispatch's rows in flight
-        if shared_of is not None and self.shared_experts is not None:
-            shared_TD = self.shared_experts(shared_of, *(w[n] for n in SHARED_WEIGHTS))
         routed = received()
         y = self.experts(routed) if later is None else self.experts(routed, later=later)
-        return transport.combine(y, routed), shared_TD
+        returned = transport.launch_combine(y, routed)
+        # under the combine's rows in flight, and (made between its launch and wait) their backward under the
+        # output gradient's exchange, as the anchor's weight gradients are under dx's
+        shared_TD = None
+        if shared_of is not None and self.shared_experts is not None:
+            shared_TD = self.shared_experts(shared_of, *(w[n] for n in SHARED_WEIGHTS))
+        return returned(), shared_TD
 
     @staticmethod
     def _plus(out_TD: torch.Tensor, shared_TD: Optional[torch.Tensor]) -> torch.Tensor:

@@ -111,8 +111,9 @@ def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torc
 
 
 class Dispatching(ABC):
-    """The transports' base (``spmdmoe.moe.dispatch.Transport``): each defines :meth:`launch_dispatch`, which
-    starts the dispatch and returns its wait; :meth:`dispatch` is the two at once."""
+    """The transports' base (``spmdmoe.moe.dispatch.Transport``): each defines :meth:`launch_dispatch` and
+    :meth:`launch_combine`, which start a move and return its wait; :meth:`dispatch` and :meth:`combine` are the
+    two at once."""
 
     # whether the dispatch's backward launches its exchange in one autograd node and waits in another, with
     # what autograd runs between them under it (the all-to-all transports): the layer then has the experts'
@@ -131,3 +132,11 @@ class Dispatching(ABC):
         """:meth:`Transport.dispatch`."""
         return self.launch_dispatch(x_TD, ids_TK, weights_TK, problem=problem, capacity=capacity,
                                     fp8_rows=fp8_rows)()
+
+    @abstractmethod
+    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
+        """``spmdmoe.moe.dispatch.Transport.launch_combine``."""
+
+    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """:meth:`Transport.combine`."""
+        return self.launch_combine(y_QD, routed)()

@@ -60,7 +60,7 @@ from ..sticky import Problem
 from ..host import to_host
 from ..types import layout
 from ..types.mesh import MeshAxis
-from .dedup import destinations, launch_tokens, send_back, send_positions
+from .dedup import destinations, launch_back, launch_tokens, send_positions
 from .permute import count_per_expert
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .token_exchange import exchange_tokens
@@ -207,12 +207,12 @@ class SyncFreeTransport(Dispatching):
         received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, [S] * n, [S] * n, self.axis, e, live_Q)
         return lambda: routed_copies(*received(), e, R, fp8_rows=fp8_rows, handle=_Handle(pos_Tn, S))
 
-    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
-        """:meth:`Transport.combine`: the rows back (the reverse even exchange), a token's summed over the
-        ranks it visited."""
+    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
+        """:meth:`Transport.launch_combine`: the rows back (the reverse even exchange, launched now), a token's
+        summed over the ranks it visited at the wait."""
         h: _Handle = routed.handle
         n = self.axis.size
-        return send_back(y_QD, h.pos_Tn, [h.slot] * n, [h.slot] * n, self.axis)
+        return launch_back(y_QD, h.pos_Tn, [h.slot] * n, [h.slot] * n, self.axis)
 
     def overflow_message(self, state: torch.Tensor, layer: str) -> Optional[str]:
         """What overflowed since the last check (``None``: nothing), read from ``state`` (one host read; the

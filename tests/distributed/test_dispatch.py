@@ -137,8 +137,8 @@ def test_problem_bits_ride_the_count_exchange(world, device):
 def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkeypatch, options):
     """``docs/design.md``: of an EP forward autograd keeps the index maps and the experts' own tensors,
     nothing of the send or receive buffers (the rows and the ids-and-weights each way, the combine's rows).
-    Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, the received rows of
-    ``dedup.exchange_launched`` and ``dedup.exchanged_op``) is recorded, and so is every tensor autograd saves
+    Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, the input and received rows of
+    ``dedup.exchange_launched``) is recorded, and so is every tensor autograd saves
     in the forward: none of the saved ones may share a buffer's storage. A second forward records the
     buffers by weak references only: the dispatch's are gone when the experts run (their rows are in the
     experts' own buffer by then) and none outlives the forward."""
@@ -153,18 +153,17 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
         if t.numel():
             buffers.append((StorageWeakRef(t.untyped_storage()) if weak[0] else t, tuple(t.shape), dispatch))
 
-    def recorded(fn, inputs=False, dispatch=False):
+    def recorded(fn, dispatch=False):
         def call(*args):
             out = fn(*args)
-            if inputs:  # an exchange's input: the combine's rows too
-                note(args[0], dispatch)
             note(out, dispatch)
             return out
         return call
 
     monkeypatch.setattr(dedup, "scatter_rows", recorded(dedup.scatter_rows, dispatch=True))
-    monkeypatch.setattr(dedup, "exchanged_op", recorded(dedup.exchanged_op, inputs=True))
-    launch = dedup.exchange_launched  # the dispatch's exchanges: their input now, their rows at the wait
+    # the exchanges (the dispatch's two, the combine's, made after the experts ran): their input now, their rows
+    # at the wait
+    launch = dedup.exchange_launched
     monkeypatch.setattr(dedup, "exchange_launched",
                         lambda local, *a: (note(local, True), recorded(launch(local, *a), dispatch=True))[1])
     cfg = MoEConfig(dim=8, hidden_dim=16, num_experts=2 * world.size(), top_k=2, num_shared_experts=1)
@@ -202,13 +201,15 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
 
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
 @pytest.mark.parametrize("options", [{}, {"ep_mode": "sync_free", "max_tokens": 16}], ids=["sync", "sync_free"])
-def test_shared_experts_run_while_the_dispatch_travels(world, device, request, monkeypatch, options, grad):
-    """``Transport.launch_dispatch``: the layer issues the dispatch's two exchanges (the rows, their ids and
-    weights) asynchronously, runs its shared experts, and only then waits for the rows; in the backward the
-    two reverse exchanges are launched before the shared experts' backward and the routed experts' up-projection
-    weight gradients (``wgrad_later.py``) and waited for after them. The output and the gradients are the same
-    as with the dispatch waited for at once (``Transport.dispatch``) and as with one node making the experts'
-    input and weight gradients, bit for bit."""
+def test_shared_experts_run_while_the_combine_travels(world, device, request, monkeypatch, options, grad):
+    """``Transport.launch_dispatch`` / ``launch_combine``: the layer issues the dispatch's two exchanges (the
+    rows, their ids and weights) asynchronously and waits for them, then launches the combine's exchange, runs
+    its shared experts, and only then waits for the rows; in the backward the combine's reverse exchange is
+    launched before the shared experts' backward and waited for after it, and the dispatch's two reverse
+    exchanges are launched before the routed experts' up-projection weight gradients (``wgrad_later.py``) and
+    waited for after them. The output and the gradients are the same as with each move waited for at once
+    (``Transport.dispatch`` / ``combine``) and as with one node making the experts' input and weight
+    gradients, bit for bit."""
     monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")  # the all-to-all transports (NCCL: test_symmetric.py)
     from moe_plans import build_plan, reference_moe
     from spmdmoe.collectives import alltoall
@@ -257,13 +258,15 @@ def test_shared_experts_run_while_the_dispatch_travels(world, device, request, m
     plan.layer.shared_experts.w1.weight.register_hook(lambda g: events.append("shared backward"))
     plan.layer.experts.w1.register_hook(lambda g: events.append("experts wgrad"))
     launched = step()
-    bwd = ["backward", "launch", "launch", "shared backward", "experts wgrad", "wait", "wait"] if grad else []
-    assert events == ["launch", "launch", "shared", "wait", "wait"] + bwd, events
+    bwd = ["launch", "shared backward", "wait", "launch", "launch", "experts wgrad", "wait", "wait"]
+    assert events == ["launch", "launch", "wait", "wait", "launch", "shared", "wait"] + (
+        ["backward"] + bwd if grad else []), events
     monkeypatch.setattr(GroupedExperts, "later_wgrad", lambda self: None)  # one node: dx, dw1 and dw3
     events.clear()
     one_node = step()
-    if grad:
-        assert events.index("experts wgrad") < events.index("launch", events.index("backward")), events
+    if grad:  # before the dispatch's reverse exchanges are launched (after the combine's wait)
+        backward = events[events.index("backward"):]
+        assert backward.index("experts wgrad") < backward.index("launch", backward.index("wait")), events
     monkeypatch.setattr(layer_module._Layer, "_pipeline", _waited_at_once(layer_module._Layer._pipeline))
     waited = step()
     for a, b, c, d in zip(launched, waited, plain, one_node, strict=True):
@@ -285,13 +288,14 @@ def _alive(refs, seconds=2.0):
 
 
 def _waited_at_once(pipeline):
-    """``_Layer._pipeline`` with the dispatch waited for before the shared experts run."""
+    """``_Layer._pipeline`` with each move waited for as soon as it is launched (nothing runs under it)."""
     def run(self, *args, **kwargs):
         transport = args[2]
-        launch = transport.launch_dispatch
-        transport.launch_dispatch = lambda *a, **k: (lambda routed: lambda: routed)(launch(*a, **k)())
+        at_once = lambda launch: lambda *a, **k: (lambda done: lambda: done)(launch(*a, **k)())  # noqa: E731
+        transport.launch_dispatch = at_once(transport.launch_dispatch)
+        transport.launch_combine = at_once(transport.launch_combine)
         try:
             return pipeline(self, *args, **kwargs)
         finally:
-            del transport.launch_dispatch
+            del transport.launch_dispatch, transport.launch_combine
     return run
