@@ -400,7 +400,8 @@ def main() -> None:
             m.experts.fp8_cache = None
         if world == 1 or not ep:
             return m
-        return parallelize_moe(m, ep_mesh=dist.group.WORLD, **(dict(ep_mode="sync_free", max_tokens=T) if sync_free else {}))
+        parallel = parallelize_moe if lib is None else lib.parallelize_moe  # the older copy's own, at EP > 1
+        return parallel(m, ep_mesh=dist.group.WORLD, **(dict(ep_mode="sync_free", max_tokens=T) if sync_free else {}))
 
     def titan(m: torch.nn.Module) -> Fwd:
         return lambda t: m(t.view(1, T, D)).view(T, D)  # it takes (B, L, D)

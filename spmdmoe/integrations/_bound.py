@@ -8,7 +8,7 @@ engine is built on meta, then :func:`bind` points its ``router`` / ``experts`` /
 modules holding the adapter's parameters and reads its bias and load counts from the adapter (looked up at
 each use: a ``.to()`` or the other library's init replaces buffers), so the engine owns no state of its
 own beyond its flags. :class:`Adapter` is the mixin of the module that takes the other library's place: it
-moves the engine's own buffers (problem flags, capacity counters) with itself, keeps its training mode and runs
+moves the engine's own buffers (problem flags; its transport's capacity counters) with itself, keeps its training mode and runs
 the engine on a rank's rows (:meth:`Adapter.run_layer`). :func:`shard_experts` gives the other library's expert
 parameters the layout the engine computes on (DTensors under EP); :func:`track` registers an adapter with the
 process's optimizer step pre-hook (deferred problems raised on every rank, then each adapter's ``before_step``).
@@ -56,16 +56,16 @@ class Adapter(nn.Module):
         """Run by the step hook (:func:`track`) before each optimizer step, after the deferred checks."""
 
     def _move_layer_buffers(self, fn: Any) -> None:
-        """Apply ``fn`` to the layer's own buffers (problem flags, capacity counters): they follow the
-        adapter; fresh from meta they start at zero."""
-        layer = self.layer
-        for name, buf in list(layer._buffers.items()):
-            if buf is None:
-                continue
-            moved = fn(buf)
-            if buf.is_meta and not moved.is_meta:
-                moved = torch.zeros_like(moved)
-            layer._buffers[name] = moved
+        """Apply ``fn`` to the layer's own buffers (problem flags) and its transport's (a sync-free one's
+        overflow counters): they follow the adapter; fresh from meta they start at zero."""
+        for holder in (self.layer, self.layer.transport):
+            for name, buf in list(holder._buffers.items()):
+                if buf is None:
+                    continue
+                moved = fn(buf)
+                if buf.is_meta and not moved.is_meta:
+                    moved = torch.zeros_like(moved)
+                holder._buffers[name] = moved
 
     def _place_layer_buffers(self) -> None:
         """The layer's own buffers on the adapter's device (meta layers are built on meta)."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 import torch
 
@@ -49,9 +49,9 @@ from .dedup import destinations, launch_back, launch_tokens, send_positions
 from .permute import count_per_expert, weighted_combine
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .symmetric import SymmetricTransport, symmetric_usable
-from .sync_free import Capacity, SyncFreeTransport
+from .sync_free import SyncFreeTransport
 
-__all__ = ["Transport", "LocalTransport", "AllToAllTransport", "transport_for"]
+__all__ = ["Transport", "SizedTransport", "LocalTransport", "AllToAllTransport", "transport_for"]
 
 
 class Transport(Protocol):
@@ -65,11 +65,10 @@ class Transport(Protocol):
     backward_in_flight: bool
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
-                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+                        problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
         """Send each row to the ranks of its ``K`` experts, started now: the call it returns waits for the rows
-        and gives the copies this rank's experts receive. Work issued in between (the shared experts) runs
-        while the rows travel; :meth:`dispatch` is the two at once.
+        and gives the copies this rank's experts receive. Work issued in between runs while the rows travel;
+        :meth:`dispatch` is the two at once.
 
         Args:
             x_TD: ``(T, D)``, the layer's compute dtype (bf16 / fp32): the rows this rank routed. ``T`` may
@@ -81,9 +80,6 @@ class Transport(Protocol):
             problem: this rank's problem bits of this forward (a bad input, non-finite logits) and the
                 layer's sticky flag (``spmdmoe.sticky.Problem``); carried or recorded, never dropped.
                 ``None``: no problem.
-            capacity: ``sync_free.Capacity`` (``T_max``, a host int the same on every rank of the EP
-                group, and the layer's int64 ``(4,)`` overflow buffer); required by ``SyncFreeTransport``,
-                ``None`` for the others (their sizes are exact).
             fp8_rows: also the rowwise e4m3 of the experts' rows, quantized once per row before the fan-out
                 to the local experts (``RoutedTokens.fp8_rows``).
 
@@ -99,8 +95,7 @@ class Transport(Protocol):
         ...
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
-                 fp8_rows: bool = False) -> RoutedTokens:
+                 problem: Optional[Problem] = None, fp8_rows: bool = False) -> RoutedTokens:
         """:meth:`launch_dispatch` and its wait, nothing in between."""
         ...
 
@@ -126,6 +121,38 @@ class Transport(Protocol):
         ...
 
 
+class SizedTransport(Protocol):
+    """A transport of static sizes, fixed before any data is seen (``ep_mode="sync_free"``: ``SyncFreeTransport``,
+    ``SymmetricTransport``): :class:`Transport`'s moves, with the most rows any rank of the EP group routes in
+    this forward given to the dispatch, and an overflow buffer of its own.
+
+    Attributes:
+        overflow: int64 ``(4,)`` on the layer's device (a buffer of the transport module: it follows the layer's
+            ``.to()`` and meta init and keeps one address for CUDA graphs): the worst demand since the last
+            check (the excess in thousandths of balanced traffic, the slot rows and the experts' rows needed,
+            ``T_max``); the same on every rank of the EP group.
+    """
+
+    backward_in_flight: bool
+    overflow: torch.Tensor
+
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, t_max: int,
+                        problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+        """:meth:`Transport.launch_dispatch`, sized by ``t_max`` (a host int, the same on every rank of the EP
+        group: the most rows any of them routes; ``x_TD`` has at most ``t_max`` rows unless a rank recorded
+        that problem), with this forward's worst demand kept in :attr:`overflow` on the device."""
+        ...
+
+    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
+        """:meth:`Transport.launch_combine`."""
+        ...
+
+    def overflow_message(self, layer: str) -> Optional[str]:
+        """What overflowed since the last check, for ``layer`` (a name in the message); ``None``: nothing. One
+        host read; :attr:`overflow` then starts afresh."""
+        ...
+
+
 class LocalTransport(Dispatching):
     """Every expert lives on this rank: sort, group, and un-sort. No communication, no sync.
 
@@ -133,11 +160,11 @@ class LocalTransport(Dispatching):
     """
 
     def __init__(self, num_experts: int):
+        super().__init__()
         self.num_experts = num_experts
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
-                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+                        problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
         """The copies of this rank's rows (:meth:`Transport.launch_dispatch`), made now: nothing travels."""
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
@@ -176,14 +203,14 @@ class AllToAllTransport(Dispatching):
     backward_in_flight = True
 
     def __init__(self, axis: MeshAxis, num_experts: int, raises: bool = True):
+        super().__init__()
         self.axis = axis
         self.num_experts = num_experts
         self.local_experts = num_experts // axis.size
         self.raises = raises
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
-                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+                        problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
         """:meth:`Transport.launch_dispatch`: the count exchange and its host read now, then the rows and
         their ids and weights launched."""
         problem = problem or Problem()
@@ -220,13 +247,15 @@ class AllToAllTransport(Dispatching):
 
 
 def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k: int,
-                  capacity_factor: Optional[float], raises: bool) -> Transport:
+                  capacity_factor: Optional[float], raises: bool, device: torch.device
+                  ) -> Union[Transport, SizedTransport]:
     """The transport of a layer with experts split over ``ep`` (``None``: all local) in ``ep_mode``
-    (``"sync"`` or ``"sync_free"``; the module table). ``raises``: whether the sync transport raises the
-    problems its count exchange carries (its axis spans every rank the layer talks to)."""
+    (``"sync"`` or ``"sync_free"``; the module table): a :class:`SizedTransport` for ``"sync_free"``, its
+    overflow buffer on ``device`` (the layer's). ``raises``: whether the sync transport raises the problems its
+    count exchange carries (its axis spans every rank the layer talks to)."""
     if ep is None or ep.size == 1:
         return LocalTransport(num_experts)
     makers = {"sync": lambda: AllToAllTransport(ep, num_experts, raises=raises),
               "sync_free": lambda: (SymmetricTransport if symmetric_usable(ep) else SyncFreeTransport)(
-                  ep, num_experts, top_k, capacity_factor)}
+                  ep, num_experts, top_k, capacity_factor, device)}
     return makers[ep_mode]()

@@ -25,7 +25,7 @@ from ..collectives import all_gather, reduce_scatter
 from ..types import layout
 from ..types.placement import Partial, Shard
 from ..types.tensor import SPMDTensor
-from .sync_free import layer_capacity
+from .sync_free import layer_t_max
 from .token_exchange import exchange_tokens
 
 __all__ = ["gather_input", "gathered"]
@@ -54,9 +54,9 @@ def gathered(layer: Any, x: SPMDTensor, T: int, problem: Problem) -> torch.Tenso
     # EP on another axis: max_tokens or the all-reduce; more rows than max_tokens (the whole SP group
     # sees the same T) is recorded with this forward's problems, for the step boundary
     over = Found()
-    capacity = layer_capacity(layer, None, h_TD, over)
+    t_max = layer_t_max(layer, None, h_TD, over)
     if over:
         problem.bits, problem.details = problem.bits | over.bits, problem.details + over.details
-    partial_TD, shared_TD = layer._pipeline(h_TD, w, layer.transport, own=own_T, problem=problem, capacity=capacity,
+    partial_TD, shared_TD = layer._pipeline(h_TD, w, layer.transport, own=own_T, problem=problem, t_max=t_max,
                                             shared_of=x.local)
     return layer._plus(reduce_scatter(SPMDTensor._new(partial_TD, sp, Partial(), T, 0)).local, shared_TD)

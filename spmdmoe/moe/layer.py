@@ -19,7 +19,7 @@ in its count exchange or records them in the sticky flag.
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -32,12 +32,11 @@ from ..types.mesh import MeshAxis
 from . import balance
 from .checkpoint import install_hooks
 from .config import MoEConfig
-from .dispatch import LocalTransport, Transport
+from .dispatch import LocalTransport, SizedTransport, Transport
 from .experts import GroupedExperts, SharedExperts
 from .init import init_parameters
 from .permute import count_per_expert
 from .router import Router
-from .sync_free import Capacity
 
 __all__ = ["MoE"]
 
@@ -134,8 +133,9 @@ class _Layer(nn.Module):
         return balance.reduce_counts(self.tokens_per_expert, self.load_axes)
 
     def _pipeline(
-        self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Transport, own: Optional[torch.Tensor] = None,
-        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None, shared_of: Optional[torch.Tensor] = None,
+        self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Union[Transport, SizedTransport],
+        own: Optional[torch.Tensor] = None, problem: Optional[Problem] = None, t_max: Optional[int] = None,
+        shared_of: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Route, count, dispatch, experts, combine: ``(routed output, shared experts' output)``. ``own``: a bool
         mask of the rows this rank holds (load counting, aux loss, the non-finite check; ``None``: all). A
@@ -143,7 +143,8 @@ class _Layer(nn.Module):
 
         ``problem``: this rank's problem bits so far; the router adds non-finite
         logits of its own rows (checks on) and the transport carries or records them.
-        ``capacity``: the sync-free transport's ``Capacity`` (``T_max`` and the overflow buffer), else ``None``.
+        ``t_max``: what a ``SizedTransport`` (sync-free EP) is sized by this forward (``sync_free.layer_t_max``);
+        ``None`` for the others.
         ``shared_of``: the rows the shared experts take (``None``: no shared output), run while the combine's
         rows travel (``Transport.launch_combine``), their backward while the output gradient does; the caller
         adds their output.
@@ -171,8 +172,9 @@ class _Layer(nn.Module):
             if own is not None:
                 finite_TE = finite_TE | ~own.unsqueeze(1)
             problem.bits = problem.bits | (~finite_TE.all()).to(torch.int64) * BIT["nonfinite"]
-        received = transport.launch_dispatch(h_TD, r.ids_TK, weights_TK, problem=problem, capacity=capacity,
-                                             fp8_rows=self.experts.precision == "fp8_rowwise")
+        sized = {} if t_max is None else {"t_max": t_max}  # a SizedTransport's, and only its
+        received = transport.launch_dispatch(h_TD, r.ids_TK, weights_TK, problem=problem,
+                                             fp8_rows=self.experts.precision == "fp8_rowwise", **sized)
         # made between the dispatch's launch and its wait, so its node (the up-projection's weight gradients)
         # runs in the backward after the wait's, under the input gradient's exchange (wgrad_later.py); only
         # where that exchange is in flight (else the split would only keep the operands longer)

@@ -58,7 +58,7 @@ from ..types.mesh import MeshAxis, MeshLike
 from ..types.tensor import SPMDTensor
 from .accept import accept
 from .checkpoint import expert_layout, expert_shard, install_hooks
-from .dispatch import Transport, transport_for
+from .dispatch import SizedTransport, Transport, transport_for
 from .experts import experts_block
 from .gather_mode import gather_input, gathered
 from .grads import GradReduction, agree_grad_set, batch_reductions, sync_grads
@@ -66,7 +66,7 @@ from .layer import MoE, _Layer
 from .overlap import call_joined, inside_fsdp_unit
 from .plan import agree_plan
 from .ride import Ride
-from .sync_free import Capacity, layer_capacity, record_overflow
+from .sync_free import layer_t_max, record_overflow
 from .token_exchange import exchange_tokens
 
 __all__ = ["parallelize_moe", "ParallelMoE"]
@@ -173,9 +173,6 @@ class ParallelMoE(_Layer):
         self.expert_slice, self.hidden_slice = experts_slice, hidden
         self.load_axes = _distinct(sp, ep, dp)
         ep_mode, self.capacity_factor, self.max_tokens = transport
-        # the sync-free transport's worst overflow since the last check (sync_free.py), on the layer's device
-        self.register_buffer("capacity_overflow", torch.zeros(4, dtype=torch.int64, device=moe.expert_bias.device),
-                             persistent=False)
         self.set_ep_mode(ep_mode)
         self.aux_axes = () if sp is None else (sp,)
         install_hooks(self, expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden), agree_over)
@@ -203,8 +200,10 @@ class ParallelMoE(_Layer):
         self.ep_mode = ep_mode
         # problems raise at the count exchange only when it reaches every rank the layer talks to
         spans = all(a == self.ep or a.size == 1 for a in self.load_axes)
-        self.transport: Transport = transport_for(self.ep, ep_mode, self.config.num_experts, self.config.top_k,
-                                                  self.capacity_factor, raises=spans)
+        # (a sync-free one owns its overflow buffer, made zero on the layer's device: a switch starts it afresh)
+        self.transport: Union[Transport, SizedTransport] = transport_for(
+            self.ep, ep_mode, self.config.num_experts, self.config.top_k, self.capacity_factor, raises=spans,
+            device=self.expert_bias.device)
 
     def check_capacity(self) -> None:
         """Raise ``SPMDCapacityError`` on every rank of the layer if a sync-free EP slot overflowed anywhere
@@ -270,7 +269,7 @@ class ParallelMoE(_Layer):
 
         1. Accept this rank's input (``accept.py``): a bad one is found here, never raised alone.
         2. Tokens in. Gather mode: the SP axis agrees on ``T`` (``gather_mode.gather_input``). Local mode:
-           the sync-free capacity is sized (``sync_free.layer_capacity``), and a layer without EP whose ``T``
+           the sync-free transport is sized (``sync_free.layer_t_max``), and a layer without EP whose ``T``
            exchange only carries the ride runs it (``token_exchange.py``).
         3. Route -> dispatch -> experts -> combine (``layer.py:_Layer._pipeline``: ``router.py``, the
            transport of ``dispatch.py`` / ``sync_free.py``, ``experts.py``), plus the shared experts; in
@@ -299,12 +298,12 @@ class ParallelMoE(_Layer):
             # 2. tokens in
             if self._ride is not None and self.ep is None:  # the exchange only carries the ride (T not needed)
                 exchange_tokens(x, found, self.sp, self._ride)
-            capacity = layer_capacity(self, x, None if found else x_TD, found)
+            t_max = layer_t_max(self, x, None if found else x_TD, found)
             problem = Problem(found.bits, found.details)
             if found:  # stand in zero rows: the same collectives as the peers, nothing routed
                 x_TD = self._zero_rows(0)
             # 3. pipeline, shared experts
-            out_TD = call_joined(lambda x_TD: self._local(x_TD, problem, capacity), (x_TD,), {},
+            out_TD = call_joined(lambda x_TD: self._local(x_TD, problem, t_max), (x_TD,), {},
                                  self.sp_sync_params)
         # 4. output
         if self._ride is not None:
@@ -316,10 +315,10 @@ class ParallelMoE(_Layer):
     def _zero_rows(self, rows: int) -> torch.Tensor:
         return torch.zeros((rows, self.config.dim), dtype=self.compute_dtype(), device=self.expert_bias.device)
 
-    def _local(self, x_TD: torch.Tensor, problem: Problem, capacity: Optional[Capacity]) -> torch.Tensor:
+    def _local(self, x_TD: torch.Tensor, problem: Problem, t_max: Optional[int]) -> torch.Tensor:
         """Local mode: this rank's rows through the pipeline, + shared experts."""
         w = self.weights()
-        return self._plus(*self._pipeline(x_TD, w, self.transport, problem=problem, capacity=capacity, shared_of=x_TD))
+        return self._plus(*self._pipeline(x_TD, w, self.transport, problem=problem, t_max=t_max, shared_of=x_TD))
 
 
 

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from ..sticky import Problem
 from .permute import scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights
-
-if TYPE_CHECKING:
-    from .sync_free import Capacity
 
 __all__ = ["RoutedTokens", "routed_copies", "Dispatching"]
 
@@ -110,10 +106,12 @@ def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torc
                         fp8_rows=q, copies_TK=pos_MJ)
 
 
-class Dispatching(ABC):
+class Dispatching(torch.nn.Module, ABC):
     """The transports' base (``spmdmoe.moe.dispatch.Transport``): each defines :meth:`launch_dispatch` and
     :meth:`launch_combine`, which start a move and return its wait; :meth:`dispatch` and :meth:`combine` are the
-    two at once."""
+    two at once. A module, so that the state a transport owns (the sync-free ones' overflow buffer) follows its
+    layer's ``.to()`` and meta init and keeps one address for CUDA graphs; it has no parameters and no
+    ``forward``."""
 
     # whether the dispatch's backward launches its exchange in one autograd node and waits in another, with
     # what autograd runs between them under it (the all-to-all transports): the layer then has the experts'
@@ -121,17 +119,14 @@ class Dispatching(ABC):
     backward_in_flight: bool = False
 
     @abstractmethod
-    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
-                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
-        """``spmdmoe.moe.dispatch.Transport.launch_dispatch``."""
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, **options: Any
+                        ) -> Callable[[], RoutedTokens]:
+        """``spmdmoe.moe.dispatch.Transport.launch_dispatch`` (``SizedTransport``'s: with ``t_max``)."""
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
-                 fp8_rows: bool = False) -> RoutedTokens:
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, **options: Any
+                 ) -> RoutedTokens:
         """:meth:`Transport.dispatch`."""
-        return self.launch_dispatch(x_TD, ids_TK, weights_TK, problem=problem, capacity=capacity,
-                                    fp8_rows=fp8_rows)()
+        return self.launch_dispatch(x_TD, ids_TK, weights_TK, **options)()
 
     @abstractmethod
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:

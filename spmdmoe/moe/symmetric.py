@@ -59,7 +59,7 @@ from ..types.mesh import MeshAxis
 from .dedup import destinations, pack_meta, unpack_meta
 from .permute import count_per_expert
 from .routed import RoutedTokens, routed_copies
-from .sync_free import Capacity, SyncFreeTransport
+from .sync_free import SyncFreeTransport
 
 __all__ = ["SymmetricTransport", "symmetric_usable", "TIMEOUT_MS", "PEER_OPS", "checkpoint_policy"]
 
@@ -350,21 +350,18 @@ class SymmetricTransport(SyncFreeTransport):
         """``(T_max, R)``: no slots here (a source's every token can cross), ``R`` as ``SyncFreeTransport``'s."""
         return t_max, super().sizes(t_max)[1]
 
-    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
-                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, t_max: int,
+                        problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
         """:meth:`SyncFreeTransport.launch_dispatch`'s contract and result (bit for bit), the rows read from the
         peers now (on the compute stream: nothing runs under them). Rows past ``T_max`` (a problem the layer
         recorded, raised at the step boundary) are not sent and return zero. Collectives: one read of peer
         memory over EP (every rank's ids and weights, then the rows with an expert here) between barriers; its
         reverse in the backward. Recorded for the backward whenever grad mode is on, whatever ``x_TD`` needs
         (``spmdmoe.autograd``: a rank that stood in zero rows runs the backward's reads too)."""
-        if capacity is None:
-            raise TypeError("SymmetricTransport.launch_dispatch needs a Capacity (T_max and the overflow buffer)")
-        t_max, rows, K = capacity.t_max, x_TD.shape[0], ids_TK.shape[1]
+        rows, K = x_TD.shape[0], ids_TK.shape[1]
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
-        if rows > t_max:  # the layer recorded the problem (``layer_capacity``): the rows past T_max are not sent
+        if rows > t_max:  # the layer recorded the problem (``layer_t_max``): the rows past T_max are not sent
             x_TD, ids_TK, weights_TK = x_TD[:t_max], ids_TK[:t_max], weights_TK[:t_max]
         n, e, me, E = self.axis.size, self.local_experts, self.axis.rank, self.num_experts
         _, R = self.sizes(t_max)
@@ -377,7 +374,7 @@ class SymmetricTransport(SyncFreeTransport):
         # every rank read every rank's ids: the same demand and verdict everywhere, with no other collective
         ids_QK = meta_QW[:, K:].detach().to(torch.int64)
         copies_E = count_per_expert(torch.where(ids_QK >= 0, ids_QK, E), E + 1)[:E]
-        self._record(capacity.overflow, (ids_QK[:, 0] >= 0).view(n, t_max).sum(1).max(),
+        self._record((ids_QK[:, 0] >= 0).view(n, t_max).sum(1).max(),
                      copies_E.view(n, e).sum(1).max(), t_max, R, t_max)
         routed = routed_copies(x_QD, local_QK, weights_QK, e, R, fp8_rows=fp8_rows,
                                handle=_Handle(need_Tn, mask_Q, t_max, rows))

@@ -11,9 +11,10 @@ any data is seen, so a forward and backward make no host sync and can be
 captured in a CUDA graph. Like the sync one it sends a token once to each rank
 holding any of its experts (``dedup.py``), and the two agree bit for bit.
 
-* ``T_max``, the most tokens any rank routes, and the layer's overflow buffer come in a
-  :class:`Capacity` from the layer (``ParallelMoE``): with EP on the SP axis ``T_max`` is the SP input's
-  padded local count; otherwise ``max_tokens``, or one host all-reduce per forward when that is ``None``.
+* ``T_max``, the most tokens any rank routes, comes from the layer each forward (``ParallelMoE``,
+  :func:`layer_t_max`): with EP on the SP axis the SP input's padded local count; otherwise ``max_tokens``,
+  or one host all-reduce per forward when that is ``None``. The transport is a ``dispatch.SizedTransport``:
+  ``launch_dispatch`` takes ``t_max``, and the overflow buffer is its own (a module buffer).
 * Sizes (:func:`capacity_rows`): lossless, ``S = T_max`` (a token crosses to a rank at most once) and
   ``R = n * S * min(K, e)`` (a received token has at most ``min(K, e)`` copies here). With
   ``capacity_factor = c``, both are ``c`` times balanced traffic, never above the lossless sizes:
@@ -32,7 +33,7 @@ holding any of its experts (``dedup.py``), and the two agree bit for bit.
   scatter-add).
 
 Overflow (with a ``capacity_factor``, or when a rank routes more than ``T_max``) is never silent:
-the worst demand since the last check is kept in the layer's buffer (identical on every rank of
+the worst demand since the last check is kept in the transport's ``overflow`` buffer (identical on every rank of
 the EP group, computed from the same table). The layer's ``check_capacity()`` and
 ``update_expert_bias()`` read it (:meth:`SyncFreeTransport.overflow_message`, one host read) and
 record it as a problem in the sticky flag, which their collective over every rank of the layer turns
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -65,18 +66,7 @@ from .permute import count_per_expert
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .token_exchange import exchange_tokens
 
-__all__ = ["Capacity", "SyncFreeTransport", "capacity_rows", "layer_capacity", "record_overflow"]
-
-
-class Capacity(NamedTuple):
-    """What the layer hands the transport each forward: ``T_max`` (host int, the same on every rank of the EP
-    group) and its overflow buffer (int64 ``(4,)``: the excess factor in thousandths of balanced traffic,
-    the slot rows and the experts' rows needed, ``T_max``, of the worst overflow since the last check; a
-    layer buffer, so it moves with the layer, has a static address for CUDA graphs and is mutable under
-    compile)."""
-
-    t_max: int
-    overflow: torch.Tensor
+__all__ = ["SyncFreeTransport", "capacity_rows", "layer_t_max", "record_overflow"]
 
 
 def capacity_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capacity_factor: Optional[float]
@@ -92,9 +82,9 @@ def capacity_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capaci
     return S, min(ranks * S * min(top_k, local_experts), math.ceil(capacity_factor * t_max * top_k))
 
 
-def layer_capacity(layer: Any, x: Any, x_TD: Optional[torch.Tensor], found: Found) -> Optional[Capacity]:
-    """The :class:`Capacity` a parallel layer hands its transport this forward (``None`` unless it is sync-free
-    EP): ``T_max``, the most rows any rank of the EP group routes, and the layer's overflow buffer.
+def layer_t_max(layer: Any, x: Any, x_TD: Optional[torch.Tensor], found: Found) -> Optional[int]:
+    """``T_max``, the most rows any rank of the EP group routes in this forward, which a parallel layer hands its
+    sync-free transport (``None`` unless it is sync-free EP).
 
     EP on the SP axis: the SP input's padded local count, from the token exchange (``token_exchange.py``; no
     host read on a rank whose input is good). Otherwise ``layer.max_tokens`` (more rows here, ``x_TD``: a
@@ -105,29 +95,28 @@ def layer_capacity(layer: Any, x: Any, x_TD: Optional[torch.Tensor], found: Foun
     if not isinstance(layer.transport, SyncFreeTransport) or ep is None:
         return None
     if layer.sp is not None and layer.sp == ep:
-        T = layout.padded_local_tokens(max(exchange_tokens(x, found, layer.sp, layer._ride), 0), ep.size)
-        return Capacity(T, layer.capacity_overflow)
+        return layout.padded_local_tokens(max(exchange_tokens(x, found, layer.sp, layer._ride), 0), ep.size)
     rows = 0 if x_TD is None else x_TD.shape[0]
     if layer.max_tokens is not None:
         if rows > layer.max_tokens:
             found.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than max_tokens="
                                   f"{layer.max_tokens}, which sizes the sync-free EP buffers; split the batch "
                                   "or pass a larger max_tokens to parallelize_moe")
-        return Capacity(layer.max_tokens, layer.capacity_overflow)
+        return int(layer.max_tokens)
     most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
     all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
-    return Capacity(int(to_host(most)[0]), layer.capacity_overflow)
+    return int(to_host(most)[0])
 
 
 def record_overflow(layer: Any) -> None:
-    """A sync-free EP layer: read its overflow buffer (one host read) and record an overflow since the last
-    check as a ``capacity`` problem in its sticky flag, for the next step-boundary collective to raise on
-    every rank; any other layer: nothing."""
+    """A sync-free EP layer: read its transport's overflow buffer (one host read) and record an overflow since
+    the last check as a ``capacity`` problem in its sticky flag, for the next step-boundary collective to raise
+    on every rank; any other layer: nothing."""
     transport = layer.transport
     if isinstance(transport, SyncFreeTransport):
-        message = transport.overflow_message(layer.capacity_overflow, f"MoE layer (sync-free EP over {layer.ep})")
+        message = transport.overflow_message(f"MoE layer (sync-free EP over {layer.ep})")
         if message is not None:
-            layer.problems.record(BIT["capacity"], layer.capacity_overflow.device, [message])
+            layer.problems.record(BIT["capacity"], transport.overflow.device, [message])
 
 
 @dataclass(frozen=True)
@@ -141,12 +130,18 @@ class SyncFreeTransport(Dispatching):
 
     backward_in_flight = True  # the padded all-to-all's exchanges (``SymmetricTransport``: no)
 
-    def __init__(self, axis: MeshAxis, num_experts: int, top_k: int, capacity_factor: Optional[float]):
+    overflow: torch.Tensor
+
+    def __init__(self, axis: MeshAxis, num_experts: int, top_k: int, capacity_factor: Optional[float],
+                 device: torch.device):
+        super().__init__()
         self.axis = axis
         self.num_experts = num_experts
         self.local_experts = num_experts // axis.size
         self.top_k = top_k
         self.capacity_factor = capacity_factor
+        # the worst overflow since the last check (``dispatch.SizedTransport.overflow``), on the layer's device
+        self.register_buffer("overflow", torch.zeros(4, dtype=torch.int64, device=device), persistent=False)
 
     def sizes(self, t_max: int) -> tuple[int, int]:
         """``(S, R)`` for ``T_max`` (:func:`capacity_rows`): the rows of a (source, destination) slot and of this
@@ -163,26 +158,25 @@ class SyncFreeTransport(Dispatching):
         all_gather_single(table, mine, group=self.axis.group)
         return table.view(n, W).to(counts_W.device)
 
-    def _record(self, state: torch.Tensor, slot_needed: torch.Tensor, rows_needed: torch.Tensor, S: int, R: int,
-                t_max: int) -> None:
-        """Keep the worst demand in ``state`` (the :class:`Capacity` buffer): its excess in thousandths of
-        balanced traffic (``> 0``: overflowed), the slot and expert rows needed, ``T_max``."""
+    def _record(self, slot_needed: torch.Tensor, rows_needed: torch.Tensor, S: int, R: int, t_max: int) -> None:
+        """Keep the worst demand in :attr:`overflow`: its excess in thousandths of balanced traffic (``> 0``:
+        overflowed), the slot and expert rows needed, ``T_max``."""
+        state = self.overflow
         balanced = max(t_max * self.top_k, 1)  # an experts' buffer's balanced rows; a slot's: that / n
         excess = torch.maximum(((slot_needed - S) * self.axis.size * 1000 + balanced - 1) // balanced,
                                ((rows_needed - R) * 1000 + balanced - 1) // balanced)
         now = torch.stack([excess, slot_needed, rows_needed, torch.full_like(excess, t_max)])
         state.copy_(torch.where(now[0] > state[0], now, state))
 
-    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                        problem: Optional[Problem] = None, capacity: Optional[Capacity] = None,
-                        fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
+    def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, t_max: int,
+                        problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
         """This rank's tokens to their experts' ranks, with no host read, started now (module docstring; the
-        arguments and the call returned are :meth:`Transport.launch_dispatch`'s).
+        arguments and the call returned are :meth:`SizedTransport.launch_dispatch`'s).
 
         Args:
-            capacity: ``T_max`` (host int, the same on every rank of the EP group; ``x_TD`` has at most
-                ``T_max`` rows unless a capacity factor may drop tokens) and the layer's overflow buffer,
-                updated on the device with this forward's worst demand.
+            t_max: ``T_max`` (host int, the same on every rank of the EP group; ``x_TD`` has at most ``T_max``
+                rows unless a capacity factor may drop tokens); :attr:`overflow` is updated on the device with
+                this forward's worst demand.
 
         The call returns ``RoutedTokens`` with ``x_RD`` ``(R, D)``, ``R`` from :func:`capacity_rows`: this rank's ``e``
         experts' copies in expert-major order (source rank order within an expert), rows past the int32
@@ -190,9 +184,6 @@ class SyncFreeTransport(Dispatching):
         Collectives: one all-gather of the ``(E + n,)`` counts and three even all-to-alls of ``S`` rows per
         rank pair over EP (rows, their ids and weights, and the combine's rows; their reverse in the
         backward)."""
-        if capacity is None:
-            raise TypeError("SyncFreeTransport.launch_dispatch needs a Capacity (T_max and the overflow buffer)")
-        t_max = capacity.t_max
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         n, e, me, E = self.axis.size, self.local_experts, self.axis.rank, self.num_experts
@@ -200,7 +191,7 @@ class SyncFreeTransport(Dispatching):
         Q = n * S
         need_Tn = destinations(ids_TK, e, n)
         table = self._count_table(torch.cat([count_per_expert(ids_TK, E), need_Tn.sum(0)]))  # [source, E + n]
-        self._record(capacity.overflow, table[:, E:].max(), table[:, :E].sum(0).view(n, e).sum(1).max(), S, R, t_max)
+        self._record(table[:, E:].max(), table[:, :E].sum(0).view(n, e).sum(1).max(), S, R, t_max)
         pos_Tn = send_positions(need_Tn, S)
         # received slot i's first min(rows sent, S) rows are live, the rest of it never read
         live_Q = (torch.arange(S, device=x_TD.device) < table[:, E + me, None]).reshape(Q)
@@ -214,11 +205,11 @@ class SyncFreeTransport(Dispatching):
         n = self.axis.size
         return launch_back(y_QD, h.pos_Tn, [h.slot] * n, [h.slot] * n, self.axis)
 
-    def overflow_message(self, state: torch.Tensor, layer: str) -> Optional[str]:
-        """What overflowed since the last check (``None``: nothing), read from ``state`` (one host read; the
-        same on every rank of the EP group), which then starts afresh."""
-        excess, slot_needed, rows_needed, t_max = to_host(state)
-        state.zero_()
+    def overflow_message(self, layer: str) -> Optional[str]:
+        """What overflowed since the last check (``None``: nothing), read from :attr:`overflow` (one host read;
+        the same on every rank of the EP group), which then starts afresh; ``layer`` names the layer."""
+        excess, slot_needed, rows_needed, t_max = to_host(self.overflow)
+        self.overflow.zero_()
         if excess <= 0:
             return None
         n, K = self.axis.size, self.top_k

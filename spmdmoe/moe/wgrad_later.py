@@ -27,7 +27,7 @@ freed, where one node would have freed them with its saved tensors.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -91,7 +91,7 @@ def test_graphed_overflow_raises_on_every_rank(world, device, request):
                       capacity_factor=1.0)
     leaf = torch.zeros(plan.rows.stop - plan.rows.start, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     graph, _ = _capture(plan.layer, plan.wrap(leaf), leaf, reference_tensor((TOTAL, D), 4, device=device)[plan.rows])
-    plan.layer.capacity_overflow.zero_()  # whatever the warm-up's random routing did: start afresh
+    plan.layer.transport.overflow.zero_()  # whatever the warm-up's random routing did: start afresh
     with torch.no_grad():
         leaf.copy_(reference_tensor((TOTAL, D), 5, device=device, dtype=torch.bfloat16)[plan.rows])
         plan.layer.expert_bias.zero_()

@@ -102,7 +102,8 @@ def _all_three(plan, x, g, checkpointed=False):
     layer = plan.layer
     assert isinstance(layer.transport, symmetric.SymmetricTransport)
     runs = [_step(plan, x, g, checkpointed)]
-    layer.transport = sync_free.SyncFreeTransport(layer.ep, E, layer.config.top_k, layer.capacity_factor)
+    layer.transport = sync_free.SyncFreeTransport(layer.ep, E, layer.config.top_k, layer.capacity_factor,
+                                                  layer.expert_bias.device)
     runs.append(_step(plan, x, g, checkpointed))
     layer.set_ep_mode("sync")
     runs.append(_step(plan, x, g, checkpointed))
@@ -297,7 +298,7 @@ def test_overflow_drops_by_the_rule_and_raises_everywhere(world, device, request
     with torch.no_grad():
         want = kept_reference(moe, x, kept)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
-    state = plan.layer.capacity_overflow.clone()
+    state = plan.layer.transport.overflow.clone()
     table = [torch.empty_like(state) for _ in range(n)]
     dist.all_gather(table, state)
     assert all(torch.equal(t, table[0]) for t in table), "every rank holds the same verdict"

@@ -108,7 +108,7 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     t_max = -(-TOTAL // n)
     S, R = sync_free.capacity_rows(t_max, 2, E // n, n, 1.0)
     assert sent and all(s[0] == n * S for s in sent), (sent, n * S)  # the static buffers, nothing more
-    state = plan.layer.capacity_overflow.clone()
+    state = plan.layer.transport.overflow.clone()
     table = [torch.empty_like(state) for _ in range(n)]
     dist.all_gather(table, state)
     assert all(torch.equal(t, table[0]) for t in table), "every rank sees the same verdict"
