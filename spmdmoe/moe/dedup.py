@@ -26,11 +26,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ..collectives.alltoall import exchange_launched
+from ..collectives.alltoall import exchange_launched, exchanged_op
 from ..types.mesh import MeshAxis
 from .permute import scatter_rows, weighted_combine
 
-__all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta", "launch_tokens", "launch_back"]
+__all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta", "launch_tokens", "launch_back", "send_back"]
 
 
 def destinations(ids_TK: torch.Tensor, local_experts: int, ranks: int) -> torch.Tensor:
@@ -111,3 +111,10 @@ def launch_back(y_QD: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv:
     (:func:`spmdmoe.collectives.alltoall.exchange_launched`); its reverse in the backward."""
     rows_wait = exchange_launched(y_QD, recv, send, axis, 0)
     return lambda: weighted_combine(rows_wait(), pos_Tn, None)
+
+
+def send_back(y_QD: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis
+              ) -> torch.Tensor:
+    """:func:`launch_back` waited for at once (one ``all_to_all_single``, one autograd node each way: nothing is
+    issued between its launch and its wait, so none is made): ``(T, D)``."""
+    return weighted_combine(exchanged_op(y_QD, recv, send, axis, 0), pos_Tn, None)

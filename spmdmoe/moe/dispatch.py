@@ -45,7 +45,7 @@ from ..agreement import GRAD_OFF, grad_mode_codes, raise_problems
 from ..collectives.alltoall import exchange_split_sizes
 from ..sticky import Problem
 from ..types.mesh import MeshAxis
-from .dedup import destinations, launch_back, launch_tokens, send_positions
+from .dedup import destinations, launch_back, launch_tokens, send_back, send_positions
 from .permute import count_per_expert, weighted_combine
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .symmetric import SymmetricTransport, symmetric_usable
@@ -117,7 +117,8 @@ class Transport(Protocol):
         ...
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
-        """:meth:`launch_combine` and its wait, nothing in between."""
+        """:meth:`launch_combine` and its wait, nothing in between (the all-to-all transports: one exchange
+        waited for at once, no launch and wait nodes in the backward)."""
         ...
 
 
@@ -244,6 +245,11 @@ class AllToAllTransport(Dispatching):
         over the ranks it visited at the wait."""
         ex: _Exchange = routed.handle
         return launch_back(y_QD, ex.pos_Tn, ex.send, ex.recv, self.axis)
+
+    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """:meth:`Transport.combine`: the rows back and summed at once (``dedup.send_back``)."""
+        ex: _Exchange = routed.handle
+        return send_back(y_QD, ex.pos_Tn, ex.send, ex.recv, self.axis)
 
 
 def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k: int,

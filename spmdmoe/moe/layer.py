@@ -181,12 +181,12 @@ class _Layer(nn.Module):
         later = self.experts.later_wgrad() if transport.backward_in_flight else None
         routed = received()
         y = self.experts(routed) if later is None else self.experts(routed, later=later)
+        if shared_of is None or self.shared_experts is None:  # nothing to run under the combine: at once
+            return transport.combine(y, routed), None
         returned = transport.launch_combine(y, routed)
         # under the combine's rows in flight, and (made between its launch and wait) their backward under the
         # output gradient's exchange, as the anchor's weight gradients are under dx's
-        shared_TD = None
-        if shared_of is not None and self.shared_experts is not None:
-            shared_TD = self.shared_experts(shared_of, *(w[n] for n in SHARED_WEIGHTS))
+        shared_TD = self.shared_experts(shared_of, *(w[n] for n in SHARED_WEIGHTS))
         return returned(), shared_TD
 
     @staticmethod

@@ -17,7 +17,7 @@ receive buffers are ``(n * Tm, D)``, rows no token fills zero) and uses no NCCL:
   ``routed.routed_copies`` fans out to the local experts.
 * Combine (``spmdmoe::peer_pull_sum``): each rank stages the experts' ``(Q, D)`` rows (one per received token,
   its copies summed); after a barrier each source reads its tokens' rows from the ranks they visited and sums
-  them in rank order (fp32, rounded once: ``dedup.launch_back``'s order, hence equal to the other EP transports
+  them in rank order (fp32, rounded once: ``dedup.send_back``'s order, hence equal to the other EP transports
   bit for bit).
 * Backward: the same moves reversed (``spmdmoe::peer_pull_rows``, ``spmdmoe::peer_dispatch_backward``).
 
@@ -380,11 +380,14 @@ class SymmetricTransport(SyncFreeTransport):
                                handle=_Handle(need_Tn, mask_Q, t_max, rows))
         return lambda: routed
 
-    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
-        """:meth:`SyncFreeTransport.launch_combine`'s result: each token's rows read from the ranks it visited
-        and summed, now (on the compute stream: nothing runs under them)."""
+    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """:meth:`SyncFreeTransport.combine`'s result: each token's rows read from the ranks it visited and
+        summed (on the compute stream)."""
         h: _Handle = routed.handle
         y_TD = peer_pull_sum(always_recorded(y_QD), h.need_Tn, h.mask_Q, self.axis.group.group_name, h.t_max)
-        if h.rows > h.t_max:
-            y_TD = torch.cat([y_TD, y_TD.new_zeros(h.rows - h.t_max, y_TD.shape[1])])
+        return torch.cat([y_TD, y_TD.new_zeros(h.rows - h.t_max, y_TD.shape[1])]) if h.rows > h.t_max else y_TD
+
+    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
+        """:meth:`combine`, done now: nothing runs under its reads."""
+        y_TD = self.combine(y_QD, routed)
         return lambda: y_TD

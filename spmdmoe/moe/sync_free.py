@@ -61,7 +61,7 @@ from ..sticky import Problem
 from ..host import to_host
 from ..types import layout
 from ..types.mesh import MeshAxis
-from .dedup import destinations, launch_back, launch_tokens, send_positions
+from .dedup import destinations, launch_back, launch_tokens, send_back, send_positions
 from .permute import count_per_expert
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .token_exchange import exchange_tokens
@@ -204,6 +204,12 @@ class SyncFreeTransport(Dispatching):
         h: _Handle = routed.handle
         n = self.axis.size
         return launch_back(y_QD, h.pos_Tn, [h.slot] * n, [h.slot] * n, self.axis)
+
+    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """:meth:`Transport.combine`: the rows back and summed at once (``dedup.send_back``)."""
+        h: _Handle = routed.handle
+        n = self.axis.size
+        return send_back(y_QD, h.pos_Tn, [h.slot] * n, [h.slot] * n, self.axis)
 
     def overflow_message(self, layer: str) -> Optional[str]:
         """What overflowed since the last check (``None``: nothing), read from :attr:`overflow` (one host read;

@@ -137,8 +137,8 @@ def test_problem_bits_ride_the_count_exchange(world, device):
 def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkeypatch, options):
     """``docs/design.md``: of an EP forward autograd keeps the index maps and the experts' own tensors,
     nothing of the send or receive buffers (the rows and the ids-and-weights each way, the combine's rows).
-    Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, the input and received rows of
-    ``dedup.exchange_launched``) is recorded, and so is every tensor autograd saves
+    Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, the received rows of
+    ``dedup.exchange_launched`` and ``dedup.exchanged_op``) is recorded, and so is every tensor autograd saves
     in the forward: none of the saved ones may share a buffer's storage. A second forward records the
     buffers by weak references only: the dispatch's are gone when the experts run (their rows are in the
     experts' own buffer by then) and none outlives the forward."""
@@ -153,17 +153,18 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
         if t.numel():
             buffers.append((StorageWeakRef(t.untyped_storage()) if weak[0] else t, tuple(t.shape), dispatch))
 
-    def recorded(fn, dispatch=False):
+    def recorded(fn, inputs=False, dispatch=False):
         def call(*args):
             out = fn(*args)
+            if inputs:  # an exchange's input: the combine's rows too
+                note(args[0], dispatch)
             note(out, dispatch)
             return out
         return call
 
     monkeypatch.setattr(dedup, "scatter_rows", recorded(dedup.scatter_rows, dispatch=True))
-    # the exchanges (the dispatch's two, the combine's, made after the experts ran): their input now, their rows
-    # at the wait
-    launch = dedup.exchange_launched
+    monkeypatch.setattr(dedup, "exchanged_op", recorded(dedup.exchanged_op, inputs=True))
+    launch = dedup.exchange_launched  # the dispatch's exchanges: their input now, their rows at the wait
     monkeypatch.setattr(dedup, "exchange_launched",
                         lambda local, *a: (note(local, True), recorded(launch(local, *a), dispatch=True))[1])
     cfg = MoEConfig(dim=8, hidden_dim=16, num_experts=2 * world.size(), top_k=2, num_shared_experts=1)

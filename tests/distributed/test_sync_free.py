@@ -100,8 +100,9 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     moe.expert_bias[:2] = 1e3
     plan = build_plan("sp_ep", moe, TOTAL, world, request, ep_mode="sync_free", capacity_factor=1.0)
     sent = []
-    real = dedup.exchange_launched  # the transports' token exchanges (dedup.launch_tokens / launch_back)
-    monkeypatch.setattr(dedup, "exchange_launched", lambda t, *a: (sent.append(tuple(t.shape)), real(t, *a))[1])
+    for name in ("exchange_launched", "exchanged_op"):  # the transports' token exchanges (dedup.launch_tokens / send_back)
+        real = getattr(dedup, name)
+        monkeypatch.setattr(dedup, name, lambda t, *a, real=real: (sent.append(tuple(t.shape)), real(t, *a))[1])
     x = reference_tensor((TOTAL, D), 9, device=device)[plan.rows]
     g = reference_tensor((TOTAL, D), 10, device=device)[plan.rows]
     dropped = _step(plan.layer, x, g)
