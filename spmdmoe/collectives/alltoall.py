@@ -132,7 +132,7 @@ def exchange_launched(local: torch.Tensor, send: list[int], recv: list[int], axi
                       ) -> Callable[[], torch.Tensor]:
     """:func:`exchanged_op` started now and finished by the call it returns, which gives its rows: work issued
     in between runs while the rows travel (eagerly, NCCL moves them on its own stream; e.g. the shared
-    experts under the EP dispatch). Nothing may read the rows before that call. The backward, recorded as
+    experts under the EP combine). Nothing may read the rows before that call. The backward, recorded as
     :func:`exchanged_op` records it, is the reverse exchange, launched where the gradient reaches the wait's
     node and waited for at the launch's: the backward of the work issued in between (autograd runs the
     nodes made later first) runs while it travels. First order only (``once_differentiable``, as the MoE
@@ -141,8 +141,9 @@ def exchange_launched(local: torch.Tensor, send: list[int], recv: list[int], axi
 
     The wait must be called on every path that launched: a forward that stops between launch and wait (a
     non-reentrant checkpoint's recomputation ends once it has the tensors it needs) leaves the exchange
-    unjoined; the MoE layer's experts, after the wait, save tensors for the backward, so a recomputation of
-    the layer reaches the wait."""
+    unjoined. The MoE layer's waits are each followed by an op that saves tensors for the backward (after the
+    dispatch's, the experts; after the combine's, its sum over ranks, ``permute.weighted_combine``, which saves
+    its positions), so a recomputation of the layer reaches every wait."""
     if torch.compiler.is_compiling():
         out = exchanged_op(local, send, recv, axis, dim)
         return lambda: out

@@ -129,9 +129,9 @@ class SizedTransport(Protocol):
 
     Attributes:
         overflow: int64 ``(4,)`` on the layer's device (a buffer of the transport module: it follows the layer's
-            ``.to()`` and meta init and keeps one address for CUDA graphs): the worst demand since the last
-            check (the excess in thousandths of balanced traffic, the slot rows and the experts' rows needed,
-            ``T_max``); the same on every rank of the EP group.
+            ``.to()`` and meta init and keeps one address for CUDA graphs, across ``set_ep_mode`` switches too):
+            the worst demand since the last check (the excess in thousandths of balanced traffic, the slot rows
+            and the experts' rows needed, ``T_max``); the same on every rank of the EP group.
     """
 
     backward_in_flight: bool
@@ -144,8 +144,17 @@ class SizedTransport(Protocol):
         that problem), with this forward's worst demand kept in :attr:`overflow` on the device."""
         ...
 
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, t_max: int,
+                 problem: Optional[Problem] = None, fp8_rows: bool = False) -> RoutedTokens:
+        """:meth:`launch_dispatch` and its wait, nothing in between."""
+        ...
+
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
         """:meth:`Transport.launch_combine`."""
+        ...
+
+    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """:meth:`Transport.combine`."""
         ...
 
     def overflow_message(self, layer: str) -> Optional[str]:
@@ -253,15 +262,16 @@ class AllToAllTransport(Dispatching):
 
 
 def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k: int,
-                  capacity_factor: Optional[float], raises: bool, device: torch.device
+                  capacity_factor: Optional[float], raises: bool, overflow: torch.Tensor
                   ) -> Union[Transport, SizedTransport]:
     """The transport of a layer with experts split over ``ep`` (``None``: all local) in ``ep_mode``
-    (``"sync"`` or ``"sync_free"``; the module table): a :class:`SizedTransport` for ``"sync_free"``, its
-    overflow buffer on ``device`` (the layer's). ``raises``: whether the sync transport raises the problems its
-    count exchange carries (its axis spans every rank the layer talks to)."""
+    (``"sync"`` or ``"sync_free"``; the module table): a :class:`SizedTransport` for ``"sync_free"``, whose
+    overflow buffer is ``overflow`` (int64 ``(4,)`` on the layer's device; unused by the others). ``raises``:
+    whether the sync transport raises the problems its count exchange carries (its axis spans every rank the
+    layer talks to)."""
     if ep is None or ep.size == 1:
         return LocalTransport(num_experts)
     makers = {"sync": lambda: AllToAllTransport(ep, num_experts, raises=raises),
               "sync_free": lambda: (SymmetricTransport if symmetric_usable(ep) else SyncFreeTransport)(
-                  ep, num_experts, top_k, capacity_factor, device)}
+                  ep, num_experts, top_k, capacity_factor, overflow)}
     return makers[ep_mode]()

@@ -66,7 +66,7 @@ from .layer import MoE, _Layer
 from .overlap import call_joined, inside_fsdp_unit
 from .plan import agree_plan
 from .ride import Ride
-from .sync_free import layer_t_max, record_overflow
+from .sync_free import SyncFreeTransport, layer_t_max, record_overflow
 from .token_exchange import exchange_tokens
 
 __all__ = ["parallelize_moe", "ParallelMoE"]
@@ -200,10 +200,21 @@ class ParallelMoE(_Layer):
         self.ep_mode = ep_mode
         # problems raise at the count exchange only when it reaches every rank the layer talks to
         spans = all(a == self.ep or a.size == 1 for a in self.load_axes)
-        # (a sync-free one owns its overflow buffer, made zero on the layer's device: a switch starts it afresh)
+        old = self._modules.get("transport")
+        if isinstance(old, SyncFreeTransport):
+            # leaving a sync-free transport: an overflow not yet checked is recorded for the step boundary (never
+            # silent; one host read), and its buffer is kept for the next one: a CUDA graph captured on it goes
+            # on writing to that address
+            if not old.overflow.is_meta:
+                record_overflow(self)
+            self._overflow = old.overflow
+        kept: Optional[torch.Tensor] = self.__dict__.get("_overflow")
+        device = self.expert_bias.device
+        if kept is None or kept.device != device:  # (moved by .to() since: a graph captured before is void anyway)
+            kept = torch.zeros(4, dtype=torch.int64, device=device)
         self.transport: Union[Transport, SizedTransport] = transport_for(
             self.ep, ep_mode, self.config.num_experts, self.config.top_k, self.capacity_factor, raises=spans,
-            device=self.expert_bias.device)
+            overflow=kept)
 
     def check_capacity(self) -> None:
         """Raise ``SPMDCapacityError`` on every rank of the layer if a sync-free EP slot overflowed anywhere

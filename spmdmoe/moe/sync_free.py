@@ -133,15 +133,16 @@ class SyncFreeTransport(Dispatching):
     overflow: torch.Tensor
 
     def __init__(self, axis: MeshAxis, num_experts: int, top_k: int, capacity_factor: Optional[float],
-                 device: torch.device):
+                 overflow: torch.Tensor):
         super().__init__()
         self.axis = axis
         self.num_experts = num_experts
         self.local_experts = num_experts // axis.size
         self.top_k = top_k
         self.capacity_factor = capacity_factor
-        # the worst overflow since the last check (``dispatch.SizedTransport.overflow``), on the layer's device
-        self.register_buffer("overflow", torch.zeros(4, dtype=torch.int64, device=device), persistent=False)
+        # the worst overflow since the last check (``dispatch.SizedTransport.overflow``): int64 (4,) on the layer's
+        # device, zeros or the layer's previous sync-free transport's (``ParallelMoE.set_ep_mode``)
+        self.register_buffer("overflow", overflow, persistent=False)
 
     def sizes(self, t_max: int) -> tuple[int, int]:
         """``(S, R)`` for ``T_max`` (:func:`capacity_rows`): the rows of a (source, destination) slot and of this

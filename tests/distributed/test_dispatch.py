@@ -289,12 +289,13 @@ def _alive(refs, seconds=2.0):
 
 
 def _waited_at_once(pipeline):
-    """``_Layer._pipeline`` with each move waited for as soon as it is launched (nothing runs under it)."""
+    """``_Layer._pipeline`` with each move made at once (nothing runs under it): the dispatch waited for as soon
+    as it is launched, the transport's own ``combine`` (one exchange waited for at once) for its launched one."""
     def run(self, *args, **kwargs):
         transport = args[2]
-        at_once = lambda launch: lambda *a, **k: (lambda done: lambda: done)(launch(*a, **k)())  # noqa: E731
-        transport.launch_dispatch = at_once(transport.launch_dispatch)
-        transport.launch_combine = at_once(transport.launch_combine)
+        launch, combine = transport.launch_dispatch, type(transport).combine  # (an EP transport's own combine)
+        transport.launch_dispatch = lambda *a, **k: (lambda done: lambda: done)(launch(*a, **k)())
+        transport.launch_combine = lambda y, r: (lambda done: lambda: done)(combine(transport, y, r))
         try:
             return pipeline(self, *args, **kwargs)
         finally:

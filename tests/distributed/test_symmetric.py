@@ -103,7 +103,7 @@ def _all_three(plan, x, g, checkpointed=False):
     assert isinstance(layer.transport, symmetric.SymmetricTransport)
     runs = [_step(plan, x, g, checkpointed)]
     layer.transport = sync_free.SyncFreeTransport(layer.ep, E, layer.config.top_k, layer.capacity_factor,
-                                                  layer.expert_bias.device)
+                                                  layer.transport.overflow)
     runs.append(_step(plan, x, g, checkpointed))
     layer.set_ep_mode("sync")
     runs.append(_step(plan, x, g, checkpointed))

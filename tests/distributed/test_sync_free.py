@@ -90,7 +90,8 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     """Every token on experts 0 and 1 (rank 0's) with capacity_factor 1: rank 0's slots overflow. The step
     runs to the end on every rank (no hang), the static buffers keep their size, dropped copies count as
     zero, every rank records the same verdict and raises SPMDCapacityError from check_capacity (and from
-    update_expert_bias); the sync transport reruns the step exactly."""
+    update_expert_bias); the sync transport reruns the step exactly; an overflow not yet checked is still raised
+    after a switch to the sync transport and back, which keeps one overflow buffer."""
     n = world.size()
     if n < 2:
         pytest.skip("needs EP over 2+ ranks")
@@ -99,6 +100,7 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     moe = reference_moe(cfg, 4, device)
     moe.expert_bias[:2] = 1e3
     plan = build_plan("sp_ep", moe, TOTAL, world, request, ep_mode="sync_free", capacity_factor=1.0)
+    address = plan.layer.transport.overflow.data_ptr()
     sent = []
     for name in ("exchange_launched", "exchanged_op"):  # the transports' token exchanges (dedup.launch_tokens / send_back)
         real = getattr(dedup, name)
@@ -131,6 +133,10 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     assert not torch.equal(dropped[0], exact[0]) or x.shape[0] == 0
     plan.layer.set_ep_mode("sync_free")
     _step(plan.layer, x, g)
+    # an overflow not yet checked survives a switch away and back, in the same buffer (a captured graph writes it)
+    plan.layer.set_ep_mode("sync")
+    plan.layer.set_ep_mode("sync_free")
+    assert plan.layer.transport.overflow.data_ptr() == address, "one overflow buffer across set_ep_mode switches"
     assert_raises_everywhere(SPMDCapacityError, plan.layer.update_expert_bias, match="EP capacity exceeded")
 
 
