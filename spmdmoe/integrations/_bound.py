@@ -8,8 +8,8 @@ engine is built on meta, then :func:`bind` points its ``router`` / ``experts`` /
 modules holding the adapter's parameters and reads its bias and load counts from the adapter (looked up at
 each use: a ``.to()`` or the other library's init replaces buffers), so the engine owns no state of its
 own beyond its flags. :class:`Adapter` is the mixin of the module that takes the other library's place: it
-moves the engine's own buffers (problem flags; its transport's capacity counters) with itself, keeps its training mode and runs
-the engine on a rank's rows (:meth:`Adapter.run_layer`). :func:`shard_experts` gives the other library's expert
+moves the engine's own buffers (problem flags; its transport's capacity counters) with itself, keeps its training
+mode and runs the engine on a rank's rows (:meth:`Adapter.run_layer`). :func:`shard_experts` gives the other library's expert
 parameters the layout the engine computes on (DTensors under EP); :func:`track` registers an adapter with the
 process's optimizer step pre-hook (deferred problems raised on every rank, then each adapter's ``before_step``).
 """
