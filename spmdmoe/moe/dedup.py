@@ -22,6 +22,7 @@ below 2**24 experts; fp64 with fp64 weights), differentiable in the weights: the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -30,7 +31,8 @@ from ..collectives.alltoall import exchange_launched, exchanged_op
 from ..types.mesh import MeshAxis
 from .permute import scatter_rows, weighted_combine
 
-__all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta", "launch_tokens", "launch_back", "send_back"]
+__all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta", "launch_tokens", "Sent", "launch_back",
+           "send_back"]
 
 
 def destinations(ids_TK: torch.Tensor, local_experts: int, ranks: int) -> torch.Tensor:
@@ -103,18 +105,25 @@ def launch_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Te
     return lambda: (x_wait(), *unpack_meta(meta_wait(), axis.rank, local_experts, live_Q))
 
 
-def launch_back(y_QD: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis
-                ) -> Callable[[], torch.Tensor]:
-    """The experts' row per received token back to its rank (the reverse of :func:`launch_tokens`' exchange),
-    started now; the call it returns waits and gives each token's rows summed over the ranks it visited (fp32,
-    rounded once): ``(T, D)``. One ``all_to_all_single`` over ``axis`` in flight until that call
+@dataclass(frozen=True)
+class Sent:
+    """What the combine needs of a dispatch's exchange (:func:`launch_tokens`)."""
+
+    pos_Tn: torch.Tensor  # token t's row in the send buffer for rank d (-1: not sent there, or dropped)
+    send: list[int]  # rows sent to each EP rank
+    recv: list[int]  # rows received from each EP rank
+
+
+def launch_back(y_QD: torch.Tensor, sent: Sent, axis: MeshAxis) -> Callable[[], torch.Tensor]:
+    """The experts' row per received token back to its rank (the reverse of :func:`launch_tokens`' exchange
+    ``sent``), started now; the call it returns waits and gives each token's rows summed over the ranks it
+    visited (fp32, rounded once): ``(T, D)``. One ``all_to_all_single`` over ``axis`` in flight until that call
     (:func:`spmdmoe.collectives.alltoall.exchange_launched`); its reverse in the backward."""
-    rows_wait = exchange_launched(y_QD, recv, send, axis, 0)
-    return lambda: weighted_combine(rows_wait(), pos_Tn, None)
+    rows_wait = exchange_launched(y_QD, sent.recv, sent.send, axis, 0)
+    return lambda: weighted_combine(rows_wait(), sent.pos_Tn, None)
 
 
-def send_back(y_QD: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis
-              ) -> torch.Tensor:
+def send_back(y_QD: torch.Tensor, sent: Sent, axis: MeshAxis) -> torch.Tensor:
     """:func:`launch_back` waited for at once (one ``all_to_all_single``, one autograd node each way: nothing is
     issued between its launch and its wait, so none is made): ``(T, D)``."""
-    return weighted_combine(exchanged_op(y_QD, recv, send, axis, 0), pos_Tn, None)
+    return weighted_combine(exchanged_op(y_QD, sent.recv, sent.send, axis, 0), sent.pos_Tn, None)

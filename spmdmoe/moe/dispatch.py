@@ -36,7 +36,6 @@ records its own (mode (c)). The others have no exchange of bits: they record.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Union
 
 import torch
@@ -45,7 +44,7 @@ from ..agreement import GRAD_OFF, grad_mode_codes, raise_problems
 from ..collectives.alltoall import exchange_split_sizes
 from ..sticky import Problem
 from ..types.mesh import MeshAxis
-from .dedup import destinations, launch_back, launch_tokens, send_back, send_positions
+from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
 from .permute import count_per_expert, weighted_combine
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .symmetric import SymmetricTransport, symmetric_usable
@@ -189,13 +188,6 @@ class LocalTransport(Dispatching):
         return lambda: out_TD
 
 
-@dataclass(frozen=True)
-class _Exchange:
-    pos_Tn: torch.Tensor  # token t's row in the send buffer for rank d (-1: not sent there; dedup.py)
-    send: list[int]  # rows to each EP rank
-    recv: list[int]  # rows from each EP rank
-
-
 class AllToAllTransport(Dispatching):
     """Expert parallel over ``axis``: experts are contiguous blocks of ``e = E / n`` per rank.
 
@@ -247,18 +239,16 @@ class AllToAllTransport(Dispatching):
         pos_Tn = send_positions(need_Tn)
         received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e)
         return lambda: routed_copies(*received(), e, sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
-                                     handle=_Exchange(pos_Tn, send, recv))
+                                     handle=Sent(pos_Tn, send, recv))
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
         """:meth:`Transport.launch_combine`: the rows back (``all_to_all_single``, launched now), a token's summed
         over the ranks it visited at the wait."""
-        ex: _Exchange = routed.handle
-        return launch_back(y_QD, ex.pos_Tn, ex.send, ex.recv, self.axis)
+        return launch_back(y_QD, routed.handle, self.axis)
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """:meth:`Transport.combine`: the rows back and summed at once (``dedup.send_back``)."""
-        ex: _Exchange = routed.handle
-        return send_back(y_QD, ex.pos_Tn, ex.send, ex.recv, self.axis)
+        return send_back(y_QD, routed.handle, self.axis)
 
 
 def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k: int,

@@ -49,7 +49,6 @@ here never depend on them, so no rank is left waiting.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -61,7 +60,7 @@ from ..sticky import Problem
 from ..host import to_host
 from ..types import layout
 from ..types.mesh import MeshAxis
-from .dedup import destinations, launch_back, launch_tokens, send_back, send_positions
+from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
 from .permute import count_per_expert
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .token_exchange import exchange_tokens
@@ -117,12 +116,6 @@ def record_overflow(layer: Any) -> None:
         message = transport.overflow_message(f"MoE layer (sync-free EP over {layer.ep})")
         if message is not None:
             layer.problems.record(BIT["capacity"], transport.overflow.device, [message])
-
-
-@dataclass(frozen=True)
-class _Handle:
-    pos_Tn: torch.Tensor  # token t's row in the send buffer for rank d (-1: not sent there, or dropped; dedup.py)
-    slot: int
 
 
 class SyncFreeTransport(Dispatching):
@@ -196,21 +189,18 @@ class SyncFreeTransport(Dispatching):
         pos_Tn = send_positions(need_Tn, S)
         # received slot i's first min(rows sent, S) rows are live, the rest of it never read
         live_Q = (torch.arange(S, device=x_TD.device) < table[:, E + me, None]).reshape(Q)
-        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, [S] * n, [S] * n, self.axis, e, live_Q)
-        return lambda: routed_copies(*received(), e, R, fp8_rows=fp8_rows, handle=_Handle(pos_Tn, S))
+        sent = Sent(pos_Tn, [S] * n, [S] * n)
+        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, sent.send, sent.recv, self.axis, e, live_Q)
+        return lambda: routed_copies(*received(), e, R, fp8_rows=fp8_rows, handle=sent)
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
         """:meth:`Transport.launch_combine`: the rows back (the reverse even exchange, launched now), a token's
         summed over the ranks it visited at the wait."""
-        h: _Handle = routed.handle
-        n = self.axis.size
-        return launch_back(y_QD, h.pos_Tn, [h.slot] * n, [h.slot] * n, self.axis)
+        return launch_back(y_QD, routed.handle, self.axis)
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """:meth:`Transport.combine`: the rows back and summed at once (``dedup.send_back``)."""
-        h: _Handle = routed.handle
-        n = self.axis.size
-        return send_back(y_QD, h.pos_Tn, [h.slot] * n, [h.slot] * n, self.axis)
+        return send_back(y_QD, routed.handle, self.axis)
 
     def overflow_message(self, layer: str) -> Optional[str]:
         """What overflowed since the last check (``None``: nothing), read from :attr:`overflow` (one host read;
