@@ -7,7 +7,7 @@ init scale, ``h13`` from the real up-projection, ``h`` its SwiGLU, an output gra
 ``dh13`` through the real SwiGLU backward, and every FP8 form the FP8 experts feed their GEMMs (spmdmoe's
 quantizers). :func:`gemms` returns, per GEMM, the bf16 call as the bf16 layer makes it (torch's grouped
 GEMM; the up-projection as one GEMM on ``[w1 | w3]``, its weight gradient as two) and the FP8 call as the
-FP8 layer makes it (``torch._scaled_grouped_mm``, ``spmdmoe.moe.fp8.FAST_ACCUM``). Shared by
+FP8 layer makes it (``torch._scaled_grouped_mm``, ``spmdmoe.moe.experts.fp8.FAST_ACCUM``). Shared by
 ``fp8_numerics.py`` (quality) and ``vs_torchtitan.py`` (the ceiling table).
 """
 
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from spmdmoe.kernels import quantize_cols_pair, quantize_rows, swiglu_backward, swiglu_forward
-from spmdmoe.moe.fp8 import FAST_ACCUM, Fp8Weights, quantize_weights
+from spmdmoe.moe.experts.fp8 import FAST_ACCUM, Fp8Weights, quantize_weights
 
 __all__ = ["Operands", "operands", "gemms"]
 

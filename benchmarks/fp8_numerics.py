@@ -17,7 +17,7 @@ model dim in the forward and dgrad GEMMs, the rows per expert (thousands) in wgr
    fp64 of the dequantized operands ("accum": the accumulation's own error), fast accumulation on / off,
    and each GEMM's time on / off (``timing.timed``: the two interleaved, median).
 2. The layer (``MoE`` with ``expert_precision="fp8_rowwise"``, bf16) against the same layer in fp64 with
-   the same weights, for each ``spmdmoe.moe.fp8.FAST_ACCUM`` setting: output, input gradient and the worst
+   the same weights, for each ``spmdmoe.moe.experts.fp8.FAST_ACCUM`` setting: output, input gradient and the worst
    single expert's weight gradient, at T = 300 and 16384 tokens of the DeepSeek-MoE-16B shape (E = 64,
    K = 6: about 1.5k rows per expert at 16k) and at 16384 tokens with E = 8, K = 2 (4096 rows per expert);
    the gates (tests/test_fp8.py): output and input grad >= 22 dB, every expert's weight grads >= 21 dB.
@@ -37,7 +37,7 @@ import torch
 
 from expert_gemms import gemms, operands
 from spmdmoe.moe import MoE, MoEConfig
-from spmdmoe.moe import fp8 as fp8_mod
+from spmdmoe.moe.experts import fp8 as fp8_mod
 from shapes import SHAPES
 from timing import report, timed
 

@@ -105,7 +105,7 @@ def main() -> None:
     cases["SwiGLU backward + FP8 rows of dh13 (fused, weights folded)"] = (
         lambda: sq.swiglu_quant_backward_triton(gh, h13, valid, wN),
         lambda: sq.swiglu_quant_backward_reference(gh, h13, valid, wN), N * F * 12 + N * 12)
-    from spmdmoe.moe.fp8 import quantize_weights
+    from spmdmoe.moe.experts.fp8 import quantize_weights
     w13 = torch.randn(E, 2 * F, D, device=dev, dtype=bf)
     w2 = torch.randn(E, D, F, device=dev, dtype=bf)
     w1v, w3v = w13[:, :F], w13[:, F:]
@@ -117,9 +117,9 @@ def main() -> None:
     nw = w13.numel() + w2.numel()
     cases["FP8 weights, both layouts of [w1|w3] and w2 (E=64)"] = (
         lambda: quantize_weights(w1v, w2, w3v), weights_by_copies, nw * (2 + 2 + 1 + 1))
-    # the FP8 weight cache (spmdmoe.moe.fp8_cache): its fingerprint alone, then a whole use with the weights
+    # the FP8 weight cache (spmdmoe.moe.experts.fp8_cache): its fingerprint alone, then a whole use with the weights
     # unchanged (fingerprint + gated quantizers that write nothing) and changed (one element flipped first)
-    from spmdmoe.moe.fp8_cache import Fp8WeightCache
+    from spmdmoe.moe.experts.fp8_cache import Fp8WeightCache
     state = fg.new_state(dev)
     cache = Fp8WeightCache(w1v, w2, w3v)
     cache.get(w1v, w2, w3v)

@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
-from spmdmoe.moe.experts import GroupedExperts, grouped_swiglu
-from spmdmoe.moe.gemm import grouped_mm, grouped_mm_pair
+from spmdmoe.moe.experts.grouped import GroupedExperts, grouped_swiglu
+from spmdmoe.moe.experts.gemm import grouped_mm, grouped_mm_pair
 from timing import kernel_table, report, timed
 
 

@@ -1,8 +1,8 @@
-"""What the ride of deferred problems costs an SP layer without EP (``spmdmoe/moe/ride.py``; CPU, gloo).
+"""What the ride of deferred problems costs an SP layer without EP (``spmdmoe/moe/parallel/ride.py``; CPU, gloo).
 
     torchrun --nproc-per-node 4 benchmarks/ride_cost.py [--tokens 2048] [--dim 256] [--out FILE]
 
-The same parallel layer stepped (forward + backward) with its ride and with the ride detached (``layer._ride =
+The same parallel layer stepped (forward + backward) with its ride and with the ride detached (``layer.admission.ride =
 None``: no token exchange, no delayed read: the layer as it was before issue 24), candidates interleaved in every
 rep, median of the reps, max over ranks; host wall time per step, since gloo on the CPU is synchronous
 (``timing.timed_host``). Also
@@ -35,7 +35,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = MoEConfig(dim=args.dim, hidden_dim=args.dim, num_experts=args.experts, top_k=2)
     layer = parallelize_moe(MoE(cfg), sp_mesh=world)
-    ride = layer._ride
+    ride = layer.admission.ride
     full = torch.randn(args.tokens, args.dim, generator=torch.Generator().manual_seed(1))
     local = spmdmoe.shard(full, world).local
 
@@ -49,7 +49,7 @@ def main() -> None:
 
     def with_ride(fn, attached):
         def call() -> None:
-            layer._ride = attached  # a detached ride leaves nothing pending for the attached one to read
+            layer.admission.ride = attached  # a detached ride leaves nothing pending for the attached one to read
             fn()
         return call
 
@@ -58,7 +58,7 @@ def main() -> None:
            "from_local, checks on": with_ride(lambda: wrap(True), ride),
            "from_local, checks off": with_ride(lambda: wrap(False), ride)}
     ms = timed_host(fns, args.steps, args.reps)
-    layer._ride = ride
+    layer.admission.ride = ride
     lines = [f"torch {torch.__version__}, gloo, {dist.get_world_size()} CPU processes, SP layer without EP: T = "
              f"{args.tokens}, D = F = {args.dim}, E = {args.experts}, top-2, fp32", "",
              "| case | ms (median, max over ranks) |", "|---|---|"]

@@ -36,7 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import spmdmoe
 from older import config_in
 from spmdmoe.moe import MoEConfig
-from spmdmoe.moe.sync_free import capacity_rows
+from spmdmoe.moe.transports.sync_free import capacity_rows
 
 CFG = MoEConfig(dim=7168, hidden_dim=2048, num_experts=256, top_k=8)
 # (dp, sp, ep): EP 2..256, and 1024 ranks in all as dp x sp x ep

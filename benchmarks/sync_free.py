@@ -12,7 +12,7 @@ again). Candidates, interleaved
 
 * ``sync eager``: ``ep_mode="sync"``, one host read of the split sizes per layer forward;
 * ``sync-free eager``: ``ep_mode="sync_free"`` lossless: on NCCL on one host the symmetric-memory transport
-  (``moe/symmetric.py``: only the rows that cross, read from the peers), a token once per rank (``moe/dedup.py``);
+  (``moe/transports/symmetric.py``: only the rows that cross, read from the peers), a token once per rank (``moe/transports/dedup.py``);
 * ``sync-free eager, all-to-all``: the same over the padded even all-to-all (``SPMDMOE_EP_SYMMETRIC=0``: the
   transport of gloo and of several hosts; ``S = T`` rows per rank pair);
 * ``sync-free graphed``: the symmetric stack's forward and backward captured in ONE CUDA graph, replayed;
@@ -63,9 +63,9 @@ import torch.distributed as dist
 
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
-from spmdmoe.moe.dedup import destinations
-from spmdmoe.moe.symmetric import SymmetricTransport
-from spmdmoe.moe.sync_free import capacity_rows
+from spmdmoe.moe.transports.dedup import destinations
+from spmdmoe.moe.transports.symmetric import SymmetricTransport
+from spmdmoe.moe.transports.sync_free import capacity_rows
 from spmdmoe.testing import capture_training_step
 
 from shapes import SHAPES
@@ -112,8 +112,8 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
     ceiling: a copy-engine ``copy_`` of this rank's off-rank rows' bytes from the next rank's buffer, every
     rank at once, each way; the design probes (module docstring): the dispatch by the copy engines, pulled and
     pushed, and a GEMM alone and beside each dispatch (:data:`GEMM_ALONE`); and the number of those rows."""
-    from spmdmoe.moe.dedup import pack_meta
-    from spmdmoe.moe.symmetric import _buffer, _peers, _regions, peer_dispatch, peer_pull_sum
+    from spmdmoe.moe.transports.dedup import pack_meta
+    from spmdmoe.moe.transports.symmetric import _buffer, _peers, _regions, peer_dispatch, peer_pull_sum
 
     e, me, group = transport.local_experts, transport.axis.rank, transport.axis.group.group_name
     need_Tn = destinations(ids_TK, e, n)
@@ -444,7 +444,7 @@ def main() -> None:
               "graphs (" + ("all alive, timed together" if args.graphs_together else "one alive at a time") + "): "
               + "; ".join(f"{k}: pool {pools[k]:.2f} GiB reserved at capture, {checks[k]}" for k in pools)]
     if crossing:
-        from spmdmoe.moe import symmetric
+        from spmdmoe.moe.transports import symmetric
 
         GB = crossing * D * 2 / 1e9
         staging = sum(st.buf.numel() for st in symmetric._staging.values()) / 2**30

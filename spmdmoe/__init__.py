@@ -9,11 +9,11 @@ agreement mechanism.
 from . import types
 from . import agreement, collectives, dtensor, moe, testing
 from .sticky import check_errors
-from .moe.clip import clip_grad_norm_
+from .moe.training.clip import clip_grad_norm_
 from .collectives import all_gather, all_reduce, all_to_all, exchange_counts, redistribute, reduce_scatter
 from .construct import from_local, padded_empty, shard
 from .meshes import init_mesh, product_axis
-from .moe.routed import RoutedTokens
+from .moe.transports.routed import RoutedTokens
 from .shutdown import shutdown
 from .types import *  # noqa: F401,F403
 from .types import __all__ as _types_all

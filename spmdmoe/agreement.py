@@ -31,6 +31,34 @@ mode        how the row travels                             used by
             raise on every rank
 ==========  ==============================================  ==========================================
 
+One forward of an MoE layer: every way its :class:`Problem` reaches the other ranks, and when each applies
+(the problem is one object from where it is found, the layer's admission (``moe/parallel/admission.py``) and
+its router, to where it is raised):
+
+==============================  ==============================================================================
+way                             when
+==============================  ==============================================================================
+raised at once                  the process is the whole job (nobody can be left waiting), or a single-device
+                                ``MoE``'s own shape checks
+the stand-in                    always, for a bad input on this rank: it routes zero rows and returns
+                                ``spmdmoe.stand_in``'s zeros, so it issues every collective (forward and
+                                backward) its peers issue, whatever way the bits then take
+(a) the EP count exchange       sync EP (``AllToAllTransport``): every rank raises there when the EP axis spans
+                                every rank the layer talks to (no other SP axis, no ``dp_mesh``); otherwise each
+                                rank records its own share, (c)
+(c) the sticky flag             every other case (no EP, sync-free EP, EP beside other axes, and any layer under
+                                ``torch.compile``): the transport records the bits (the problem's sink, the
+                                layer's flag), raised on every rank by ``update_expert_bias`` /
+                                ``check_errors`` at the step boundary, before the optimizer step
+the ride                        besides (c), an SP layer whose SP axis is the whole job (no ``dp_mesh``; no EP,
+                                or sync-free EP on the SP axis): its token exchange carries the bits and the
+                                grad mode (``moe/parallel/ride.py``), raised at the layer's next forward on every
+                                rank, and a grad mode that differed also in this forward's backward (before its
+                                collectives); eager only
+the collective-checking mode    ``checks_mode() == "collectives"``: each forward first checks that every rank
+                                calls the layer alike (train mode; ``spmdmoe.collective_check``)
+==============================  ==============================================================================
+
 Cost of (c): nothing per forward but a few tiny device ops; the read costs one
 host sync, once per ``check_errors`` call and once per
 ``update_expert_bias`` call. With checks off (:func:`spmdmoe.set_checks`), the
@@ -45,8 +73,8 @@ layer, ``parallelize_moe``, ``load_state_dict`` and the sticky flags.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -70,7 +98,8 @@ from .types.mesh import MeshAxis, mesh_axis
 __all__ = [
     "KINDS",
     "Kind",
-    "Found",
+    "Problem",
+    "ProblemSink",
     "Field",
     "agree",
     "verdict",
@@ -130,20 +159,45 @@ def grad_mode_codes(codes: Sequence[int]) -> list[int]:
     return [(c & ~GRAD_OFF) | (BIT["grad_mode"] if mixed and o else 0) for c, o in zip(codes, off)]
 
 
-class Found:
-    """What this rank found: problem bits, and the detail messages only this rank can write."""
+class ProblemSink(Protocol):
+    """Where a forward's problem is kept when it is not raised at once: a layer's ``sticky.ProblemFlag``."""
 
-    __slots__ = ("bits", "details")
+    def record(self, bits: Union[int, torch.Tensor], device: torch.device, details: Sequence[str] = ()) -> None: ...
 
-    def __init__(self) -> None:
-        self.bits = 0
-        self.details: list[str] = []
+
+@dataclass
+class Problem:
+    """What this rank found, from where it is found to where it is raised: problem bits (one per kind,
+    :data:`KINDS`), the detail messages only this rank can write, and the sink that keeps them when they are
+    not raised at once (a parallel layer's sticky flag; ``None``: nowhere, e.g. an agreement that raises now).
+
+    ``bits`` is a host int while only host checks have run (``bool(problem)`` reads it); a device-side check
+    (non-finite router logits, :meth:`add_device`) makes it a device int64 scalar, which is never read on the
+    host in the forward (that would sync): the transport sends it along an exchange or :meth:`record` s it.
+    """
+
+    bits: Union[int, torch.Tensor] = 0
+    details: list[str] = field(default_factory=list)
+    flag: Optional[ProblemSink] = None
 
     def add(self, kind: str, detail: str) -> None:
-        self.bits |= BIT[kind]
+        """A problem of ``kind`` (a name of :data:`KINDS`) found on the host, with this rank's message."""
+        self.bits = self.bits | BIT[kind]
         self.details.append(detail)
 
+    def add_device(self, bits: torch.Tensor) -> None:
+        """OR device-side bits (an int64 scalar) in, with no host read."""
+        self.bits = self.bits | bits
+
+    def record(self, bits: Union[int, torch.Tensor], device: torch.device) -> None:
+        """Keep ``bits`` (this problem's, or the share of them an exchange left to this rank) in :attr:`flag`."""
+        if self.flag is not None:
+            self.flag.record(bits, device, self.details)
+
     def __bool__(self) -> bool:
+        if isinstance(self.bits, torch.Tensor):
+            raise TypeError("a Problem with device-side bits cannot be tested on the host without a sync; "
+                            "hand it to a transport, which carries or records it")
         return bool(self.bits)
 
 
@@ -256,7 +310,7 @@ def disagreement_error(op: str, fields: Sequence[Field], table: Sequence[Sequenc
 def agree(
     op: str,
     axis: Optional[MeshAxis],
-    found: Found,
+    found: Problem,
     fields: Sequence[tuple[Field, int]] = (),
     extra: Sequence[int] = (),
     global_ranks: bool = False,
@@ -277,7 +331,7 @@ def agree(
     return table
 
 
-def verdict(op: str, axis: Optional[MeshAxis], table: Sequence[Sequence[int]], found: Found,
+def verdict(op: str, axis: Optional[MeshAxis], table: Sequence[Sequence[int]], found: Problem,
             fields: Sequence[Field] = (), global_ranks: bool = False) -> Optional[Exception]:
     """:func:`agree`'s error for an exchanged ``table`` of ``[bits, *fields, ...]`` rows (``None``: all agree), for
     a caller that decides from the table whether to raise now or to agree again over more ranks."""

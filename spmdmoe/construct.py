@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .agreement import Field, Found, agree, dtype_code, dtype_name
+from .agreement import Field, Problem, agree, dtype_code, dtype_name
 from .types import layout
 from .types.errors import SPMDLayoutError
 from .types.mesh import MeshAxis, MeshLike, mesh_axis
@@ -110,9 +110,9 @@ _FEATURES = Field("non-token dims", show=lambda v: f"shape#{v % 9973}",
                   fix="every rank's shard needs the same feature shape (dtype and non-token dims)")
 
 
-def _local_findings(local: Any, axis: MeshAxis, placement: Any, total: Any, token_dim: int) -> tuple[Found, list[int]]:
+def _local_findings(local: Any, axis: MeshAxis, placement: Any, total: Any, token_dim: int) -> tuple[Problem, list[int]]:
     """This rank's findings and its row of field values ``[kind, dim, declared, dtype, features, rows]``."""
-    found = Found()
+    found = Problem()
     kind = _KINDS.get(type(placement), -1)
     values = [kind, token_dim, _NO_T, 0, 0, -1]
     if not isinstance(local, torch.Tensor):

@@ -3,7 +3,7 @@
 Every documented sync goes through :func:`to_host` (the EP split sizes in sync
 mode, the agreement exchanges of ``spmdmoe.agreement``, the sticky-flag read of
 :func:`spmdmoe.check_errors` and of the bias update) or :class:`DelayedRead`
-(a riding SP layer's problem exchange, ``spmdmoe.moe.ride``, read once in that
+(a riding SP layer's problem exchange, ``spmdmoe.moe.parallel.ride``, read once in that
 forward's backward or at the next forward). :func:`host_sync_count`
 counts them, which is a bookkeeping aid, not proof: tests that claim "no other
 sync" on CUDA also run under ``torch.cuda.set_sync_debug_mode``.

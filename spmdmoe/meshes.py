@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .agreement import Field, Found, agree, exchange_rows
+from .agreement import Field, Problem, agree, exchange_rows
 from .types.errors import SPMDMeshError
 from .types.mesh import MeshAxis, MeshLike, mesh_axis
 
@@ -181,4 +181,4 @@ def _agree_on_mesh(shape: "tuple[int, ...]", names: "tuple[str, ...]") -> None:
     checksum = zlib.crc32("\0".join(names).encode())
     fields.append((Field("mesh_dim_names", SPMDMeshError, lambda v: f"names checksum {v:#010x}",
                          fix=f"{fix} (this rank: {names})"), checksum))
-    agree("init_mesh", None, Found(), fields, global_ranks=True)
+    agree("init_mesh", None, Problem(), fields, global_ranks=True)

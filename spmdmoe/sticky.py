@@ -1,8 +1,8 @@
-"""A forward's problem bits, and mode (c) of the agreement (``spmdmoe.agreement``): sticky flags.
+"""Mode (c) of the agreement (``spmdmoe.agreement``): sticky flags.
 
-:class:`Problem` carries what one forward of a layer found on this rank (a bad
-input, non-finite router logits) to the layer's transport, which either sends
-the bits along its count exchange (mode (a)) or records them here. A check
+A forward's :class:`spmdmoe.agreement.Problem` (a bad input, non-finite router
+logits on this rank) goes to the layer's transport, which either sends the bits
+along its count exchange (mode (a)) or records them here (the problem's sink). A check
 whose verdict could differ between ranks and that has no exchange to ride (a
 single-device layer, SP modes, EP beside a ``dp_mesh``) records this rank's
 bits on the device, in the layer's :class:`ProblemFlag`: no sync, no
@@ -14,7 +14,6 @@ flags: a layer's ``update_expert_bias`` (its count all-reduce carries them) or
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -25,7 +24,7 @@ from .agreement import problems_error, world_axis
 from .host import to_host
 from .types.mesh import MeshLike, mesh_axis
 
-__all__ = ["Problem", "ProblemFlag", "check_errors", "clear_all"]
+__all__ = ["ProblemFlag", "check_errors", "clear_all"]
 
 
 def _world() -> tuple[int, int]:
@@ -98,24 +97,6 @@ class ProblemFlag:
         self.generation += 1
         if self.on_clear is not None:
             self.on_clear()
-
-
-@dataclass
-class Problem:
-    """This rank's problem bits for one forward and the details only it can write.
-
-    ``bits`` is a host int, or a device int64 scalar once a device-side check
-    (non-finite logits) joined: reading it would sync, so only the transports
-    move it (into an exchange or the sticky flag).
-    """
-
-    bits: Union[int, torch.Tensor] = 0
-    details: list[str] = field(default_factory=list)
-    flag: Optional[ProblemFlag] = None  # where the bits are recorded when they are not raised at once
-
-    def record(self, bits: Union[int, torch.Tensor], device: torch.device) -> None:
-        if self.flag is not None:
-            self.flag.record(bits, device, self.details)
 
 
 _flags: "weakref.WeakSet[ProblemFlag]" = weakref.WeakSet()

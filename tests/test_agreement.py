@@ -5,7 +5,7 @@ import torch
 
 import spmdmoe
 from spmdmoe import MoEConfigError, SPMDDeviceError, SPMDLayoutError, SPMDShapeError, SPMDTokenCountError
-from spmdmoe.agreement import BIT, KINDS, Field, Found, agree, dtype_code, dtype_name, problems_error
+from spmdmoe.agreement import BIT, KINDS, Field, Problem, agree, dtype_code, dtype_name, problems_error
 from spmdmoe.sticky import ProblemFlag
 from spmdmoe.host import host_sync_count
 from spmdmoe.testing import sync_error_mode
@@ -39,7 +39,7 @@ def test_global_ranks_in_messages():
 
 
 def test_agree_raises_on_problems_and_returns_the_table(pg):
-    found = Found()
+    found = Problem()
     assert not found
     table = agree("op", None, found, [(Field("width"), 7)], extra=[3])
     assert table == [[0, 7, 3]]
@@ -126,7 +126,7 @@ def test_weights_fingerprint_sees_permutations():
     """The fingerprint is position-weighted: a transposed w1 (D == F, so the same shape) or two swapped
     experts change it; the same weights give the same value."""
     from spmdmoe.moe import MoE, MoEConfig
-    from spmdmoe.moe.plan import weights_fingerprint
+    from spmdmoe.moe.parallel.plan import weights_fingerprint
 
     torch.manual_seed(0)
     moe = MoE(MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=2))
@@ -145,7 +145,7 @@ def test_weights_fingerprint_sees_permutations():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_delayed_read_returns_the_values_of_when_it_started(device):
-    """The ride of deferred problems (``spmdmoe.moe.ride``): a copy started now, read later. On CUDA the start
+    """The ride of deferred problems (``spmdmoe.moe.parallel.ride``): a copy started now, read later. On CUDA the start
     makes no host sync (sync debug mode "error"), later writes to the source do not change what is read, and
     the read is counted as a transfer."""
     from spmdmoe.host import DelayedRead
@@ -169,3 +169,20 @@ def test_problem_flag_generation_counts_clears():
     assert int(out) == BIT["width"]
     flag.clear()
     assert flag.generation == 1 and flag.details == []
+
+
+def test_one_problem_from_where_it_is_found_to_its_sink():
+    """A forward's ``Problem``: host findings read as a bool; once a device-side check joined, reading it on the host
+    raises (it would sync) and only its sink (the layer's sticky flag) takes the bits, with this rank's details."""
+    flag = ProblemFlag()
+    problem = Problem(flag=flag)
+    assert not problem
+    problem.add("width", "rank 0: width 7, not 8")
+    assert problem and problem.bits == BIT["width"]
+    problem.add_device(torch.tensor(BIT["nonfinite"]))
+    with pytest.raises(TypeError, match="sync"):
+        bool(problem)
+    problem.record(problem.bits, torch.device("cpu"))
+    with pytest.raises(SPMDShapeError, match="width 7, not 8") as raised:
+        spmdmoe.check_errors()
+    assert "non-finite router logits" in str(raised.value)

@@ -9,7 +9,7 @@ same way in ``tests/distributed/test_cuda_graphs.py`` (2+ GPUs, NCCL).
 
 A captured step must also follow the weights: after ``optimizer.step()`` (eager, between replays) the
 next replay computes with the new weights, bitwise equal to eager; with FP8 experts that needs the weight
-cache to decide on the device whether to re-quantize (``spmdmoe.moe.fp8_cache``): before it, a replay kept
+cache to decide on the device whether to re-quantize (``spmdmoe.moe.experts.fp8_cache``): before it, a replay kept
 the weights quantized at capture (0.67 max abs off on an H200).
 
 bf16 (and FP8 experts) only: torch 2.11's grouped GEMM copies its offsets to the host for fp32 on

@@ -1,4 +1,4 @@
-"""The rank-deduplicated dispatch's index maths (``spmdmoe.moe.dedup``), in one process.
+"""The rank-deduplicated dispatch's index maths (``spmdmoe.moe.transports.dedup``), in one process.
 
 ``destinations`` and ``send_positions`` against a loop over the tokens, packed and with a slot (tokens past
 a block's slot dropped), with zero tokens, one rank, every token's experts on the lower half of the ranks (one
@@ -14,7 +14,7 @@ from typing import Optional
 import pytest
 import torch
 
-from spmdmoe.moe.dedup import destinations, send_positions
+from spmdmoe.moe.transports.dedup import destinations, send_positions
 
 # T tokens, K top-k, E experts, e local experts, n EP ranks
 

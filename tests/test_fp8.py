@@ -20,8 +20,9 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from spmdmoe.moe import MoE, MoEConfig
-from spmdmoe.moe import fp8 as fp8_mod
-from spmdmoe.moe.fp8 import fp8_native, fp8_swiglu, quantize_weights
+from spmdmoe.moe.experts import fp8 as fp8_mod
+from spmdmoe.moe.experts.fp8 import fp8_native, quantize_weights
+from spmdmoe.moe.experts.fp8_ops import fp8_swiglu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -329,7 +330,7 @@ def _same_bits_without(monkeypatch, wgrad: str, seed: int, offered, withheld) ->
     """The FP8 layer's output and every gradient (the router gate's too) with the local dispatch as it is,
     which must make what ``offered(routed)`` checks, equal bit for bit those with ``withheld(real)``, a
     replacement of ``LocalTransport.launch_dispatch`` built from the real one, in its place."""
-    from spmdmoe.moe.dispatch import LocalTransport
+    from spmdmoe.moe.transports.dispatch import LocalTransport
 
     _, fp8 = _layers(wgrad=wgrad)
     gen = torch.Generator().manual_seed(seed)

@@ -9,11 +9,11 @@ from torch.utils.checkpoint import checkpoint
 import spmdmoe
 from spmdmoe import MoEConfigError, SPMDShapeError
 from spmdmoe.moe import MoE, MoEConfig, route
-from spmdmoe.moe.balance import aux_loss
-from spmdmoe.moe.experts import grouped_swiglu
-from spmdmoe.moe.gemm import grouped_mm, native_grouped_mm_ok
-from spmdmoe.moe.permute import scatter_rows, sort_by_expert, weighted_combine
-from spmdmoe.moe.routed import RoutedTokens
+from spmdmoe.moe.routing.balance import aux_loss
+from spmdmoe.moe.experts.grouped import grouped_swiglu
+from spmdmoe.moe.experts.gemm import grouped_mm, native_grouped_mm_ok
+from spmdmoe.moe.routing.permute import scatter_rows, sort_by_expert, weighted_combine
+from spmdmoe.moe.transports.routed import RoutedTokens
 
 CONFIGS = [
     dict(dim=16, hidden_dim=16, num_experts=8, top_k=2),
@@ -187,7 +187,7 @@ def test_grouped_gemms_with_empty_groups_at_the_buffer_end(sizes, nan_empty):
     allocation's end. The up- and down-projections forward and backward: valid rows and every weight gradient
     against per-group ``mm``; an empty group's weight gradient exactly zero (CUTLASS leaves the accumulator of a
     problem with no K tiles unwritten: NVIDIA/cutlass#2674), nothing non-finite (``torch.empty`` hands out NaN)."""
-    from spmdmoe.moe.gemm import grouped_mm_pair
+    from spmdmoe.moe.experts.gemm import grouped_mm_pair
 
     R, D, Fh, dev = sum(sizes) or 128, 256, 128, "cuda"
     x = torch.randn(R, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -226,7 +226,7 @@ def test_masked_loop_keeps_a_nan_tail_out_of_every_gradient():
     """The compiled fallback on a capacity buffer: its tail rows (past the last offset) and the gradient
     arriving for them hold NaN; the output's tail is zero and no gradient of the valid rows or the weights
     sees a NaN (under inductor on NCCL the incoming gradient's tail was NaN and reached ``w``'s)."""
-    from spmdmoe.moe.gemm import _masked_loop
+    from spmdmoe.moe.experts.gemm import _masked_loop
 
     sizes, tail = [3, 0, 5], 4
     x = torch.randn(sum(sizes) + tail, 6)
@@ -407,7 +407,7 @@ def test_cuda_matches_cpu(dtype, rtol):
 def test_single_device_loads_torchtitan_state_dicts(style):
     """Issue 8: torchtitan 0.3.0 names (routed_experts.inner_experts.w1_EFD, expert_bias_E) load and
     round-trip; the earlier _EFD names load; the oldest (E, D, F) orientation only through from_torchtitan."""
-    from spmdmoe.moe.checkpoint import from_torchtitan, to_torchtitan
+    from spmdmoe.moe.params.checkpoint import from_torchtitan, to_torchtitan
 
     cfg = MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2, num_shared_experts=1)
     src, dst = _moe(cfg, seed=1), _moe(cfg, seed=2)
@@ -440,7 +440,7 @@ def test_single_device_loads_torchtitan_state_dicts(style):
 def test_oldest_orientation_is_never_guessed_when_dim_equals_hidden():
     """Issue 13: with D == F an (E, D, F) tensor has our shape; nothing can tell, so nothing is
     transposed by load_state_dict, and from_torchtitan(orientation='EDF') transposes explicitly."""
-    from spmdmoe.moe.checkpoint import from_torchtitan
+    from spmdmoe.moe.params.checkpoint import from_torchtitan
 
     cfg = MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2)
     src, dst = _moe(cfg, seed=1), _moe(cfg, seed=2)
@@ -491,7 +491,7 @@ def test_experts_pack_w1_w3_side_by_side():
     one GEMM on a view; their gradients are contiguous (no copy by autograd); unpack() gives each its own."""
     import copy
 
-    from spmdmoe.moe.gemm import joined
+    from spmdmoe.moe.experts.gemm import joined
 
     moe = MoE(MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2)).to(torch.float64)
     ex = moe.experts

@@ -21,11 +21,11 @@ def pg():
 
 
 def test_scaled_grouped_mm_takes_both_fp8_call_forms():
-    """``torch._scaled_grouped_mm`` as ``spmdmoe.moe.fp8`` calls it (keywords ``offs``, ``out_dtype``,
+    """``torch._scaled_grouped_mm`` as ``spmdmoe.moe.experts.fp8`` calls it (keywords ``offs``, ``out_dtype``,
     ``use_fast_accum``; row-wise 2-D x 3-D and per-group 2-D x 2-D), through torch's meta function, which
     checks the operand layouts and scale sizes. Without the op ``fp8_native`` is false everywhere and the GPU
     tests of ``tests/test_fp8.py`` skip instead of failing."""
-    from spmdmoe.moe import fp8
+    from spmdmoe.moe.experts import fp8
 
     assert fp8._scaled is not None, "torch._scaled_grouped_mm is gone: FP8 experts would only emulate"
     f8, meta = torch.float8_e4m3fn, {"device": "meta"}
@@ -43,7 +43,7 @@ def test_scaled_grouped_mm_takes_both_fp8_call_forms():
 
 
 def test_check_lets_the_tracer_use_the_traced_split_sizes():
-    """``torch._check`` as the EP dispatcher uses it under compile (``spmdmoe/moe/dispatch.py``): facts
+    """``torch._check`` as the EP dispatcher uses it under compile (``spmdmoe/moe/transports/dispatch.py``): facts
     about sizes read from a tensor (``.tolist()``) that the tracer cannot see. With them a fullgraph trace
     decides on those sizes; they become runtime asserts (bad counts raise instead of running wrong)."""
 
@@ -64,7 +64,7 @@ def test_check_lets_the_tracer_use_the_traced_split_sizes():
 
 
 def test_mark_static_address_makes_a_static_graph_input():
-    """``torch._dynamo.mark_static_address`` as the FP8 weight cache calls it (``spmdmoe/moe/fp8_cache.py``,
+    """``torch._dynamo.mark_static_address`` as the FP8 weight cache calls it (``spmdmoe/moe/experts/fp8_cache.py``,
     CUDA only there): a plain tensor attribute, not a parameter or buffer, becomes one of AOT autograd's
     static inputs (the indices inductor's CUDA graphs use in place instead of copying in); an unmarked
     one does not."""
@@ -162,7 +162,7 @@ def test_fsdp2_units_are_found(pg):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from spmdmoe.moe.overlap import inside_fsdp_unit, is_fsdp_unit
+    from spmdmoe.moe.params.overlap import inside_fsdp_unit, is_fsdp_unit
 
     block = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     assert not is_fsdp_unit(block[0]) and not inside_fsdp_unit(block, "0.weight")
@@ -189,7 +189,7 @@ def test_functional_collectives_as_called(pg):
 
 
 def test_module_parameters_slot_takes_a_plain_tensor():
-    """``nn.Module._parameters`` as ``replicate_grads``' forward uses it (``spmdmoe/moe/grads.py``): a
+    """``nn.Module._parameters`` as ``replicate_grads``' forward uses it (``spmdmoe/moe/params/grads.py``): a
     non-Parameter tensor put into the slot (``setattr`` refuses one) is what the module's forward reads,
     so the gradient flows through it; putting the Parameter back restores the module."""
     lin = nn.Linear(3, 2)
@@ -207,7 +207,7 @@ def test_module_parameters_slot_takes_a_plain_tensor():
 
 
 def test_symmetric_memory_as_called():
-    """``torch.distributed._symmetric_memory`` as ``moe/symmetric.py`` calls it (the sync-free EP transport on one
+    """``torch.distributed._symmetric_memory`` as ``moe/transports/symmetric.py`` calls it (the sync-free EP transport on one
     host): ``empty(n, dtype=, device=)``, ``rendezvous(tensor, group_name)``, and on the handle
     ``barrier(channel=, timeout_ms=)`` (the bound that traps instead of hanging), ``get_buffer(rank, sizes,
     dtype, storage_offset)``, ``world_size``, ``rank``. Without a GPU only the names and signatures are
@@ -224,7 +224,7 @@ def test_symmetric_memory_as_called():
 
 
 def test_ordered_effects_as_registered():
-    """``_register_effectful_op(custom_op, EffectType.ORDERED)`` as ``moe/symmetric.py`` calls it, on a custom op
+    """``_register_effectful_op(custom_op, EffectType.ORDERED)`` as ``moe/transports/symmetric.py`` calls it, on a custom op
     of its own: accepted, and the op's effect then reads ORDERED (what makes the compiler keep and order it)."""
     from torch._higher_order_ops.effects import _get_effect, _register_effectful_op
     from torch._library.effects import EffectType

@@ -1,7 +1,7 @@
 """The top-level namespace is the public API: exactly these names, each one importable from ``spmdmoe``.
 
 Moving a definition between rooms (docs/design.md §0) must not drop it from here: ``RoutedTokens`` once went
-missing when it moved from ``spmdmoe.types`` to ``spmdmoe.moe.routed``. A name added on purpose is added below.
+missing when it moved from ``spmdmoe.types`` to ``spmdmoe.moe.transports.routed``. A name added on purpose is added below.
 """
 
 import importlib
@@ -37,10 +37,10 @@ def test_top_level_names_are_the_public_api():
 
 def test_each_name_is_its_defining_object():
     """A top-level name is the object its room defines (no stale copy), e.g. ``spmdmoe.check_errors`` is
-    ``spmdmoe.sticky.check_errors`` and ``spmdmoe.RoutedTokens`` is ``spmdmoe.moe.routed.RoutedTokens``."""
-    homes = {"check_errors": "spmdmoe.sticky", "RoutedTokens": "spmdmoe.moe.routed", "from_local": "spmdmoe.construct",
+    ``spmdmoe.sticky.check_errors`` and ``spmdmoe.RoutedTokens`` is ``spmdmoe.moe.transports.routed.RoutedTokens``."""
+    homes = {"check_errors": "spmdmoe.sticky", "RoutedTokens": "spmdmoe.moe.transports.routed", "from_local": "spmdmoe.construct",
              "shard": "spmdmoe.construct", "padded_empty": "spmdmoe.construct", "init_mesh": "spmdmoe.meshes",
              "product_axis": "spmdmoe.meshes", "SPMDTensor": "spmdmoe.types.tensor",
-             "clip_grad_norm_": "spmdmoe.moe.clip"}
+             "clip_grad_norm_": "spmdmoe.moe.training.clip"}
     for name, home in homes.items():
         assert getattr(spmdmoe, name) is getattr(importlib.import_module(home), name), name

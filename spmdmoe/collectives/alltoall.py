@@ -7,7 +7,7 @@ both send and receive splits (``spmdmoe.host.to_host``, counted). Problems
 with the counts travel in the same exchange (agreement mode (a), see
 ``spmdmoe.agreement``), so a bad input on one rank raises on every rank with no
 extra collective. The sync-free path (static capacity, no host read) is
-``spmdmoe.moe.sync_free``.
+``spmdmoe.moe.transports.sync_free``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_to_all_single
-from ..agreement import BIT, Field, Found, agree, raise_problems
+from ..agreement import BIT, Field, Problem, agree, raise_problems
 from ..autograd import GRAD_LEAF, always_recorded, collective_op, written
 from ..host import to_host
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
@@ -204,7 +204,7 @@ def exchange_split_sizes(
     copies_ne: torch.Tensor, rows_n: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """The EP dispatch's count exchange: :func:`exchange_with_codes` of ``(n, e + 1)`` counts per destination
-    rank (the copies for each of its ``e`` local experts, then the rows sent to it: ``moe/dedup.py`` sends a
+    rank (the copies for each of its ``e`` local experts, then the rows sent to it: ``moe/transports/dedup.py`` sends a
     token once per rank), with the sums the dispatch needs taken on the device first, so the one host read
     carries ``3n + e`` ints and no host loop grows with ``n * e``. Returns the rows to send to and receive
     from each rank, the copies received per local expert, and every rank's problem bits."""
@@ -260,7 +260,7 @@ def exchange_counts(
     n = axis.size
     shaped = send_counts.dim() >= 1 and send_counts.shape[0] == n
     width = send_counts[0].numel() if shaped else -1
-    found = Found()
+    found = Problem()
     if not shaped:
         found.add("counts", f"rank {axis.rank}: send counts of shape {tuple(send_counts.shape)}, "
                             f"expected leading size {n} (one row per destination rank)")
@@ -344,7 +344,7 @@ def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAx
         if wrong:
             problem = (f"recv_counts {recv} expect {[recv[s] for s in wrong]} rows from rank(s) {wrong}, which send "
                        f"{[sent[s] for s in wrong]}; pass recv_counts=None to have them exchanged")
-    found = Found()
+    found = Problem()
     if problem:
         found.add("counts", f"rank {axis.rank}: {problem}")
     agree("all_to_all", axis, found)

@@ -25,10 +25,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..construct import from_local
-from ..moe.checkpoint import expert_layout
-from ..moe.grads import agree_grad_set
+from ..moe.params.checkpoint import expert_layout
+from ..moe.params.grads import agree_grad_set
 from ..moe.layer import _Layer
-from ..moe.parallel import ParallelMoE
+from ..moe.parallel.layer import ParallelMoE
 from ..sticky import check_errors
 from ..types.tensor import SPMDTensor
 

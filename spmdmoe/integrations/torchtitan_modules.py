@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..moe.experts import GroupedExperts, SharedExperts
-from ..moe.router import Router
+from ..moe.experts.grouped import GroupedExperts, SharedExperts
+from ..moe.routing.router import Router
 from ._bound import local
 from ._torch_compat import shim_torch
 

@@ -77,7 +77,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       ) from e
 
 from ..moe import MoE, MoEConfig, parallelize_moe
-from ..moe.experts import SharedExperts
+from ..moe.experts.grouped import SharedExperts
 from ..moe.layer import _Layer
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshLike

@@ -16,8 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..moe.experts import GroupedExperts
-from ..moe.router import Router, Routing
+from ..moe.experts.grouped import GroupedExperts
+from ..moe.routing.router import Router, Routing
 from ._bound import local
 
 __all__ = ["FusedExperts", "HFRouter", "fused_experts", "keep_attributes"]

@@ -16,7 +16,7 @@ elsewhere; :mod:`spmdmoe.kernels.backend`).
 * :func:`quantize_weight_pair_into`: the same into given tensors, gated by a device flag (the FP8 weight cache);
 * :func:`fingerprint_`: a content fingerprint of tensors compared on the device (the FP8 weight cache's check).
 * ``peer_rows.pull_rows`` / ``pull_sum``: rows read from the peers' mapped buffers (the symmetric-memory EP
-  transport, ``spmdmoe.moe.symmetric``). The exception to the rule above: one module for the two reads, each the
+  transport, ``spmdmoe.moe.transports.symmetric``). The exception to the rule above: one module for the two reads, each the
   other's backward, with plain launchers (no ``triton_op``), called only inside that module's custom ops.
 """
 

@@ -1,6 +1,6 @@
 """A content fingerprint of tensors, computed and compared on the device: "did these bytes change?" without a host sync.
 
-The FP8 weight cache (:mod:`spmdmoe.moe.fp8_cache`) asks it before every use: the quantized copy is stale
+The FP8 weight cache (:mod:`spmdmoe.moe.experts.fp8_cache`) asks it before every use: the quantized copy is stale
 exactly when the master weights' bytes differ from the ones it was made from, however they were written
 (an optimizer step through ``p.data``, ``load_state_dict``, an FSDP2 all-gather into the same storage, an
 in-place edit, a CUDA-graph replay after ``optimizer.step()``). Version counters and data pointers miss

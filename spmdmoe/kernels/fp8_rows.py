@@ -2,7 +2,7 @@
 
 Legend: ``R`` rows in the buffer (a capacity), ``C`` columns.
 
-The activations of the FP8 experts (``spmdmoe.moe.fp8``): the routed rows
+The activations of the FP8 experts (``spmdmoe.moe.experts.fp8``): the routed rows
 before the up-projection, the SwiGLU output before the down-projection, and
 the two row gradients of the backward (the weights: :mod:`spmdmoe.kernels.fp8_weights`).
 Only the first ``valid`` rows are read (``valid`` a one-element device tensor, e.g.

@@ -2,7 +2,7 @@
 
 Legend: ``e`` experts (groups), ``A`` rows and ``C`` columns of each expert's matrix.
 
-An expert weight ``w[g]`` (``A x C``) feeds two FP8 GEMMs (:mod:`spmdmoe.moe.fp8`): the forward, contracting
+An expert weight ``w[g]`` (``A x C``) feeds two FP8 GEMMs (:mod:`spmdmoe.moe.experts.fp8`): the forward, contracting
 ``C``, takes it quantized per row (``q_eAC``, ``s_eA``); the input gradient, contracting ``A``, takes its
 transpose quantized per row of the transpose, i.e. per column of ``w[g]`` (``q_eCA``, ``s_eC``), written
 transposed so that ``A`` is contiguous. Each scale is a max over a whole row or a whole column, so one read
@@ -17,7 +17,7 @@ Max is exact in any order, so both outputs equal the rowwise quantizer's (:mod:`
 of ``w`` and of ``w.transpose(1, 2)`` bit for bit (tested; :func:`quantize_weight_pair_reference`). The
 scale rule and the rounding: :mod:`spmdmoe.kernels.fp8_common`. The ``_into`` form writes into given tensors
 where a one-element device ``gate`` is nonzero and touches nothing otherwise (the weight cache's gated
-refresh, :mod:`spmdmoe.moe.fp8_cache`; both launches read the gate, so a closed gate costs two empty launches).
+refresh, :mod:`spmdmoe.moe.experts.fp8_cache`; both launches read the gate, so a closed gate costs two empty launches).
 
 Before this module the two layouts took the rowwise quantizer plus a column kernel reading each expert's
 columns twice, the second read mostly from HBM: three reads of the weights against two here.

@@ -4,7 +4,7 @@ Legend: ``n`` ranks, ``T`` rows of a source (at most ``Tm``, the static ``T_max`
 a receive layout (source ``s``'s row ``t`` at ``s * Tm + t``), ``D`` row width.
 
 Every rank of a group holds one buffer of the same size; :class:`PeerRows` is that buffer as this rank sees it
-(each rank's mapped into its address space: CUDA symmetric memory, ``spmdmoe.moe.symmetric``). Two moves:
+(each rank's mapped into its address space: CUDA symmetric memory, ``spmdmoe.moe.transports.symmetric``). Two moves:
 
 * :func:`pull_rows`: ``out[s * Tm + t] = rank s's row t`` where ``mask_Q`` says so, zero elsewhere: a
   receiver gathering the rows its peers staged (each at most once: the EP dispatch sends a token once per rank);

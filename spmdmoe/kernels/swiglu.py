@@ -2,7 +2,7 @@
 
 Legend: ``R`` rows in the buffer (a capacity), ``F`` expert hidden dim; ``h13_R2F``
 holds ``h1`` in columns ``[0, F)`` and ``h3`` in ``[F, 2F)`` (the output of the
-one fused up-projection GEMM, ``spmdmoe.moe.experts``).
+one fused up-projection GEMM, ``spmdmoe.moe.experts.grouped``).
 
 Only the first ``valid`` rows are valid, ``valid`` read from device memory
 (``RoutedTokens.valid_rows``, the last group offset): the kernels never read

@@ -3,7 +3,7 @@
 Legend: ``R`` rows in the buffer (a capacity), ``F`` expert hidden dim; ``h13_R2F``
 = ``[h1 | h3]`` as in :mod:`spmdmoe.kernels.swiglu`.
 
-The FP8 experts (``spmdmoe.moe.fp8``) need both precisions of the SwiGLU's
+The FP8 experts (``spmdmoe.moe.experts.fp8``) need both precisions of the SwiGLU's
 output: ``h`` in bf16 (saved for the weight gradient of ``w2``) and in e4m3 per
 row (the down-projection's operand). Unfused, the rowwise quantizer reads ``h``
 back from memory; here the SwiGLU kernel quantizes the row it just computed,

@@ -22,17 +22,17 @@
 =========================  =====================================================
 """
 
-from .clip import clip_grad_norm_
+from .training.clip import clip_grad_norm_
 from .config import MoEConfig
-from .dispatch import AllToAllTransport, LocalTransport
-from .data_parallel import ddp, grad_reductions, reduce_grads
-from .fsdp import fully_shard_moe, register_spmd_hooks
-from .grads import GradReduction, agree_grad_set, replicate_grads, sync_grads
+from .transports.dispatch import AllToAllTransport, LocalTransport
+from .training.data_parallel import ddp, grad_reductions, reduce_grads
+from .training.fsdp import fully_shard_moe, register_spmd_hooks
+from .params.grads import GradReduction, agree_grad_set, replicate_grads, sync_grads
 from .layer import MoE
-from .overlap import overlap_grads
-from .parallel import ParallelMoE, parallelize_moe
-from .routed import RoutedTokens
-from .router import Routing, route
+from .params.overlap import overlap_grads
+from .parallel.layer import ParallelMoE, parallelize_moe
+from .transports.routed import RoutedTokens
+from .routing.router import Routing, route
 
 __all__ = [
     "MoEConfig",

@@ -43,11 +43,11 @@ class MoEConfig:
             bf16 activations about 2 % of tokens pick another expert set).
         expert_precision: the routed experts' GEMMs: ``"bf16"`` (default: the
             activations' dtype) or ``"fp8_rowwise"`` (e4m3 operands with rowwise
-            scales, bf16 master weights and gradients; ``spmdmoe.moe.fp8``). The
+            scales, bf16 master weights and gradients; ``spmdmoe.moe.experts.fp8``). The
             router, shared experts and combine keep the activations' dtype.
         fp8_wgrad: with ``"fp8_rowwise"``, the weight-gradient GEMMs: ``"auto"`` (default: FP8
             where it pays, chosen from ``dim`` and ``hidden_dim`` only, never from the token
-            count; ``spmdmoe.moe.fp8.fp8_wgrad``), ``"fp8"`` or ``"bf16"`` (the activations'
+            count; ``spmdmoe.moe.experts.fp8.fp8_wgrad``), ``"fp8"`` or ``"bf16"`` (the activations'
             dtype, on the unquantized operands: the forward and input-gradient GEMMs stay FP8).
 
     >>> MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2).num_experts

@@ -1,14 +1,17 @@
-"""``MoE``: the single-device layer, and the row pipeline every layout shares.
+"""``MoE``: the single-device layer, and the route every layout shares (``_Layer.forward``).
 
 Legend: ``T`` tokens (valid rows only), ``D`` model dim, ``F`` expert hidden
-dim, ``E`` experts, ``e`` local experts, ``K`` top-k, ``R`` rows received by
-the local experts, ``H`` the shared experts' hidden dim (``num_shared_experts * F``).
+dim, ``E`` experts, ``e`` local experts, ``K`` top-k, ``Q`` rows the dispatch
+delivered (a token once per rank), ``R`` rows received by the local experts,
+``H`` the shared experts' hidden dim (``num_shared_experts * F``).
 
-Pipeline (``docs/design.md``, MoE data flow): route the valid rows -> count
-load (training only) -> dispatch (``RoutedTokens``) -> grouped SwiGLU experts
--> combine (weighted gather-sum over the K copies). ``parallelize_moe`` runs
-the same pipeline with other weights (its slices, gradient-synced views) and
-another transport.
+The route (``docs/design.md``, MoE data flow): admit -> route the valid rows
+(count load, training only) -> dispatch (``RoutedTokens``) -> grouped SwiGLU
+experts -> combine (weighted gather-sum over the K copies) -> shared experts
+-> release. A layer differs only in its collaborators: its admission (one
+device: the shape checks here; ``parallelize_moe``: ``parallel/admission.py``),
+its rows (its own, or gathered over SP), its transport, and its weights (a
+parallel layer's slices and gradient-synced views).
 
 Problems whose verdict could differ between ranks (input layout, width, dtype
 on one rank; non-finite router logits) are never raised here: they go to the
@@ -19,24 +22,27 @@ in its count exchange or records them in the sticky flag.
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
 import torch.nn as nn
 
-from ..agreement import BIT
-from ..sticky import Problem, ProblemFlag
+from ..agreement import BIT, Problem
+from ..sticky import ProblemFlag
 from ..types.checks import checks_enabled
 from ..types.errors import SPMDDtypeError, SPMDShapeError
 from ..types.mesh import MeshAxis
-from . import balance
-from .checkpoint import install_hooks
+from .routing import balance
+from .params.checkpoint import install_hooks
+from .params.overlap import joined
 from .config import MoEConfig
-from .dispatch import LocalTransport, SizedTransport, Transport
-from .experts import GroupedExperts, SharedExperts
-from .init import init_parameters
-from .permute import count_per_expert
-from .router import Router
+from .transports.dispatch import LocalTransport, SizedTransport, Transport
+from .transports.routed import RoutedTokens
+from .experts.grouped import GroupedExperts, SharedExperts
+from .experts.wgrad_later import LaterWgrad
+from .params.init import init_parameters
+from .routing.permute import count_per_expert
+from .routing.router import Router
 
 __all__ = ["MoE"]
 
@@ -51,6 +57,10 @@ class _Layer(nn.Module):
     hidden_slice: slice  # the hidden units of each expert it holds (tensor-parallel experts: a slice)
     load_axes: tuple[MeshAxis, ...] = ()  # every token holder of a step: load counts, bias update
     aux_axes: tuple[MeshAxis, ...] = ()  # the ranks one batch spans: the aux loss is per batch
+    # the forward's collaborators (``forward``): its input's seam, how its rows reach the router, the moves
+    admission: "Admission"
+    rows: "Rows"
+    transport: Union[Transport, SizedTransport]
 
     def _build(
         self, config: MoEConfig, router: Router, experts: GroupedExperts, shared: Optional[SharedExperts],
@@ -84,7 +94,7 @@ class _Layer(nn.Module):
     def init_weights(self, init_std: float = 0.02, generator: Optional[torch.Generator] = None) -> None:
         """Truncated-normal init (torchtitan's: std 0.02 for ``w1``, ``init_std`` elsewhere); ``expert_bias``
         and the load counts to zero. A parallel layer initialises only its shards and gets exactly the
-        weights the single-device ``MoE`` gets from the same generator state (``spmdmoe.moe.init``): pass
+        weights the single-device ``MoE`` gets from the same generator state (``spmdmoe.moe.params.init``): pass
         the same state on every rank. Parameters on the meta device are skipped."""
         init_parameters(self, init_std, generator, self.expert_slice, self.hidden_slice, self.config.hidden_dim)
 
@@ -132,23 +142,38 @@ class _Layer(nn.Module):
         """Tokens per expert since the last update, summed over the load axes (a collective)."""
         return balance.reduce_counts(self.tokens_per_expert, self.load_axes)
 
-    def _pipeline(
-        self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], transport: Union[Transport, SizedTransport],
-        own: Optional[torch.Tensor] = None, problem: Optional[Problem] = None, t_max: Optional[int] = None,
-        shared_of: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Route, count, dispatch, experts, combine: ``(routed output, shared experts' output)``. ``own``: a bool
-        mask of the rows this rank holds (load counting, aux loss, the non-finite check; ``None``: all). A
-        mask, not a slice: its bounds would make a compiled graph depend on the token count.
+    def forward(self, x: Any) -> Any:
+        """One call, read as the route; each stage is one call into the room that owns it:
 
-        ``problem``: this rank's problem bits so far; the router adds non-finite
-        logits of its own rows (checks on) and the transport carries or records them.
-        ``t_max``: what a ``SizedTransport`` (sync-free EP) is sized by this forward (``sync_free.layer_t_max``);
-        ``None`` for the others.
-        ``shared_of``: the rows the shared experts take (``None``: no shared output), run while the combine's
-        rows travel (``Transport.launch_combine``), their backward while the output gradient does; the caller
-        adds their output.
-        """
+        admit (``self.admission``: the single device's shape checks, or the parallel layer's seam,
+        ``parallel/admission.py``) -> gather mode's rows in (``self.rows``, ``parallel/gather_mode.py``) -> route
+        (``routing/``) -> dispatch (``transports/``) -> experts (``experts/``) -> combine (``transports/``) ->
+        shared experts (under the combine's rows in flight) -> rows out -> release. Joined
+        (``params/overlap.py``): the SP gradient sums of a parallel layer run under the rest of the backward."""
+        a = self.admission.admit(x, self.compute_dtype(), self.expert_bias.device, self.training)
+        with joined(a.x_TD, self.sp_sync_params) as x_TD:
+            w = self.weights()
+            h_TD, own_T = self.rows.gather(x_TD, a.T)
+            ids_TK, weights_TK = self._route(h_TD, w, own_T, a.problem)
+            routed, later = self._dispatch(h_TD, ids_TK, weights_TK, a)
+            y = self.experts(routed, later=later)
+            returned = self._combine(y, routed)
+            shared_TD = self._shared(x_TD, w)
+            out_TD = self.rows.scatter(returned(), a.T)
+            out_TD = out_TD if shared_TD is None else out_TD + shared_TD
+        return self.admission.release(a, out_TD)
+
+    def sp_sync_params(self) -> list[torch.Tensor]:
+        """The parameters whose SP gradient sums the forward joins (none on one device)."""
+        return []
+
+    def _route(self, h_TD: torch.Tensor, w: dict[str, torch.Tensor], own_T: Optional[torch.Tensor],
+               problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids_TK, weights_TK)`` of the rows ``h_TD`` (``routing/router.py``), and what routing feeds: the load
+        counts (training-mode forwards with grad, added by their backward: ``routing/balance.py``), the aux loss,
+        and non-finite logits of this rank's rows (checks on) added to ``problem`` on the device. ``own_T``: a bool
+        mask of the rows this rank holds (gather mode; ``None``: all). A mask, not a slice: its bounds would make
+        a compiled graph depend on the token count."""
         cfg = self.config
         r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
         weights_TK = r.weights_TK
@@ -157,42 +182,116 @@ class _Layer(nn.Module):
         if cfg.aux_loss_coeff is not None:
             self.aux_loss = None
         if self.training:  # not grad mode: a rank-local value must not decide whether the aux all-reduce runs
-            counts_E = count_per_expert(r.ids_TK, cfg.num_experts, own)
+            counts_E = count_per_expert(r.ids_TK, cfg.num_experts, own_T)
             grad = torch.is_grad_enabled()  # a forward whose backward can run (balance.py)
             if grad:
                 weights_TK = balance.count_on_backward(weights_TK, counts_E, self)
             if cfg.aux_loss_coeff is not None:
                 total_E = balance.reduce_counts(counts_E, self.aux_axes)  # with grad off too: peers may train
-                own_scores = r.scores_TE if own is None else r.scores_TE * own.unsqueeze(1)
+                own_scores = r.scores_TE if own_T is None else r.scores_TE * own_T.unsqueeze(1)
                 self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff) if grad else None
-        problem = problem or Problem()
-        problem.flag = self.problems
         if checks_enabled():
             finite_TE = torch.isfinite(r.logits_TE)
-            if own is not None:
-                finite_TE = finite_TE | ~own.unsqueeze(1)
-            problem.bits = problem.bits | (~finite_TE.all()).to(torch.int64) * BIT["nonfinite"]
-        sized = {} if t_max is None else {"t_max": t_max}  # a SizedTransport's, and only its
-        received = transport.launch_dispatch(h_TD, r.ids_TK, weights_TK, problem=problem,
-                                             fp8_rows=self.experts.precision == "fp8_rowwise", **sized)
+            if own_T is not None:
+                finite_TE = finite_TE | ~own_T.unsqueeze(1)
+            problem.add_device((~finite_TE.all()).to(torch.int64) * BIT["nonfinite"])
+        return r.ids_TK, weights_TK
+
+    def _dispatch(self, h_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, a: Admitted
+                  ) -> tuple[RoutedTokens, Optional[LaterWgrad]]:
+        """The rows to their experts' ranks (``self.transport``; a ``SizedTransport`` sized by ``a.t_max``), which
+        carries or records ``a.problem``; and the experts' up-projection weight gradients as a node of their own
+        where the dispatch's backward exchange is in flight (``experts/wgrad_later.py``)."""
+        sized = {} if a.t_max is None else {"t_max": a.t_max}  # a SizedTransport's, and only its
+        received = self.transport.launch_dispatch(h_TD, ids_TK, weights_TK, problem=a.problem,
+                                                  fp8_rows=self.experts.precision == "fp8_rowwise", **sized)
         # made between the dispatch's launch and its wait, so its node (the up-projection's weight gradients)
         # runs in the backward after the wait's, under the input gradient's exchange (wgrad_later.py); only
         # where that exchange is in flight (else the split would only keep the operands longer)
-        later = self.experts.later_wgrad() if transport.backward_in_flight else None
-        routed = received()
-        y = self.experts(routed) if later is None else self.experts(routed, later=later)
-        if shared_of is None or self.shared_experts is None:  # nothing to run under the combine: at once
-            return transport.combine(y, routed), None
-        returned = transport.launch_combine(y, routed)
-        # under the combine's rows in flight, and (made between its launch and wait) their backward under the
-        # output gradient's exchange, as the anchor's weight gradients are under dx's
-        shared_TD = self.shared_experts(shared_of, *(w[n] for n in SHARED_WEIGHTS))
-        return returned(), shared_TD
+        later = self.experts.later_wgrad() if self.transport.backward_in_flight else None
+        return received(), later
 
-    @staticmethod
-    def _plus(out_TD: torch.Tensor, shared_TD: Optional[torch.Tensor]) -> torch.Tensor:
-        """The routed experts' output plus the shared experts' (when the layer has them)."""
-        return out_TD if shared_TD is None else out_TD + shared_TD
+    def _combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
+        """The experts' rows back to their tokens: launched, to wait for after the shared experts ran under them
+        (``Transport.launch_combine``: their backward then runs under the output gradient's exchange), or, with
+        no shared experts, made at once (``Transport.combine``: nothing to run under it)."""
+        if self.shared_experts is None:
+            out_TD = self.transport.combine(y_QD, routed)
+            return lambda: out_TD
+        return self.transport.launch_combine(y_QD, routed)
+
+    def _shared(self, x_TD: torch.Tensor, w: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """The shared experts on this rank's rows (``None`` without them)."""
+        if self.shared_experts is None:
+            return None
+        return self.shared_experts(x_TD, *(w[n] for n in SHARED_WEIGHTS))
+
+
+class Admitted(NamedTuple):
+    """One forward's input, as the data path takes it (``Admission.admit``)."""
+
+    x: Any  # the input as given: the release answers in its layout
+    x_TD: torch.Tensor  # this rank's rows; zero rows on a rank whose input was bad (it stands in)
+    T: Optional[int]  # gather mode: the SP input's global rows, agreed over SP; else None
+    t_max: Optional[int]  # a SizedTransport's T_max (the most rows any rank of the EP group routes); else None
+    problem: Problem  # this forward's problem on this rank; the router adds to it, the transport carries it
+    stands_in: bool  # this rank's input was bad: the release returns the stand-in
+    zeros: Optional[Callable[[int], torch.Tensor]] = None  # zero rows of the layer's width, dtype and device
+
+
+class Admission(Protocol):
+    """The seam between a layer's input and its data path."""
+
+    def admit(self, x: Any, dtype: torch.dtype, device: torch.device, training: bool) -> Admitted:
+        """Check ``x`` against the layer (its compute ``dtype``, ``device``, train mode) and hand the data path
+        its rows, ``T``, ``T_max`` and this forward's problem."""
+        ...
+
+    def release(self, a: Admitted, out_TD: torch.Tensor) -> Any:
+        """The layer's output for ``out_TD``, in ``a.x``'s layout (or the stand-in)."""
+        ...
+
+
+class Rows(Protocol):
+    """How this rank's rows reach the router and come back: as they are, or gathered over SP (gather mode)."""
+
+    def gather(self, x_TD: torch.Tensor, T: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(h_TD, own_T)``: the rows to route, and a bool mask of those this rank holds (``None``: all)."""
+        ...
+
+    def scatter(self, out_TD: torch.Tensor, T: Optional[int]) -> torch.Tensor:
+        """This rank's rows of the routed experts' output ``out_TD``."""
+        ...
+
+
+class OwnRows:
+    """Local rows: each rank routes its own (``Rows``)."""
+
+    def gather(self, x_TD: torch.Tensor, T: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return x_TD, None
+
+    def scatter(self, out_TD: torch.Tensor, T: Optional[int]) -> torch.Tensor:
+        return out_TD
+
+
+class DeviceAdmission:
+    """One device's admission (``Admission``): the input's last dim is the model dim and its dtype the layer's,
+    or it raises at once (no peer can be left waiting); leading dims flattened into tokens and restored."""
+
+    def __init__(self, dim: int, flag: ProblemFlag):
+        self.dim, self.flag = dim, flag
+
+    def admit(self, x: Any, dtype: torch.dtype, device: torch.device, training: bool) -> Admitted:
+        D = self.dim
+        if x.dim() == 0 or x.shape[-1] != D:
+            raise SPMDShapeError(f"MoE expects (..., dim={D}) input, found shape {tuple(x.shape)}")
+        if x.dtype != dtype:
+            raise SPMDDtypeError(f"MoE computes in {dtype} (its parameters' dtype), found input of dtype {x.dtype}; "
+                                 f"cast the input (x.to({dtype})) or the layer (.to({x.dtype}))")
+        return Admitted(x, x.reshape(-1, D), None, None, Problem(flag=self.flag), False)
+
+    def release(self, a: Admitted, out_TD: torch.Tensor) -> Any:
+        return out_TD.view(a.x.shape)
 
 
 class MoE(_Layer):
@@ -204,7 +303,7 @@ class MoE(_Layer):
     ``shared_experts.w{1,2,3}.weight`` ((H, D), (D, H), (H, D), ``H = num_shared_experts * F``). Buffers:
     ``expert_bias`` (E,) (saved), ``tokens_per_expert`` (E,) (not saved).
     ``load_state_dict`` also takes torchtitan names and DTensors (see
-    ``spmdmoe.moe.checkpoint``). ``expert_bias`` stays fp32 under ``.to()``.
+    ``spmdmoe.moe.params.checkpoint``). ``expert_bias`` stays fp32 under ``.to()``.
     Leading dims of ``x`` are flattened into tokens. With ``aux_loss_coeff``,
     ``self.aux_loss`` holds the aux loss of the last training-mode forward with
     grad (add it to the loss); otherwise it is ``None``. A non-finite router
@@ -230,21 +329,9 @@ class MoE(_Layer):
         self._build(config, Router(config), experts, shared, torch.zeros(config.num_experts, dtype=torch.float32))
         self.expert_slice, self.hidden_slice = slice(0, config.num_experts), slice(0, config.hidden_dim)
         self.transport = LocalTransport(config.num_experts)
+        self.admission: Admission = DeviceAdmission(config.dim, self.problems)
+        self.rows: Rows = OwnRows()
         install_hooks(self, None)
         self.init_weights()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        D = self.config.dim
-        if x.dim() == 0 or x.shape[-1] != D:
-            raise SPMDShapeError(f"MoE expects (..., dim={D}) input, found shape {tuple(x.shape)}")
-        if x.dtype != self.compute_dtype():
-            raise SPMDDtypeError(
-                f"MoE computes in {self.compute_dtype()} (its parameters' dtype), found input of dtype {x.dtype}; "
-                f"cast the input (x.to({self.compute_dtype()})) or the layer (.to({x.dtype}))"
-            )
-        x_TD = x.reshape(-1, D)
-        w = self.weights()
-        out_TD = self._plus(*self._pipeline(x_TD, w, self.transport, shared_of=x_TD))
-        return out_TD.view(x.shape)
 
 

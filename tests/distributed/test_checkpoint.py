@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard as DShard
 from moe_plans import build_plan, expert_grad_slice, reference_moe
 from spmdmoe import SPMDLayoutError
 from spmdmoe.moe import MoEConfig, parallelize_moe
-from spmdmoe.moe.checkpoint import from_torchtitan, to_torchtitan
+from spmdmoe.moe.params.checkpoint import from_torchtitan, to_torchtitan
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere
 
 CFG = MoEConfig(dim=16, hidden_dim=8, num_experts=8, top_k=2, num_shared_experts=1, load_balance_coeff=1e-3)
@@ -173,7 +173,7 @@ def test_grid_mesh_is_an_exchange_within_the_ep_group_made_once():
     the same axes reuses it with no collective: rank 1 alone asks again and gets the same mesh (a world
     all-gather hung here, and once per layer)."""
     import spmdmoe
-    from spmdmoe.moe.checkpoint import grid_mesh
+    from spmdmoe.moe.params.checkpoint import grid_mesh
     from spmdmoe.types.mesh import mesh_axis
 
     mesh = spmdmoe.init_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (2, 2), mesh_dim_names=("ep", "sp"))

@@ -8,7 +8,7 @@ size specialised on a step's received rows (a runtime assertion such as
 ``Eq(u0 + u1, ...)`` would fail a later step), the compiled layer must give the eager
 outputs, input and parameter gradients, aux loss and load counts (fp32,
 ``rtol = 1e-5``, ``atol = 1e-5 * max|eager|``: the compiled grouped GEMM of
-fp32 rows is a masked loop, ``spmdmoe.moe.gemm``), compile ONE graph for all
+fp32 rows is a masked loop, ``spmdmoe.moe.experts.gemm``), compile ONE graph for all
 of them (``dynamic=True``: the token counts, the local rows and the global
 ``T``, are symbolic from the first call; with torch's default automatic
 dynamic shapes a rank compiles at most twice more, when it first sees its rows
@@ -100,7 +100,7 @@ def test_the_traced_forward_reads_the_agreed_set_and_no_cache(world, device, req
     attribute: neither its eager nor its compiled forward reaches ``sync_grads``' call-site cache (keyed by
     ``id()`` of group and tensors, which torch 2.11's Dynamo cannot trace), and the compiled gradients are
     eager's."""
-    from spmdmoe.moe import grads
+    from spmdmoe.moe.params import grads
 
     def no_lookup(*args, **kwargs):
         raise AssertionError("the layer's forward consulted sync_grads' call-site cache")

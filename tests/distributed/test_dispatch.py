@@ -16,10 +16,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import spmdmoe
 from spmdmoe import SPMDShapeError
-from spmdmoe.agreement import BIT
-from spmdmoe.sticky import Problem, ProblemFlag
+from spmdmoe.agreement import BIT, Problem
+from spmdmoe.sticky import ProblemFlag
 from spmdmoe.moe import AllToAllTransport, LocalTransport
-from spmdmoe.moe.permute import weighted_combine
+from spmdmoe.moe.routing.permute import weighted_combine
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere, reference_tensor
 
 D, K = 3, 2
@@ -144,7 +144,8 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
     experts' own buffer by then) and none outlives the forward."""
     monkeypatch.setenv("SPMDMOE_EP_SYMMETRIC", "0")  # the all-to-all transports (NCCL: test_symmetric.py)
     from moe_plans import build_plan, reference_moe
-    from spmdmoe.moe import MoEConfig, dedup
+    from spmdmoe.moe import MoEConfig
+    from spmdmoe.moe.transports import dedup
 
     buffers = []  # (the tensor, or a weak reference to its storage; whether the dispatch made it)
     weak = [False]
@@ -215,7 +216,7 @@ def test_shared_experts_run_while_the_combine_travels(world, device, request, mo
     from moe_plans import build_plan, reference_moe
     from spmdmoe.collectives import alltoall
     from spmdmoe.moe import MoEConfig, layer as layer_module
-    from spmdmoe.moe.experts import GroupedExperts
+    from spmdmoe.moe.experts.grouped import GroupedExperts
 
     events = []
     real = alltoall.all_to_all_single
@@ -268,7 +269,7 @@ def test_shared_experts_run_while_the_combine_travels(world, device, request, mo
     if grad:  # before the dispatch's reverse exchanges are launched (after the combine's wait)
         backward = events[events.index("backward"):]
         assert backward.index("experts wgrad") < backward.index("launch", backward.index("wait")), events
-    monkeypatch.setattr(layer_module._Layer, "_pipeline", _waited_at_once(layer_module._Layer._pipeline))
+    monkeypatch.setattr(layer_module._Layer, "forward", _waited_at_once(layer_module._Layer.forward))
     waited = step()
     for a, b, c, d in zip(launched, waited, plain, one_node, strict=True):
         assert_close_everywhere(a, c, **EXACT)
@@ -289,10 +290,10 @@ def _alive(refs, seconds=2.0):
 
 
 def _waited_at_once(pipeline):
-    """``_Layer._pipeline`` with each move made at once (nothing runs under it): the dispatch waited for as soon
+    """``_Layer.forward`` with each move made at once (nothing runs under it): the dispatch waited for as soon
     as it is launched, the transport's own ``combine`` (one exchange waited for at once) for its launched one."""
     def run(self, *args, **kwargs):
-        transport = args[2]
+        transport = self.transport
         launch, combine = transport.launch_dispatch, type(transport).combine  # (an EP transport's own combine)
         transport.launch_dispatch = lambda *a, **k: (lambda done: lambda: done)(launch(*a, **k)())
         transport.launch_combine = lambda y, r: (lambda done: lambda: done)(combine(transport, y, r))

@@ -1,4 +1,4 @@
-"""Overlapped SP gradient sums (``spmdmoe.moe.overlap``): launched at the use, waited for at the join.
+"""Overlapped SP gradient sums (``spmdmoe.moe.params.overlap``): launched at the use, waited for at the join.
 
 A block ``moe(inp(x)) + inp(x)`` (``inp`` a ``replicate_grads`` Linear, ``moe`` an SP-local layer
 with a shared expert; experts replicated along SP, so their gradients are summed too) on the world as
@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import spmdmoe
-import spmdmoe.moe.overlap as overlap
+import spmdmoe.moe.params.overlap as overlap
 from moe_plans import compile_backend, reference_moe
 from spmdmoe.moe import MoEConfig, overlap_grads, parallelize_moe, replicate_grads
 from spmdmoe.testing import assert_close_everywhere, reference_tensor

@@ -159,7 +159,7 @@ def test_eval_forward_counts_nothing_and_skips_the_aux_loss(world, device, reque
     """Issue 6: eval and no_grad forwards leave tokens_per_expert alone and set no aux loss; an eval forward
     issues no aux all-reduce. Issue 24: a no_grad forward in training mode issues it (grad mode is rank-local
     and must not decide whether a collective runs: a peer with grad on is in it)."""
-    import spmdmoe.moe.balance as balance
+    import spmdmoe.moe.routing.balance as balance
 
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2, aux_loss_coeff=0.1)
     plan = build_plan(plan_name, reference_moe(cfg, 0, device), 29, world, request)

@@ -154,8 +154,8 @@ def test_sync_grads_frozen_everywhere(world, device, monkeypatch):
     is fixed once, as DDP fixes its parameters at construction): the reductions still run on every rank and
     check_errors names the change on every rank."""
     calls = []
-    import spmdmoe.moe.grads as grads
-    import spmdmoe.moe.overlap as overlap
+    import spmdmoe.moe.params.grads as grads
+    import spmdmoe.moe.params.overlap as overlap
 
     for module in (grads, overlap):
         real = module.all_reduce

@@ -1,4 +1,4 @@
-"""The symmetric-memory sync-free EP transport (``spmdmoe/moe/symmetric.py``).
+"""The symmetric-memory sync-free EP transport (``spmdmoe/moe/transports/symmetric.py``).
 
 On NCCL (one host) ``ep_mode="sync_free"`` takes it, with real CUDA symmetric memory and its bounded barriers. On
 gloo (CI) the same transport runs with its symmetric buffer emulated: each barrier all-gathers every rank's
@@ -27,7 +27,7 @@ import spmdmoe
 from moe_plans import build_plan, kept_copies, kept_reference, reference_moe
 from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
 from spmdmoe.moe import MoEConfig, parallelize_moe
-from spmdmoe.moe import symmetric, sync_free
+from spmdmoe.moe.transports import symmetric, sync_free
 from spmdmoe.testing import all_ranks_agree, assert_close_everywhere, assert_raises_everywhere, reference_tensor
 
 D, F, E = 16, 16, 8

@@ -19,7 +19,7 @@ import spmdmoe
 from moe_plans import build_plan, expert_grad_slice, kept_copies, kept_reference, reference_moe, summed_over
 from spmdmoe import MoEConfigError, SPMDCapacityError, SPMDTensor
 from spmdmoe.moe import MoEConfig, parallelize_moe
-from spmdmoe.moe import dedup, sync_free
+from spmdmoe.moe.transports import dedup, sync_free
 from spmdmoe.testing import assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
 from test_moe_parity import close, run_parity

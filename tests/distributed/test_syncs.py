@@ -22,7 +22,7 @@ from spmdmoe.testing import reference_tensor, sync_error_mode
 
 # plan -> documented syncs (forward, backward): the EP split sizes in each forward; sync-free EP makes none (T_max
 # from the layout, or max_tokens where EP is not the SP axis); SP over every rank without EP or with sync-free EP on
-# it: the delayed read of the forward's problem exchange (spmdmoe.host.DelayedRead, moe/ride.py), in its backward
+# it: the delayed read of the forward's problem exchange (spmdmoe.host.DelayedRead, moe/parallel/ride.py), in its backward
 # (``-all_to_all``: sync-free over the padded all-to-all, ``SPMDMOE_EP_SYMMETRIC=0``; plain ``sync_free`` takes the
 # symmetric-memory transport on one host)
 PLANS = {"sp": (0, 1), "gather": (0, 1), "ep": (1, 0), "sp_ep": (1, 0), "sp_x_ep": (1, 0), "gather_ep": (1, 0),

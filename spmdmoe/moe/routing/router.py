@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import MoEConfig
+from ..config import MoEConfig
 
 __all__ = ["Router", "Routing", "route"]
 

@@ -11,8 +11,8 @@ any data is seen, so a forward and backward make no host sync and can be
 captured in a CUDA graph. Like the sync one it sends a token once to each rank
 holding any of its experts (``dedup.py``), and the two agree bit for bit.
 
-* ``T_max``, the most tokens any rank routes, comes from the layer each forward (``ParallelMoE``,
-  :func:`layer_t_max`): with EP on the SP axis the SP input's padded local count; otherwise ``max_tokens``,
+* ``T_max``, the most tokens any rank routes, comes from the layer each forward (its admission,
+  ``parallel/admission.py``): with EP on the SP axis the SP input's padded local count; otherwise ``max_tokens``,
   or one host all-reduce per forward when that is ``None``. The transport is a ``dispatch.SizedTransport``:
   ``launch_dispatch`` takes ``t_max``, and the overflow buffer is its own (a module buffer).
 * Sizes (:func:`capacity_rows`): lossless, ``S = T_max`` (a token crosses to a rank at most once) and
@@ -35,7 +35,7 @@ holding any of its experts (``dedup.py``), and the two agree bit for bit.
 Overflow (with a ``capacity_factor``, or when a rank routes more than ``T_max``) is never silent:
 the worst demand since the last check is kept in the transport's ``overflow`` buffer (identical on every rank of
 the EP group, computed from the same table). The layer's ``check_capacity()`` and
-``update_expert_bias()`` read it (:meth:`SyncFreeTransport.overflow_message`, one host read) and
+``update_expert_bias()`` read it (:meth:`SyncFreeTransport.record_overflow`, one host read) and
 record it as a problem in the sticky flag, which their collective over every rank of the layer turns
 into :class:`spmdmoe.SPMDCapacityError` on all of them (other EP groups included), naming the needed
 and configured rows and a factor that fits; that step's load counts are dropped. Dropped copies
@@ -49,23 +49,20 @@ here never depend on them, so no rank is left waiting.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from .._dist import all_gather_single, all_reduce
-from ..agreement import BIT, Found, global_rank
-from ..sticky import Problem
-from ..host import to_host
-from ..types import layout
-from ..types.mesh import MeshAxis
+from ..._dist import all_gather_single
+from ...agreement import BIT, Problem, ProblemSink
+from ...host import to_host
+from ...types.mesh import MeshAxis
 from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
-from .permute import count_per_expert
+from ..routing.permute import count_per_expert
 from .routed import Dispatching, RoutedTokens, routed_copies
-from .token_exchange import exchange_tokens
 
-__all__ = ["SyncFreeTransport", "capacity_rows", "layer_t_max", "record_overflow"]
+__all__ = ["SyncFreeTransport", "capacity_rows"]
 
 
 def capacity_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capacity_factor: Optional[float]
@@ -79,43 +76,6 @@ def capacity_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capaci
         return S, R
     S = min(S, math.ceil(capacity_factor * t_max * top_k / ranks))
     return S, min(ranks * S * min(top_k, local_experts), math.ceil(capacity_factor * t_max * top_k))
-
-
-def layer_t_max(layer: Any, x: Any, x_TD: Optional[torch.Tensor], found: Found) -> Optional[int]:
-    """``T_max``, the most rows any rank of the EP group routes in this forward, which a parallel layer hands its
-    sync-free transport (``None`` unless it is sync-free EP).
-
-    EP on the SP axis: the SP input's padded local count, from the token exchange (``token_exchange.py``; no
-    host read on a rank whose input is good). Otherwise ``layer.max_tokens`` (more rows here, ``x_TD``: a
-    problem added to ``found``, raised on every rank at the step boundary; this rank stands in zero rows), or,
-    when that is ``None``, one host all-reduce (MAX) of the routed rows over EP: the documented sync of that
-    case."""
-    ep = layer.ep
-    if not isinstance(layer.transport, SyncFreeTransport) or ep is None:
-        return None
-    if layer.sp is not None and layer.sp == ep:
-        return layout.padded_local_tokens(max(exchange_tokens(x, found, layer.sp, layer._ride), 0), ep.size)
-    rows = 0 if x_TD is None else x_TD.shape[0]
-    if layer.max_tokens is not None:
-        if rows > layer.max_tokens:
-            found.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than max_tokens="
-                                  f"{layer.max_tokens}, which sizes the sync-free EP buffers; split the batch "
-                                  "or pass a larger max_tokens to parallelize_moe")
-        return int(layer.max_tokens)
-    most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
-    all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
-    return int(to_host(most)[0])
-
-
-def record_overflow(layer: Any) -> None:
-    """A sync-free EP layer: read its transport's overflow buffer (one host read) and record an overflow since
-    the last check as a ``capacity`` problem in its sticky flag, for the next step-boundary collective to raise
-    on every rank; any other layer: nothing."""
-    transport = layer.transport
-    if isinstance(transport, SyncFreeTransport):
-        message = transport.overflow_message(f"MoE layer (sync-free EP over {layer.ep})")
-        if message is not None:
-            layer.problems.record(BIT["capacity"], transport.overflow.device, [message])
 
 
 class SyncFreeTransport(Dispatching):
@@ -201,6 +161,14 @@ class SyncFreeTransport(Dispatching):
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """:meth:`Transport.combine`: the rows back and summed at once (``dedup.send_back``)."""
         return send_back(y_QD, routed.handle, self.axis)
+
+    def record_overflow(self, flag: ProblemSink, layer: str) -> None:
+        """Read :attr:`overflow` (one host read) and record an overflow since the last check as a ``capacity``
+        problem in ``flag`` (the layer's sticky flag), for the next step-boundary collective to raise on every
+        rank; ``layer`` names the layer in the message."""
+        message = self.overflow_message(layer)
+        if message is not None:
+            flag.record(BIT["capacity"], self.overflow.device, [message])
 
     def overflow_message(self, layer: str) -> Optional[str]:
         """What overflowed since the last check (``None``: nothing), read from :attr:`overflow` (one host read;

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..autograd import differentiable
-from ..kernels import fan_out, fan_out_fp8, gather_sum
+from ...autograd import differentiable
+from ...kernels import fan_out, fan_out_fp8, gather_sum
 
 __all__ = ["scatter_rows", "scatter_rows_fp8", "count_per_expert", "sort_by_expert", "spread_weights",
            "weighted_combine"]

@@ -21,15 +21,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels import swiglu_backward, swiglu_forward
-from ..types.mesh import MeshAxis
-from .routed import RoutedTokens
-from .fp8 import fp8_swiglu, quantize_weights
+from ...kernels import swiglu_backward, swiglu_forward
+from ...types.mesh import MeshAxis
+from ..transports.routed import RoutedTokens
+from .fp8 import quantize_weights
+from .fp8_ops import fp8_swiglu
 from .fp8_cache import Fp8WeightCache, fresh_cache
 from .gemm import plain_tensor, grouped_mm, grouped_mm_pair, joined
-from .grads import sync_grads
-from .overlap import is_fsdp_unit
-from .permute import weighted_combine
+from ..params.grads import sync_grads
+from ..params.overlap import is_fsdp_unit
+from ..routing.permute import weighted_combine
 from .wgrad_later import LaterWgrad
 
 __all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu", "swiglu_rows"]
@@ -41,10 +42,10 @@ class GroupedExperts(nn.Module):
     ``grad_axis``: an SP axis the parameters are replicated along (set by
     ``parallelize_moe``, with ``grad_set``, which of them need a gradient as the ranks agreed then); their
     fresh gradients are summed over it.
-    ``precision``: ``"bf16"`` (the activations' dtype) or ``"fp8_rowwise"`` (``spmdmoe.moe.fp8``; its weight
-    gradients in FP8 or not by ``fp8_wgrad``, ``spmdmoe.moe.fp8.fp8_wgrad``; the
+    ``precision``: ``"bf16"`` (the activations' dtype) or ``"fp8_rowwise"`` (``spmdmoe.moe.experts.fp8``; its weight
+    gradients in FP8 or not by ``fp8_wgrad``, ``spmdmoe.moe.experts.fp8.fp8_wgrad``; the
     quantized weights are kept in ``fp8_cache`` until the weights' bytes change, checked on the device
-    before every use (``spmdmoe.moe.fp8_cache``); ``fp8_cache = None`` quantizes them every call, as
+    before every use (``spmdmoe.moe.experts.fp8_cache``); ``fp8_cache = None`` quantizes them every call, as
     ``fully_shard_moe`` sets it).
     """
 
@@ -71,7 +72,7 @@ class GroupedExperts(nn.Module):
     def pack(self) -> None:
         """Put ``w1`` and ``w3`` side by side in one storage (``w3`` right after ``w1`` for each expert),
         so the up-projection reads ``[w1 | w3]`` as a view: one grouped GEMM instead of two
-        (``spmdmoe.moe.gemm.grouped_mm_pair``). Runs at construction and after every ``.to()`` /
+        (``spmdmoe.moe.experts.gemm.grouped_mm_pair``). Runs at construction and after every ``.to()`` /
         ``.cuda()`` / ``to_empty``; the parameters keep their identity (``.data`` is re-pointed), their
         values, names and shapes. ``w1`` and ``w3`` are then non-contiguous views: FSDP2 refuses those,
         so shard with ``spmdmoe.moe.fully_shard_moe`` (or call :meth:`unpack` before ``fully_shard``);
@@ -118,7 +119,7 @@ class GroupedExperts(nn.Module):
         return [self.w1, self.w2, self.w3]
 
     def later_wgrad(self) -> Optional[LaterWgrad]:
-        """An anchor for the up-projection's weight gradients (``spmdmoe.moe.wgrad_later``), made by the layer
+        """An anchor for the up-projection's weight gradients (``spmdmoe.moe.experts.wgrad_later``), made by the layer
         between its dispatch's launch and wait, where that split is exact: experts not in FP8 (``precision``
         ``"bf16"``: the activations' dtype), ``w1`` and ``w3`` plain packed parameters both needing a gradient,
         read as they are (this class's ``read_weights``, not a subclass's views or casts), not an FSDP2 unit of

@@ -40,26 +40,33 @@ syncs twice on CUDA).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
-from .._dist import all_reduce
-from ..agreement import alone
-from ..sticky import ProblemFlag
-from ..autograd import GRAD_LEAF
-from ..host import to_host
-from ..types.checks import checks_enabled
-from ..types.mesh import MeshAxis
+from ..._dist import all_reduce
+from ...agreement import alone
+from ...sticky import ProblemFlag
+from ...autograd import GRAD_LEAF
+from ...host import to_host
+from ...types.checks import checks_enabled
+from ...types.mesh import MeshAxis
 
-__all__ = ["count_on_backward", "reduce_counts", "aux_loss", "update_expert_bias"]
+__all__ = ["LoadCounter", "count_on_backward", "reduce_counts", "aux_loss", "update_expert_bias"]
+
+
+class LoadCounter(Protocol):
+    """What :func:`count_on_backward` adds to: a layer's ``tokens_per_expert`` buffer (read when the backward
+    runs, so a layer moved by ``.to()`` since the forward still gets the counts)."""
+
+    tokens_per_expert: torch.Tensor
 
 
 class _CountOnBackward(torch.autograd.Function):
     """Identity on the routing weights; the backward adds this forward's counts to the layer's counter."""
 
     @staticmethod
-    def forward(ctx: Any, weights_TK: torch.Tensor, counts_E: torch.Tensor, layer: Any,  # type: ignore[override]
+    def forward(ctx: Any, weights_TK: torch.Tensor, counts_E: torch.Tensor, layer: LoadCounter,  # type: ignore[override]
                 grad_leaf: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(counts_E)
         ctx.layer = weakref.ref(layer)  # no cycle layer -> aux_loss -> graph -> layer
@@ -74,7 +81,7 @@ class _CountOnBackward(torch.autograd.Function):
         return grad_TK, None, None, None
 
 
-def count_on_backward(weights_TK: torch.Tensor, counts_E: torch.Tensor, layer: Any) -> torch.Tensor:
+def count_on_backward(weights_TK: torch.Tensor, counts_E: torch.Tensor, layer: LoadCounter) -> torch.Tensor:
     """``weights_TK`` unchanged; once its backward runs, ``counts_E`` is added to ``layer.tokens_per_expert``.
 
     Recorded whenever grad mode is on (``spmdmoe.autograd.GRAD_LEAF``), also for a

@@ -52,11 +52,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor import Shard as DShard
 
-from ..agreement import Field, Found, agree, exchange_rows, verdict, world_axis
-from ..types import layout
-from ..types.errors import SPMDLayoutError
-from ..types.layout import contiguous_strides
-from ..types.mesh import MeshAxis, mesh_axis
+from ...agreement import Field, Problem, agree, exchange_rows, verdict, world_axis
+from ...types import layout
+from ...types.errors import SPMDLayoutError
+from ...types.layout import contiguous_strides
+from ...types.mesh import MeshAxis, mesh_axis
+from ..config import MoEConfig
 
 __all__ = ["to_torchtitan", "from_torchtitan", "install_hooks", "ExpertLayout", "expert_layout", "grid_mesh"]
 
@@ -125,7 +126,7 @@ def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:
     return mesh
 
 
-def expert_shard(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str) -> tuple[slice, slice]:
+def expert_shard(cfg: MoEConfig, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str) -> tuple[slice, slice]:
     """``(experts, hidden)``: the global experts this rank holds (its EP block of ``E / ep``) and the hidden
     units of each (gather mode: its chunk of ``F`` over SP by the chunk rule, possibly empty; else all)."""
     n_ep, r_ep = (1, 0) if ep is None else (ep.size, ep.rank)
@@ -138,7 +139,7 @@ def expert_shard(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mo
     return slice(r_ep * e, (r_ep + 1) * e), hidden
 
 
-def expert_layout(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
+def expert_layout(cfg: MoEConfig, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
                   experts: slice, hidden: slice) -> ExpertLayout:
     """The DTensor layout that ``state_dict()`` gives the expert weights (see ``checkpoint.py``)."""
     split_ep = ep is not None and ep.size > 1
@@ -287,7 +288,7 @@ def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layo
     raised there (the other groups would go on into those gathers and wait) but agreed again over the world,
     which every rank that such a gather involves takes part in. ``layout`` ``None``: a single-device layer,
     agreeing over the mesh of its DTensors (``_dtensor_axis``)."""
-    found, kinds = Found(), []
+    found, kinds = Problem(), []
     rank = dist.get_rank()
     reach: set[int] = set()  # the global ranks this rank's expert DTensors will gather or redistribute over
     expected = [*module.named_parameters(), ("expert_bias", module.expert_bias)]
@@ -328,7 +329,7 @@ def _in_layout(name: str, value: Any, layout: Optional[ExpertLayout]) -> bool:
         and value.device_mesh == layout.mesh and list(value.placements) == layout.placements(name)
 
 
-def _global_shape(name: str, config: Any) -> tuple[int, int, int]:
+def _global_shape(name: str, config: MoEConfig) -> tuple[int, int, int]:
     E, F, D = config.num_experts, config.hidden_dim, config.dim
     return (E, D, F) if name == "experts.w2" else (E, F, D)
 
@@ -337,7 +338,7 @@ def _shape_problem(name: str, found: tuple[int, ...], want: Any) -> str:
     text = f"expected shape {tuple(want)}, found {found}"
     if name in HIDDEN_DIM and len(found) == 3 and found == (want[0], want[2], want[1]):
         text += ("; this looks like torchtitan's oldest (E, D, F) orientation: convert it with "
-                 "spmdmoe.moe.checkpoint.from_torchtitan(state_dict, orientation='EDF') (never guessed: it is "
+                 "spmdmoe.moe.params.checkpoint.from_torchtitan(state_dict, orientation='EDF') (never guessed: it is "
                  "ambiguous when dim == hidden_dim)")
     elif name in HIDDEN_DIM:
         text += ("; a plain tensor must hold every expert (save with the layer's state_dict(), which presents "
@@ -345,7 +346,7 @@ def _shape_problem(name: str, found: tuple[int, ...], want: Any) -> str:
     return text
 
 
-def _local_value(name: str, value: Any, layout: Optional[ExpertLayout], config: Any) -> torch.Tensor:
+def _local_value(name: str, value: Any, layout: Optional[ExpertLayout], config: MoEConfig) -> torch.Tensor:
     """This rank's slice of a saved expert weight (DTensor of any layout, or a full tensor)."""
     if isinstance(value, DTensor):
         if layout is not None and layout.mesh is not None and value.device_mesh == layout.mesh:

@@ -27,9 +27,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..collectives.alltoall import exchange_launched, exchanged_op
-from ..types.mesh import MeshAxis
-from .permute import scatter_rows, weighted_combine
+from ...collectives.alltoall import exchange_launched, exchanged_op
+from ...types.mesh import MeshAxis
+from ..routing.permute import scatter_rows, weighted_combine
 
 __all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta", "launch_tokens", "Sent", "launch_back",
            "send_back"]

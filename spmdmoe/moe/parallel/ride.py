@@ -45,10 +45,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..agreement import BIT, GRAD_OFF, grad_mode_codes, problems_error
-from ..sticky import ProblemFlag
-from ..host import DelayedRead, tracing
-from ..types.mesh import MeshAxis
+from ...agreement import BIT, GRAD_OFF, grad_mode_codes, problems_error
+from ...sticky import ProblemFlag
+from ...host import DelayedRead, tracing
+from ...types.mesh import MeshAxis
 
 __all__ = ["Ride", "COLUMNS"]
 

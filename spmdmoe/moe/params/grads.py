@@ -28,14 +28,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._dist import all_reduce
-from ..agreement import BIT, Field, Found, agree
-from ..collective_check import check_collective
-from ..meshes import product_axis
-from ..sticky import ProblemFlag
-from ..types.checks import checks_mode
-from ..types.errors import SPMDLayoutError
-from ..types.mesh import MeshAxis, MeshLike, mesh_axis
+from ..._dist import all_reduce
+from ...agreement import BIT, Field, Problem, agree
+from ...collective_check import check_collective
+from ...meshes import product_axis
+from ...sticky import ProblemFlag
+from ...types.checks import checks_mode
+from ...types.errors import SPMDLayoutError
+from ...types.mesh import MeshAxis, MeshLike, mesh_axis
 from .flat import by_dtype, split_as
 from .overlap import Join, active_join, call_joined
 
@@ -98,10 +98,10 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
     set is agreed. Grad mode itself is not exchanged here (it would cost a
     host read per call): a rank under ``torch.no_grad()`` while its peers
     train leaves them waiting in backward, unless the layer around the call
-    carries it (``spmdmoe.moe.ride``, the EP count exchange); the collective-checking mode
+    carries it (``spmdmoe.moe.parallel.ride``, the EP count exchange); the collective-checking mode
     (``spmdmoe.set_checks("collectives")``) compares it and the set on every
     call. Inside a
-    joined call covering ``tensors`` (``spmdmoe.moe.overlap``) the sum is
+    joined call covering ``tensors`` (``spmdmoe.moe.params.overlap``) the sum is
     launched asynchronously and waited for at the call's input.
 
     >>> import torch, spmdmoe
@@ -164,7 +164,7 @@ def agree_grad_set(tensors: Sequence[torch.Tensor], mesh: MeshLike) -> tuple[boo
     axis = mesh_axis(mesh)
     mask = tuple(t.requires_grad for t in tensors)
     if axis.size > 1 and mask:
-        agree("sync_grads", axis, Found(), [(_SET, zlib.crc32(bytes(mask)))])
+        agree("sync_grads", axis, Problem(), [(_SET, zlib.crc32(bytes(mask)))])
     return mask
 
 
@@ -205,7 +205,7 @@ def replicate_grads(
     name ``include`` accepts, default all that require grad) are swapped for
     :func:`sync_grads` views. For model code such as attention and norm
     weights replicated along the SP axis. Call it once per module. Each call is
-    a joined call on its first tensor argument (``spmdmoe.moe.overlap``):
+    a joined call on its first tensor argument (``spmdmoe.moe.params.overlap``):
     the sums wait at that input's gradient, or at an enclosing
     :func:`spmdmoe.moe.overlap_grads` module's; ``overlap=False``: at their use.
 

@@ -29,12 +29,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..types.errors import SPMDMeshError
-from ..types.tensor import SPMDTensor
-from ..meshes import own_axis, product_axis
+from ...types.errors import SPMDMeshError
+from ...types.tensor import SPMDTensor
+from ...meshes import own_axis, product_axis
 from .data_parallel import grad_reductions
-from .grads import leave_replicated_sums
-from .parallel import ParallelMoE
+from ..params.grads import leave_replicated_sums
+from ..parallel.layer import ParallelMoE
 
 __all__ = ["fully_shard_moe", "register_spmd_hooks"]
 

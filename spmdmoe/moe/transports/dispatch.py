@@ -24,7 +24,7 @@ its experts (``dedup.py``), with its expert ids and routing weights. All of them
 each row's weighted sum of its copies; the EP combine sends that row back and the sender sums a token's rows
 over ranks. Backward: the same moves reversed, on every rank alike.
 
-``problem`` (``spmdmoe.sticky``): ``AllToAllTransport`` carries the bits in
+``problem`` (``spmdmoe.agreement.Problem``): ``AllToAllTransport`` carries the bits in
 its count exchange (mode (a)): when its EP axis spans every rank the layer
 talks to, every rank raises right there; otherwise each rank records its own
 bits in the sticky flag (mode (c)) and the step goes on, so that no rank
@@ -40,12 +40,11 @@ from typing import Callable, Optional, Protocol, Union
 
 import torch
 
-from ..agreement import GRAD_OFF, grad_mode_codes, raise_problems
-from ..collectives.alltoall import exchange_split_sizes
-from ..sticky import Problem
-from ..types.mesh import MeshAxis
+from ...agreement import GRAD_OFF, Problem, ProblemSink, grad_mode_codes, raise_problems
+from ...collectives.alltoall import exchange_split_sizes
+from ...types.mesh import MeshAxis
 from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
-from .permute import count_per_expert, weighted_combine
+from ..routing.permute import count_per_expert, weighted_combine
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .symmetric import SymmetricTransport, symmetric_usable
 from .sync_free import SyncFreeTransport
@@ -77,7 +76,7 @@ class Transport(Protocol):
             weights_TK: fp32 ``(T, K)`` routing weights (differentiable), folded into the experts
                 (``RoutedTokens.weights_R``): they return each received row's weighted sum of its copies.
             problem: this rank's problem bits of this forward (a bad input, non-finite logits) and the
-                layer's sticky flag (``spmdmoe.sticky.Problem``); carried or recorded, never dropped.
+                layer's sticky flag (``spmdmoe.agreement.Problem``); carried or recorded, never dropped.
                 ``None``: no problem.
             fp8_rows: also the rowwise e4m3 of the experts' rows, quantized once per row before the fan-out
                 to the local experts (``RoutedTokens.fp8_rows``).
@@ -156,9 +155,10 @@ class SizedTransport(Protocol):
         """:meth:`Transport.combine`."""
         ...
 
-    def overflow_message(self, layer: str) -> Optional[str]:
-        """What overflowed since the last check, for ``layer`` (a name in the message); ``None``: nothing. One
-        host read; :attr:`overflow` then starts afresh."""
+    def record_overflow(self, flag: ProblemSink, layer: str) -> None:
+        """Record what overflowed since the last check as a ``capacity`` problem in ``flag`` (the layer's sticky
+        flag; ``layer`` names the layer in the message), for the step boundary to raise on every rank. One host
+        read; :attr:`overflow` then starts afresh."""
         ...
 
 
@@ -215,7 +215,7 @@ class AllToAllTransport(Dispatching):
                         problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
         """:meth:`Transport.launch_dispatch`: the count exchange and its host read now, then the rows and
         their ids and weights launched."""
-        problem = problem or Problem()
+        problem = problem if problem is not None else Problem()
         n, e = self.axis.size, self.local_experts
         need_Tn = destinations(ids_TK, e, n)
         counts = count_per_expert(ids_TK, self.num_experts).view(n, e)

@@ -5,7 +5,7 @@ Legend: ``T`` this rank's rows, ``D`` model dim.
 :func:`accept` compares one rank's input with the layer every rank agreed on (``plan.py``): ``Shard(0)`` on
 the layer's SP axis (or, without SP, a plain ``(T, D)`` tensor or a ``Varying`` ``SPMDTensor``), width ``D``,
 the layer's compute dtype and device. It never raises and never communicates: what it finds goes into a
-:class:`spmdmoe.agreement.Found`, and the layer then stands in zero rows (``spmdmoe.stand_in``) so that the
+:class:`spmdmoe.agreement.Problem`, and the admission then stands in zero rows (``spmdmoe.stand_in``) so that the
 rank still issues every collective its peers issue; the problem bits ride the layer's next exchange.
 """
 
@@ -15,15 +15,15 @@ from typing import Any, Optional
 
 import torch
 
-from ..agreement import Found, global_rank
-from ..types.mesh import MeshAxis
-from ..types.placement import Shard, Varying
-from ..types.tensor import SPMDTensor
+from ...agreement import Problem, global_rank
+from ...types.mesh import MeshAxis
+from ...types.placement import Shard, Varying
+from ...types.tensor import SPMDTensor
 
 __all__ = ["accept"]
 
 
-def accept(x: Any, found: Found, *, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dim: int, dtype: torch.dtype,
+def accept(x: Any, found: Problem, *, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dim: int, dtype: torch.dtype,
            device: torch.device) -> Optional[torch.Tensor]:
     """This rank's ``(T, D)`` rows if ``x`` is what the layer takes, else ``None`` with ``found`` set.
 

@@ -32,14 +32,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from .._dist import all_reduce
-from ..agreement import alone
-from ..collective_check import check_collective
-from ..meshes import product_axis
-from ..types.checks import checks_mode
-from ..types.errors import SPMDMeshError
-from ..types.mesh import MeshAxis, mesh_axis
-from .parallel import ParallelMoE
+from ..._dist import all_reduce
+from ...agreement import alone
+from ...collective_check import check_collective
+from ...meshes import product_axis
+from ...types.checks import checks_mode
+from ...types.errors import SPMDMeshError
+from ...types.mesh import MeshAxis, mesh_axis
+from ..parallel.layer import ParallelMoE
 
 __all__ = ["clip_grad_norm_"]
 

@@ -3,7 +3,7 @@
 Legend: ``T`` tokens routed here, ``K`` top-k, ``R`` rows in the buffer (routed copies received by this
 rank's experts), ``D`` model dim, ``e`` local experts.
 
-A transport (``spmdmoe.moe.dispatch``, ``spmdmoe.moe.sync_free``) turns ``(x_TD, ids_TK)`` into a
+A transport (``spmdmoe.moe.transports.dispatch``, ``spmdmoe.moe.transports.sync_free``) turns ``(x_TD, ids_TK)`` into a
 ``RoutedTokens`` and ``combine`` turns the experts' output rows back into the
 source layout. The experts only ever see ``x_RD`` and ``group_offsets``.
 """
@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .permute import scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights
+from ..routing.permute import scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights
 
 __all__ = ["RoutedTokens", "routed_copies", "Dispatching"]
 
@@ -107,7 +107,7 @@ def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torc
 
 
 class Dispatching(torch.nn.Module, ABC):
-    """The transports' base (``spmdmoe.moe.dispatch.Transport``): each defines :meth:`launch_dispatch` and
+    """The transports' base (``spmdmoe.moe.transports.dispatch.Transport``): each defines :meth:`launch_dispatch` and
     :meth:`launch_combine`, which start a move and return its wait; :meth:`dispatch` and :meth:`combine` are the
     two at once. A module, so that the state a transport owns (the sync-free ones' overflow buffer) follows its
     layer's ``.to()`` and meta init and keeps one address for CUDA graphs; it has no parameters and no
@@ -121,7 +121,7 @@ class Dispatching(torch.nn.Module, ABC):
     @abstractmethod
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, **options: Any
                         ) -> Callable[[], RoutedTokens]:
-        """``spmdmoe.moe.dispatch.Transport.launch_dispatch`` (``SizedTransport``'s: with ``t_max``)."""
+        """``spmdmoe.moe.transports.dispatch.Transport.launch_dispatch`` (``SizedTransport``'s: with ``t_max``)."""
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, **options: Any
                  ) -> RoutedTokens:
@@ -130,7 +130,7 @@ class Dispatching(torch.nn.Module, ABC):
 
     @abstractmethod
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
-        """``spmdmoe.moe.dispatch.Transport.launch_combine``."""
+        """``spmdmoe.moe.transports.dispatch.Transport.launch_combine``."""
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """:meth:`Transport.combine`."""

@@ -22,7 +22,7 @@ shares). For a mean over all of the step's tokens instead (uneven batches
 weighted by their sizes), make each batch's loss ``token_sum * n_batches /
 step_tokens``. :func:`grad_reductions` gives this per parameter name;
 :func:`reduce_grads` applies it by hand, :func:`ddp` sets DDP up with it and
-:func:`spmdmoe.moe.fsdp.fully_shard_moe` FSDP2. Parameters outside the MoE layers that are
+:func:`spmdmoe.moe.training.fsdp.fully_shard_moe` FSDP2. Parameters outside the MoE layers that are
 replicated along SP must get their SP sum from
 :func:`spmdmoe.moe.replicate_grads` first, as without data parallelism.
 """
@@ -37,14 +37,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._dist import all_gather_single, all_reduce
-from ..agreement import BIT
-from ..sticky import ProblemFlag
-from ..types.errors import SPMDLayoutError, SPMDMeshError
-from ..types.mesh import MeshAxis
-from .flat import flatten, split_as
-from .grads import GradReduction
-from .parallel import ParallelMoE
+from ..._dist import all_gather_single, all_reduce
+from ...agreement import BIT
+from ...sticky import ProblemFlag
+from ...types.errors import SPMDLayoutError, SPMDMeshError
+from ...types.mesh import MeshAxis
+from ..params.flat import flatten, split_as
+from ..params.grads import GradReduction
+from ..parallel.layer import ParallelMoE
 
 __all__ = ["grad_reductions", "reduce_grads", "ddp"]
 

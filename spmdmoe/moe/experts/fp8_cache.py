@@ -2,7 +2,7 @@
 
 Legend: ``e`` local experts, ``D`` model dim, ``F`` expert hidden dim.
 
-The FP8 experts (:mod:`spmdmoe.moe.fp8`) need each weight in two e4m3 layouts (:class:`Fp8Weights`).
+The FP8 experts (:mod:`spmdmoe.moe.experts.fp8`) need each weight in two e4m3 layouts (:class:`Fp8Weights`).
 Quantizing them costs two reads of the bf16 weights (1.3 ms for DeepSeek-MoE-16B's experts on an
 H200), so they are kept between forwards: micro-batches under gradient accumulation, activation-checkpoint
 recomputes and evaluation reuse them. The hard part is knowing when they are stale. A parameter's version
@@ -49,9 +49,9 @@ from typing import Optional
 
 import torch
 
-from ..kernels import quantize_weight_pair_into
-from ..kernels.fingerprint import CHANGED, COUNT, fingerprint_, new_state
-from ..kernels.fp8_common import FP8
+from ...kernels import quantize_weight_pair_into
+from ...kernels.fingerprint import CHANGED, COUNT, fingerprint_, new_state
+from ...kernels.fp8_common import FP8
 from .fp8 import Fp8Weights, quantize_weights
 from .gemm import up_weights
 

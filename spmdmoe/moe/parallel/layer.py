@@ -24,8 +24,12 @@ across *batches* (``dp_mesh``, and the EP axis when it is not the SP axis):
 :meth:`ParallelMoE.batch_reductions` says over which group and divided by
 what; ``spmdmoe.moe.ddp`` and ``fully_shard_moe`` set DDP / FSDP2 up with it.
 
+The forward is the single-device layer's route (``layer.py:_Layer.forward``) with this layer's
+collaborators: its admission (``admission.py``), its rows (its own, or gathered over SP:
+``gather_mode.py``), its transport, its weights (slices, gradient-synced views).
+
 Every rank agrees (``spmdmoe.agreement``). ``parallelize_moe`` compares the
-config, plan and weights of every rank once (``plan.py``). Each forward then
+config, plan and weights of every rank once (``plan.py``). Each forward's admission then
 checks its input against that agreed layer (``accept.py``), locally and for free: ``Shard(0)``
 on ``sp_mesh`` (or, without SP, a plain or ``Varying`` tensor), width ``D``,
 the layer's compute dtype, the layer's device. A rank whose input fails
@@ -44,34 +48,26 @@ weight ever sees the bad step). Only a process that is the whole job raises at o
 from __future__ import annotations
 
 import copy
-from typing import Literal, Optional, Union
+from typing import Literal, Optional
 
 import torch
 
-from ..agreement import Found, alone, raise_problems
-from ..collective_check import check_collective
-from ..stand_in import stand_in
-from ..sticky import Problem, check_errors
-from ..types.checks import checks_enabled, checks_mode
-from ..types.errors import MoEConfigError
-from ..types.mesh import MeshAxis, MeshLike
-from ..types.tensor import SPMDTensor
-from .accept import accept
-from .checkpoint import expert_layout, expert_shard, install_hooks
-from .dispatch import SizedTransport, Transport, transport_for
-from .experts import experts_block
-from .gather_mode import gather_input, gathered
-from .grads import GradReduction, agree_grad_set, batch_reductions, sync_grads
-from .layer import MoE, _Layer
-from .overlap import call_joined, inside_fsdp_unit
+from ...sticky import check_errors
+from ...types.errors import MoEConfigError
+from ...types.mesh import MeshAxis, MeshLike
+from ..experts.grouped import experts_block
+from ..layer import MoE, OwnRows, _Layer
+from ..params.checkpoint import expert_layout, expert_shard, install_hooks
+from ..params.grads import GradReduction, agree_grad_set, batch_reductions, sync_grads
+from ..params.overlap import inside_fsdp_unit
+from ..transports.dispatch import transport_for
+from ..transports.sync_free import SyncFreeTransport
+from .admission import Admission
+from .gather_mode import GatheredRows
 from .plan import agree_plan
 from .ride import Ride
-from .sync_free import SyncFreeTransport, layer_t_max, record_overflow
-from .token_exchange import exchange_tokens
 
 __all__ = ["parallelize_moe", "ParallelMoE"]
-
-Input = Union[SPMDTensor, torch.Tensor]
 
 
 def parallelize_moe(
@@ -109,12 +105,12 @@ def parallelize_moe(
     passes its own group, e.g. ``mesh["dp", "sp", "ep"]._flatten()`` or a
     ``ProcessGroup``): every rank of it calls this for the same layers in the
     same order, the config, plan and weights are compared across them
-    (``spmdmoe.moe.plan``), and every rank raises the same error if any rank's
+    (``spmdmoe.moe.parallel.plan``), and every rank raises the same error if any rank's
     differ. ``load_state_dict`` agrees over the same group.
 
     ``ep_mode``: how EP moves rows. ``"sync"`` (default) reads the split sizes
     on the host once per forward and sends exactly the routed rows.
-    ``"sync_free"`` (``spmdmoe.moe.sync_free``) never syncs: static buffers of
+    ``"sync_free"`` (``spmdmoe.moe.transports.sync_free``) never syncs: static buffers of
     ``S`` rows per rank pair, sized from ``T_max``, the most tokens any rank
     of the EP group routes: with EP on the SP axis the SP input's padded local
     count; otherwise (EP across batches, gather mode) ``max_tokens`` (more
@@ -134,7 +130,7 @@ def parallelize_moe(
     them on meta, e.g. to plan without memory), zeroes its buffers, and
     ``layer.init_weights(generator=g)`` then gives exactly the weights
     ``MoE(cfg).init_weights(generator=g)`` gives on one device (every rank
-    passing the same generator state; ``spmdmoe.moe.init``). The weights
+    passing the same generator state; ``spmdmoe.moe.params.init``). The weights
     agreement is skipped for meta layers (there are no values to compare).
 
     Raises ``MoEConfigError``: configs, plans or weights that
@@ -145,7 +141,7 @@ def parallelize_moe(
     orthogonal to both.
     """
     transport = (ep_mode, capacity_factor, max_tokens)
-    sp, ep, dp, over = agree_plan(moe, sp_mesh, ep_mesh, dp_mesh, sp_mode, MoE, agree_over, transport)
+    sp, ep, dp, over = agree_plan(moe, sp_mesh, ep_mesh, dp_mesh, sp_mode, agree_over, transport)
     layer = ParallelMoE(moe, sp, ep, sp_mode, dp, over, transport)
     if moe.router.gate.weight.is_meta:
         axis = next(a for a in (sp, ep, dp) if a is not None) if (sp or ep or dp) else None
@@ -173,6 +169,13 @@ class ParallelMoE(_Layer):
         self.expert_slice, self.hidden_slice = experts_slice, hidden
         self.load_axes = _distinct(sp, ep, dp)
         ep_mode, self.capacity_factor, self.max_tokens = transport
+        # SP over the whole job, without EP or with EP on the SP axis: the T exchange (made for gather mode, the
+        # sync-free capacity, or for the ride alone without EP) carries the deferred problems and the grad mode
+        rides = sp is not None and ep in (None, sp) and dp is None and 1 < sp.size == torch.distributed.get_world_size()
+        gather = sp is not None and sp_mode == "gather"
+        self.admission = Admission(sp, ep, gather, cfg.dim, self.problems, Ride(sp, self.problems) if rides else None,
+                                   self.max_tokens)
+        self.rows = GatheredRows(sp) if sp is not None and gather else OwnRows()
         self.set_ep_mode(ep_mode)
         self.aux_axes = () if sp is None else (sp,)
         install_hooks(self, expert_layout(cfg, sp, ep, sp_mode, experts_slice, hidden), agree_over)
@@ -185,10 +188,6 @@ class ParallelMoE(_Layer):
                 self.experts.grad_set = agree_grad_set(self.experts.read_weights(), sp)
         else:
             self.sp_synced, self.sp_grad_set = (), ()
-        # SP over the whole job, without EP or with EP on the SP axis: the T exchange (made for gather mode, the
-        # sync-free capacity, or for the ride alone without EP) carries the deferred problems and the grad mode
-        rides = sp is not None and ep in (None, sp) and dp is None and 1 < sp.size == torch.distributed.get_world_size()
-        self._ride = Ride(sp, self.problems) if rides else None
         self._reductions: Optional[tuple[GradReduction, GradReduction]] = None
         self.grad_overlap = True  # False: each SP gradient sum waits at its use (sp_sync_params)
 
@@ -206,29 +205,35 @@ class ParallelMoE(_Layer):
             # silent; one host read), and its buffer is kept for the next one: a CUDA graph captured on it goes
             # on writing to that address
             if not old.overflow.is_meta:
-                record_overflow(self)
+                self._record_overflow()
             self._overflow = old.overflow
         kept: Optional[torch.Tensor] = self.__dict__.get("_overflow")
         device = self.expert_bias.device
         if kept is None or kept.device != device:  # (moved by .to() since: a graph captured before is void anyway)
             kept = torch.zeros(4, dtype=torch.int64, device=device)
-        self.transport: Union[Transport, SizedTransport] = transport_for(
-            self.ep, ep_mode, self.config.num_experts, self.config.top_k, self.capacity_factor, raises=spans,
-            overflow=kept)
+        self.transport = transport_for(self.ep, ep_mode, self.config.num_experts, self.config.top_k,
+                                       self.capacity_factor, raises=spans, overflow=kept)
+        self.admission.sized = isinstance(self.transport, SyncFreeTransport)  # sized by T_max each forward
+
+    def _record_overflow(self) -> None:
+        """A sync-free transport: its overflow since the last check recorded in the layer's sticky flag (one host
+        read; ``SyncFreeTransport.record_overflow``); otherwise nothing."""
+        if isinstance(self.transport, SyncFreeTransport):
+            self.transport.record_overflow(self.problems, f"MoE layer (sync-free EP over {self.ep})")
 
     def check_capacity(self) -> None:
         """Raise ``SPMDCapacityError`` on every rank of the layer if a sync-free EP slot overflowed anywhere
         since the last check (and whatever else a rank recorded: it is :func:`spmdmoe.check_errors` over the
         layer's ``agree_over`` group, the world by default); a no-op in sync mode. A collective: call it on
         every rank, e.g. once per step (``update_expert_bias`` makes the same check)."""
-        record_overflow(self)
+        self._record_overflow()
         check_errors(self.agree_over)
 
     def update_expert_bias(self) -> torch.Tensor:
         """:meth:`MoE.update_expert_bias`; in sync-free mode it first records an overflow of the capacity since
         the last step (one more host read), which its collective then raises on every rank as
         ``SPMDCapacityError`` (dropping the step's load counts, as for any problem)."""
-        record_overflow(self)
+        self._record_overflow()
         return super().update_expert_bias()
 
     @property
@@ -239,7 +244,7 @@ class ParallelMoE(_Layer):
 
     def batch_reductions(self) -> tuple[GradReduction, GradReduction]:
         """``(dense, experts)``: what a dense parameter's and an expert's gradient still need
-        (:func:`spmdmoe.moe.grads.batch_reductions`; a collective on the first call, then cached)."""
+        (:func:`spmdmoe.moe.params.grads.batch_reductions`; a collective on the first call, then cached)."""
         if self._reductions is None:
             self._reductions = batch_reductions(self.batch_axes, self.ep)
         return self._reductions
@@ -274,63 +279,6 @@ class ParallelMoE(_Layer):
         return [self.get_parameter(n) for n in names if not inside_fsdp_unit(self, n)]
 
     _spmdmoe_sync_params = sp_sync_params  # what overlap.sync_params asks
-
-    def forward(self, x: Input) -> Input:
-        """One MoE call; each numbered stage below is a call into the file that owns it.
-
-        1. Accept this rank's input (``accept.py``): a bad one is found here, never raised alone.
-        2. Tokens in. Gather mode: the SP axis agrees on ``T`` (``gather_mode.gather_input``). Local mode:
-           the sync-free transport is sized (``sync_free.layer_t_max``), and a layer without EP whose ``T``
-           exchange only carries the ride runs it (``token_exchange.py``).
-        3. Route -> dispatch -> experts -> combine (``layer.py:_Layer._pipeline``: ``router.py``, the
-           transport of ``dispatch.py`` / ``sync_free.py``, ``experts.py``), plus the shared experts; in
-           gather mode between an all-gather and a reduce-scatter (``gather_mode.gathered``). Joined, so the
-           SP gradient sums overlap the backward (``overlap.call_joined``).
-        4. Output: the rows in the input's layout, or on a rank whose input was bad the stand-in
-           (``spmdmoe.stand_in``)."""
-        axis = self.sp if self.sp is not None else self.ep
-        if axis is not None and checks_mode() == "collectives":  # train / eval and grad mode decide collectives
-            check_collective("MoE layer", axis, None, None, {"training": self.training})
-        if self._ride is not None:
-            self._ride.surface()
-        # 1. accept
-        found = Found()
-        x_TD = (accept(x, found, sp=self.sp, ep=self.ep, dim=self.config.dim, dtype=self.compute_dtype(),
-                       device=self.expert_bias.device) if checks_enabled()
-                else (x.local if isinstance(x, SPMDTensor) else x))
-        if found and alone():  # the only process of the job: nobody to leave waiting
-            raise_problems("MoE layer", [found.bits], found.details)
-        if self.sp is not None and self.sp_mode == "gather":
-            # 2. tokens in; 3. all-gather, pipeline, reduce-scatter, shared experts
-            problem = Problem(found.bits, found.details)
-            h, T = gather_input(self, x, found)
-            out_TD = call_joined(lambda h: gathered(self, h, T, problem), (h,), {}, self.sp_sync_params)
-        else:
-            # 2. tokens in
-            if self._ride is not None and self.ep is None:  # the exchange only carries the ride (T not needed)
-                exchange_tokens(x, found, self.sp, self._ride)
-            t_max = layer_t_max(self, x, None if found else x_TD, found)
-            problem = Problem(found.bits, found.details)
-            if found:  # stand in zero rows: the same collectives as the peers, nothing routed
-                x_TD = self._zero_rows(0)
-            # 3. pipeline, shared experts
-            out_TD = call_joined(lambda x_TD: self._local(x_TD, problem, t_max), (x_TD,), {},
-                                 self.sp_sync_params)
-        # 4. output
-        if self._ride is not None:
-            out_TD = self._ride.on_backward(out_TD)
-        if found:
-            return stand_in(x, out_TD, self._zero_rows)
-        return x.with_local(out_TD) if isinstance(x, SPMDTensor) else out_TD
-
-    def _zero_rows(self, rows: int) -> torch.Tensor:
-        return torch.zeros((rows, self.config.dim), dtype=self.compute_dtype(), device=self.expert_bias.device)
-
-    def _local(self, x_TD: torch.Tensor, problem: Problem, t_max: Optional[int]) -> torch.Tensor:
-        """Local mode: this rank's rows through the pipeline, + shared experts."""
-        w = self.weights()
-        return self._plus(*self._pipeline(x_TD, w, self.transport, problem=problem, t_max=t_max, shared_of=x_TD))
-
 
 
 def _distinct(*axes: Optional[MeshAxis]) -> tuple[MeshAxis, ...]:

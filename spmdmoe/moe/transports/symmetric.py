@@ -4,7 +4,7 @@ Legend: ``T`` tokens routed here (at most ``Tm = T_max``), ``K`` top-k, ``D`` mo
 local experts, ``n`` EP ranks, ``Q = n * Tm`` rows received (source ``s``'s token ``t`` at row ``s * Tm + t``),
 ``R`` the experts' rows (a static capacity), ``W = 2K`` a token's ids and weights.
 
-:class:`SymmetricTransport` keeps :class:`~spmdmoe.moe.sync_free.SyncFreeTransport`'s contract (static sizes, no
+:class:`SymmetricTransport` keeps :class:`~spmdmoe.moe.transports.sync_free.SyncFreeTransport`'s contract (static sizes, no
 host sync, a graph captures it, fullgraph compile, the overflow kept on the device and raised on every rank)
 and its results bit for bit, but reads over NVLink only the rows that cross (no padded slots travel; the
 receive buffers are ``(n * Tm, D)``, rows no token fills zero) and uses no NCCL:
@@ -51,13 +51,13 @@ import torch
 from torch._higher_order_ops.effects import _register_effectful_op
 from torch._library.effects import EffectType
 
-from ..autograd import always_recorded
-from ..kernels.peer_rows import PeerRows, pull_rows, pull_sum
-from ..sticky import Problem
-from ..types.errors import MoEConfigError
-from ..types.mesh import MeshAxis
+from ...autograd import always_recorded
+from ...kernels.peer_rows import PeerRows, pull_rows, pull_sum
+from ...agreement import Problem
+from ...types.errors import MoEConfigError
+from ...types.mesh import MeshAxis
 from .dedup import destinations, pack_meta, unpack_meta
-from .permute import count_per_expert
+from ..routing.permute import count_per_expert
 from .routed import RoutedTokens, routed_copies
 from .sync_free import SyncFreeTransport
 

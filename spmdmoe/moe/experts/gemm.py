@@ -14,7 +14,7 @@ traces in bf16 only (its meta function refuses other dtypes), and host sizes
 would be data-dependent, so other dtypes and shapes take a masked loop: one
 dense GEMM per group over rows zeroed outside the group (``e`` times the
 FLOPs; meant for fp32 debugging and CPU tests, not for speed).
-The FP8 experts' GEMMs are ``moe/fp8.py``'s (``torch._scaled_grouped_mm``).
+The FP8 experts' GEMMs are ``moe/experts/fp8.py``'s (``torch._scaled_grouped_mm``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..host import to_host
+from ...host import to_host
 
 __all__ = ["grouped_mm", "grouped_mm_pair", "native_grouped_mm_ok", "joined", "up_weights"]
 

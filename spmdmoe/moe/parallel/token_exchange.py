@@ -17,18 +17,18 @@ from typing import Any, Optional
 
 import torch
 
-from .._dist import all_gather_single
-from ..agreement import Found
-from ..host import to_host
-from ..types.mesh import MeshAxis
-from ..types.placement import Shard
-from ..types.tensor import SPMDTensor
+from ..._dist import all_gather_single
+from ...agreement import Problem
+from ...host import to_host
+from ...types.mesh import MeshAxis
+from ...types.placement import Shard
+from ...types.tensor import SPMDTensor
 from .ride import COLUMNS, Ride
 
 __all__ = ["exchange_tokens"]
 
 
-def exchange_tokens(x: Any, found: Found, sp: MeshAxis, ride: Optional[Ride]) -> int:
+def exchange_tokens(x: Any, found: Problem, sp: MeshAxis, ride: Optional[Ride]) -> int:
     """The ``T`` every rank of ``sp`` gathers (module docstring). ``x``: this rank's input (its ``T`` counts
     only when it is sharded on ``sp``); ``found``: this rank's problems so far (their bits ride the exchange);
     ``ride``: the layer's ride, whose columns it fills and starts, or ``None``."""

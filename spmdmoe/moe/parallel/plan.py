@@ -47,11 +47,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..agreement import Field, Found, agree, dtype_code, dtype_name, global_rank
-from ..host import to_host
-from ..types.checks import checks_enabled
-from ..types.errors import MoEConfigError, SPMDMeshError
-from ..types.mesh import MeshAxis, MeshLike, mesh_axis
+from ...agreement import Field, Problem, agree, dtype_code, dtype_name, global_rank
+from ...host import to_host
+from ...types.checks import checks_enabled
+from ...types.errors import MoEConfigError, SPMDMeshError
+from ...types.mesh import MeshAxis, MeshLike, mesh_axis
+from ..config import MoEConfig
+from ..layer import MoE
 
 __all__ = ["agree_plan", "weights_fingerprint"]
 
@@ -123,7 +125,7 @@ def weights_fingerprint(module: nn.Module) -> int:
     return (a * 1000003 + b + 2**63) % 2**64 - 2**63
 
 
-def _axis(name: str, mesh: Optional[MeshLike], found: Found) -> Optional[MeshAxis]:
+def _axis(name: str, mesh: Optional[MeshLike], found: Problem) -> Optional[MeshAxis]:
     try:
         return None if mesh is None else mesh_axis(mesh)
     except SPMDMeshError as e:
@@ -131,8 +133,8 @@ def _axis(name: str, mesh: Optional[MeshLike], found: Found) -> Optional[MeshAxi
         return None
 
 
-def _plan_problems(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis],
-                   sp_mode: Any, found: Found) -> None:
+def _plan_problems(cfg: MoEConfig, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp: Optional[MeshAxis],
+                   sp_mode: Any, found: Problem) -> None:
     rank = global_rank()
     if sp_mode not in _MODES:
         found.add("config", f"rank {rank}: sp_mode must be 'local' or 'gather', found {sp_mode!r}")
@@ -156,18 +158,18 @@ def _plan_problems(cfg: Any, sp: Optional[MeshAxis], ep: Optional[MeshAxis], dp:
 
 
 def agree_plan(moe: Any, sp_mesh: Optional[MeshLike], ep_mesh: Optional[MeshLike], dp_mesh: Optional[MeshLike],
-               sp_mode: Any, single_device_type: type, agree_over: Optional[MeshLike] = None,
+               sp_mode: Any, agree_over: Optional[MeshLike] = None,
                transport: tuple[Any, Any, Any] = ("sync", None, None),
                ) -> tuple[Optional[MeshAxis], Optional[MeshAxis], Optional[MeshAxis], Optional[MeshAxis]]:
     """The normalised ``(sp, ep, dp, agree_over)`` axes, once every rank agrees on the layer (see the
     module docstring); ``agree_over`` ``None`` means the world. ``transport``: ``(ep_mode,
-    capacity_factor, max_tokens)``."""
-    found = Found()
+    capacity_factor, max_tokens)``; ``moe``: what the caller passed (a single-device ``MoE``, or a problem)."""
+    found = Problem()
     checking = checks_enabled()
     over = None if agree_over is None else mesh_axis(agree_over)
     sp, ep, dp = (_axis(n, m, found) for n, m in (("sp_mesh", sp_mesh), ("ep_mesh", ep_mesh), ("dp_mesh", dp_mesh)))
-    if not isinstance(moe, single_device_type):
-        found.add("config", f"parallelize_moe takes a single-device {single_device_type.__name__}, found "
+    if not isinstance(moe, MoE):
+        found.add("config", f"parallelize_moe takes a single-device MoE, found "
                             f"{type(moe).__name__}" + (" (it is already parallel: apply parallelize_moe once, to "
                                                        "the single-device layer)" if isinstance(moe, nn.Module) else ""))
         values = [-1] * len(_FIELDS)
@@ -207,7 +209,7 @@ def _factor_code(factor: Any) -> int:
     return round(factor * 1e6) if ok else -1
 
 
-def _transport_problems(ep_mode: Any, factor: Any, max_tokens: Any, found: Found) -> None:
+def _transport_problems(ep_mode: Any, factor: Any, max_tokens: Any, found: Problem) -> None:
     rank = global_rank()
     if ep_mode not in _EP_MODES:
         found.add("config", f"rank {rank}: ep_mode must be 'sync' or 'sync_free', found {ep_mode!r}")

@@ -1,0 +1,129 @@
+"""The parallel layer's admission: the one seam between a forward's input and its data path.
+
+Legend: ``T`` the SP input's global rows (gather mode), ``D`` model dim, ``T_max`` the most rows any rank of the
+EP group routes (a sync-free transport's size).
+
+:meth:`Admission.admit` takes the layer's input and returns what the data path needs (``layer.Admitted``): this
+rank's rows, ``T``, ``T_max`` and this forward's :class:`spmdmoe.agreement.Problem`; :meth:`Admission.release`
+hands the output back. Between them the data path never looks at the input again, and never at a problem's
+bits on the host. In order, ``admit``:
+
+1. In the collective-checking mode, checks that every rank of the layer's axis makes this call alike
+   (train mode; ``spmdmoe.collective_check``).
+2. Raises what the previous forward's exchange carried, on every rank (the ride, ``ride.py``).
+3. Checks the input against the agreed layer (``accept.py``), locally and for free; a problem goes into this
+   forward's ``Problem``, never raised alone, unless this process is the whole job.
+4. Tokens in (``token_exchange.py``, one all-gather over SP, which the ride's columns join): gather mode's
+   agreed ``T``; sync-free EP's ``T_max`` (EP on the SP axis: the SP input's padded local count; otherwise
+   ``max_tokens``, or one host all-reduce); the ride alone for an SP layer without EP.
+5. A rank whose input was bad stands in zero rows (gather mode: its chunk of zeros at the agreed ``T``), so
+   that it issues every collective its peers issue.
+
+``release`` hooks the ride on the output's backward (a grad mode that differed between ranks raises there),
+and returns the output in the input's layout, or on a rank that stood in the stand-in (``spmdmoe.stand_in``).
+How each problem then reaches the other ranks: ``spmdmoe.agreement``'s table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..._dist import all_reduce
+from ...agreement import Problem, alone, global_rank, raise_problems
+from ...collective_check import check_collective
+from ...host import to_host
+from ...stand_in import stand_in
+from ...sticky import ProblemFlag
+from ...types import layout
+from ...types.checks import checks_enabled, checks_mode
+from ...types.mesh import MeshAxis
+from ...types.tensor import SPMDTensor
+from ..layer import Admitted
+from .accept import accept
+from .ride import Ride
+from .token_exchange import exchange_tokens
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """A parallel layer's seam (``layer.Admission``; the module docstring).
+
+    Args:
+        sp, ep: the layer's SP and EP axes (``None``: none).
+        gather: gather mode (every SP rank routes all ``T`` rows).
+        dim: the model dim ``D``.
+        flag: the layer's sticky flag: the sink of every forward's ``Problem``.
+        ride: the layer's ride (``ride.py``), or ``None`` when its SP axis is not the whole job.
+        max_tokens: ``parallelize_moe``'s ``max_tokens`` (sync-free EP off the SP axis), or ``None``.
+
+    ``sized``: whether the layer's transport is sized by ``T_max`` (sync-free EP); ``ParallelMoE.set_ep_mode``
+    sets it with the transport.
+    """
+
+    def __init__(self, sp: Optional[MeshAxis], ep: Optional[MeshAxis], gather: bool, dim: int, flag: ProblemFlag,
+                 ride: Optional[Ride], max_tokens: Optional[int]):
+        self.sp, self.ep, self.gather, self.dim = sp, ep, gather, dim
+        self.flag, self.ride, self.max_tokens = flag, ride, max_tokens
+        self.sized = False
+
+    def admit(self, x: Any, dtype: torch.dtype, device: torch.device, training: bool) -> Admitted:
+        """This forward's rows, ``T``, ``T_max`` and problem (module docstring, steps 1-5)."""
+        sp = self.sp
+        axis = sp if sp is not None else self.ep
+        if axis is not None and checks_mode() == "collectives":  # train / eval and grad mode decide collectives
+            check_collective("MoE layer", axis, None, None, {"training": training})
+        if self.ride is not None:
+            self.ride.surface()
+        problem = Problem(flag=self.flag)
+        x_TD = (accept(x, problem, sp=sp, ep=self.ep, dim=self.dim, dtype=dtype, device=device) if checks_enabled()
+                else (x.local if isinstance(x, SPMDTensor) else x))
+        if problem and alone():  # the only process of the job: nobody to leave waiting
+            raise_problems("MoE layer", [problem.bits], problem.details)
+        zeros: Callable[[int], torch.Tensor] = lambda rows: torch.zeros(  # noqa: E731
+            (rows, self.dim), dtype=dtype, device=device)
+        if sp is not None and self.gather:
+            T = exchange_tokens(x, problem, sp, self.ride)
+            stands_in = bool(problem)
+            if stands_in:  # its chunk of zeros at the agreed T
+                x_TD = zeros(layout.local_tokens(T, sp.size, sp.rank))
+            # EP on another axis: every rank of the SP group routes the same T rows; more than max_tokens is a
+            # problem for the step boundary, not a stand-in (the rows are gathered already)
+            return Admitted(x, x_TD, T, self._t_max(x, T, problem), problem, stands_in, zeros)
+        if self.ride is not None and self.ep is None:  # the exchange only carries the ride (T not needed)
+            exchange_tokens(x, problem, sp, self.ride)
+        t_max = self._t_max(x, 0 if problem else x_TD.shape[0], problem)
+        stands_in = bool(problem)
+        if stands_in:  # zero rows: the same collectives as the peers, nothing routed
+            x_TD = zeros(0)
+        return Admitted(x, x_TD, None, t_max, problem, stands_in, zeros)
+
+    def release(self, a: Admitted, out_TD: torch.Tensor) -> Any:
+        """The output in ``a.x``'s layout, or the stand-in; the ride's check on its backward."""
+        if self.ride is not None:
+            out_TD = self.ride.on_backward(out_TD)
+        if a.stands_in:
+            return stand_in(a.x, out_TD, a.zeros)
+        return a.x.with_local(out_TD) if isinstance(a.x, SPMDTensor) else out_TD
+
+    def _t_max(self, x: Any, rows: int, problem: Problem) -> Optional[int]:
+        """``T_max`` of a sized transport (``None`` for the others): with EP on the SP axis the SP input's padded
+        local count, from the token exchange (no host read on a rank whose input is good); otherwise
+        ``max_tokens`` (more ``rows`` here: a problem added), or, when that is ``None``, one host all-reduce (MAX)
+        of the routed rows over EP: the documented sync of that case."""
+        ep = self.ep
+        if not self.sized or ep is None:
+            return None
+        if self.sp is not None and self.sp == ep:
+            return layout.padded_local_tokens(max(exchange_tokens(x, problem, self.sp, self.ride), 0), ep.size)
+        if self.max_tokens is not None:
+            if rows > self.max_tokens:
+                problem.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than max_tokens="
+                                        f"{self.max_tokens}, which sizes the sync-free EP buffers; split the batch "
+                                        "or pass a larger max_tokens to parallelize_moe")
+            return int(self.max_tokens)
+        most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
+        all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
+        return int(to_host(most)[0])
