@@ -171,7 +171,7 @@ class Problem:
     :data:`KINDS`), the detail messages only this rank can write, and the sink that keeps them when they are
     not raised at once (a parallel layer's sticky flag; ``None``: nowhere, e.g. an agreement that raises now).
 
-    ``bits`` is a host int while only host checks have run (``bool(problem)`` reads it); a device-side check
+    ``bits`` is a host int while only host checks have run (``if problem:`` reads it); a device-side check
     (non-finite router logits, :meth:`add_device`) makes it a device int64 scalar, which is never read on the
     host in the forward (that would sync): the transport sends it along an exchange or :meth:`record` s it.
     """

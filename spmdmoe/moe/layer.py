@@ -34,7 +34,7 @@ from ..types.errors import SPMDDtypeError, SPMDShapeError
 from ..types.mesh import MeshAxis
 from .routing import balance
 from .params.checkpoint import install_hooks
-from .params.overlap import joined
+from .params.overlap import call_joined
 from .config import MoEConfig
 from .transports.dispatch import LocalTransport, SizedTransport, Transport
 from .transports.routed import RoutedTokens
@@ -143,25 +143,27 @@ class _Layer(nn.Module):
         return balance.reduce_counts(self.tokens_per_expert, self.load_axes)
 
     def forward(self, x: Any) -> Any:
-        """One call, read as the route; each stage is one call into the room that owns it:
-
-        admit (``self.admission``: the single device's shape checks, or the parallel layer's seam,
-        ``parallel/admission.py``) -> gather mode's rows in (``self.rows``, ``parallel/gather_mode.py``) -> route
-        (``routing/``) -> dispatch (``transports/``) -> experts (``experts/``) -> combine (``transports/``) ->
-        shared experts (under the combine's rows in flight) -> rows out -> release. Joined
-        (``params/overlap.py``): the SP gradient sums of a parallel layer run under the rest of the backward."""
+        """One call: admit (``self.admission``: the single device's shape checks, or the parallel layer's seam,
+        ``parallel/admission.py``) -> the data path (:meth:`_moe`), joined (``params/overlap.py``: the SP
+        gradient sums of a parallel layer run under the rest of the backward) -> release."""
         a = self.admission.admit(x, self.compute_dtype(), self.expert_bias.device, self.training)
-        with joined(a.x_TD, self.sp_sync_params) as x_TD:
-            w = self.weights()
-            h_TD, own_T = self.rows.gather(x_TD, a.T)
-            ids_TK, weights_TK = self._route(h_TD, w, own_T, a.problem)
-            routed, later = self._dispatch(h_TD, ids_TK, weights_TK, a)
-            y = self.experts(routed, later=later)
-            returned = self._combine(y, routed)
-            shared_TD = self._shared(x_TD, w)
-            out_TD = self.rows.scatter(returned(), a.T)
-            out_TD = out_TD if shared_TD is None else out_TD + shared_TD
+        out_TD = call_joined(self._moe, (a.x_TD, a), {}, self.sp_sync_params)
         return self.admission.release(a, out_TD)
+
+    def _moe(self, x_TD: torch.Tensor, a: Admitted) -> torch.Tensor:
+        """The data path, each stage one call into the room that owns it: rows in (``self.rows``: gather mode's
+        all-gather, ``parallel/gather_mode.py``) -> route (``routing/``) -> dispatch (``transports/``) -> experts
+        (``experts/``) -> combine (``transports/``) -> shared experts (under the combine's rows in flight) ->
+        rows out."""
+        w = self.weights()
+        h_TD, own_T = self.rows.gather(x_TD, a.T)
+        ids_TK, weights_TK = self._route(h_TD, w, own_T, a.problem)
+        routed, later = self._dispatch(h_TD, ids_TK, weights_TK, a)
+        y = self.experts(routed, later=later)
+        returned = self._combine(y, routed)
+        shared_TD = self._shared(x_TD, w)
+        out_TD = self.rows.scatter(returned(), a.T)
+        return out_TD if shared_TD is None else out_TD + shared_TD
 
     def sp_sync_params(self) -> list[torch.Tensor]:
         """The parameters whose SP gradient sums the forward joins (none on one device)."""

@@ -86,7 +86,7 @@ class Admission:
             (rows, self.dim), dtype=dtype, device=device)
         if sp is not None and self.gather:
             T = exchange_tokens(x, problem, sp, self.ride)
-            stands_in = bool(problem)
+            stands_in = problem.bits != 0  # host findings only so far (not bool(): torch 2.11 cannot trace it)
             if stands_in:  # its chunk of zeros at the agreed T
                 x_TD = zeros(layout.local_tokens(T, sp.size, sp.rank))
             # EP on another axis: every rank of the SP group routes the same T rows; more than max_tokens is a
@@ -95,7 +95,7 @@ class Admission:
         if self.ride is not None and self.ep is None:  # the exchange only carries the ride (T not needed)
             exchange_tokens(x, problem, sp, self.ride)
         t_max = self._t_max(x, 0 if problem else x_TD.shape[0], problem)
-        stands_in = bool(problem)
+        stands_in = problem.bits != 0
         if stands_in:  # zero rows: the same collectives as the peers, nothing routed
             x_TD = zeros(0)
         return Admitted(x, x_TD, None, t_max, problem, stands_in, zeros)

@@ -201,7 +201,7 @@ def call_joined(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     """``fn(*args, **kwargs)`` as a joined call on its first tensor (or ``SPMDTensor``) argument,
     deferring the reductions of ``params()`` (not called under ``torch.compile``)."""
     i = next((i for i, a in enumerate(args) if isinstance(a, (torch.Tensor, SPMDTensor))), None)
-    if i is None:
+    if i is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():  # no context entered at all
         return fn(*args, **kwargs)
     with joined(args[i], params) as x:
         return fn(*args[:i], x, *args[i + 1:], **kwargs)
