@@ -73,7 +73,8 @@ layer, ``parallelize_moe``, ``load_state_dict`` and the sticky flags.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence, Union
 
 import torch
@@ -177,7 +178,7 @@ class Problem:
     """
 
     bits: Union[int, torch.Tensor] = 0
-    details: list[str] = field(default_factory=list)
+    details: list[str] = dataclasses.field(default_factory=list)
     flag: Optional[ProblemSink] = None
 
     def add(self, kind: str, detail: str) -> None:

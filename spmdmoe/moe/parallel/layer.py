@@ -48,7 +48,7 @@ weight ever sees the bad step). Only a process that is the whole job raises at o
 from __future__ import annotations
 
 import copy
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 
