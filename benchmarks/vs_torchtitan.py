@@ -90,7 +90,7 @@ from older import config_in
 from shapes import SHAPES, Shape
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
-from spmdmoe.moe.params.checkpoint import to_torchtitan
+from spmdmoe.moe.checkpoint import to_torchtitan
 from spmdmoe.moe.experts.fp8 import fp8_wgrad
 from timing import kernel_table, report, timed
 

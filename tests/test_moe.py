@@ -407,7 +407,7 @@ def test_cuda_matches_cpu(dtype, rtol):
 def test_single_device_loads_torchtitan_state_dicts(style):
     """Issue 8: torchtitan 0.3.0 names (routed_experts.inner_experts.w1_EFD, expert_bias_E) load and
     round-trip; the earlier _EFD names load; the oldest (E, D, F) orientation only through from_torchtitan."""
-    from spmdmoe.moe.params.checkpoint import from_torchtitan, to_torchtitan
+    from spmdmoe.moe.checkpoint import from_torchtitan, to_torchtitan
 
     cfg = MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2, num_shared_experts=1)
     src, dst = _moe(cfg, seed=1), _moe(cfg, seed=2)
@@ -440,7 +440,7 @@ def test_single_device_loads_torchtitan_state_dicts(style):
 def test_oldest_orientation_is_never_guessed_when_dim_equals_hidden():
     """Issue 13: with D == F an (E, D, F) tensor has our shape; nothing can tell, so nothing is
     transposed by load_state_dict, and from_torchtitan(orientation='EDF') transposes explicitly."""
-    from spmdmoe.moe.params.checkpoint import from_torchtitan
+    from spmdmoe.moe.checkpoint import from_torchtitan
 
     cfg = MoEConfig(dim=16, hidden_dim=16, num_experts=4, top_k=2)
     src, dst = _moe(cfg, seed=1), _moe(cfg, seed=2)

@@ -105,7 +105,7 @@ class _Layer(nn.Module):
                 buf.zero_()
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The dense parameters the pipeline reads (router, shared experts), by name.
+        """The dense parameters the data path reads (router, shared experts), by name.
 
         The router gate comes cast to the router's dtype (``MoEConfig.router_dtype``,
         fp32 by default), so its gradient is made in fp32 and rounded once. The
@@ -118,7 +118,7 @@ class _Layer(nn.Module):
         return {n: p for n, p in self.named_parameters() if not n.startswith("experts.")}
 
     def read_dtype(self, name: str, p: torch.Tensor) -> torch.dtype:
-        """The dtype the pipeline reads dense parameter ``name`` in (the router: ``router_dtype``)."""
+        """The dtype the data path reads dense parameter ``name`` in (the router: ``router_dtype``)."""
         return torch.float32 if name == "router.gate.weight" and self.config.router_dtype == "float32" else p.dtype
 
     def compute_dtype(self) -> torch.dtype:
@@ -146,7 +146,7 @@ class _Layer(nn.Module):
         """One call: admit (``self.admission``: the single device's shape checks, or the parallel layer's seam,
         ``parallel/admission.py``) -> the data path (:meth:`_moe`), joined (``params/overlap.py``: the SP
         gradient sums of a parallel layer run under the rest of the backward) -> release."""
-        a = self.admission.admit(x, self.compute_dtype(), self.expert_bias.device, self.training)
+        a = self.admission.admit(x, self.transport, self.compute_dtype(), self.expert_bias.device, self.training)
         out_TD = call_joined(self._moe, (a.x_TD, a), {}, self.sp_sync_params)
         return self.admission.release(a, out_TD)
 
@@ -156,13 +156,13 @@ class _Layer(nn.Module):
         (``experts/``) -> combine (``transports/``) -> shared experts (under the combine's rows in flight) ->
         rows out."""
         w = self.weights()
-        h_TD, own_T = self.rows.gather(x_TD, a.T)
+        h_TD, own_T = self.rows.gather(x_TD, a)
         ids_TK, weights_TK = self._route(h_TD, w, own_T, a.problem)
         routed, later = self._dispatch(h_TD, ids_TK, weights_TK, a)
         y = self.experts(routed, later=later)
         returned = self._combine(y, routed)
         shared_TD = self._shared(x_TD, w)
-        out_TD = self.rows.scatter(returned(), a.T)
+        out_TD = self.rows.scatter(returned(), a)
         return out_TD if shared_TD is None else out_TD + shared_TD
 
     def sp_sync_params(self) -> list[torch.Tensor]:
@@ -244,9 +244,10 @@ class Admitted(NamedTuple):
 class Admission(Protocol):
     """The seam between a layer's input and its data path."""
 
-    def admit(self, x: Any, dtype: torch.dtype, device: torch.device, training: bool) -> Admitted:
+    def admit(self, x: Any, transport: Union[Transport, SizedTransport], dtype: torch.dtype, device: torch.device,
+              training: bool) -> Admitted:
         """Check ``x`` against the layer (its compute ``dtype``, ``device``, train mode) and hand the data path
-        its rows, ``T``, ``T_max`` and this forward's problem."""
+        its rows, ``T``, ``T_max`` (when ``transport`` is a ``SizedTransport``) and this forward's problem."""
         ...
 
     def release(self, a: Admitted, out_TD: torch.Tensor) -> Any:
@@ -257,11 +258,11 @@ class Admission(Protocol):
 class Rows(Protocol):
     """How this rank's rows reach the router and come back: as they are, or gathered over SP (gather mode)."""
 
-    def gather(self, x_TD: torch.Tensor, T: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def gather(self, x_TD: torch.Tensor, a: Admitted) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(h_TD, own_T)``: the rows to route, and a bool mask of those this rank holds (``None``: all)."""
         ...
 
-    def scatter(self, out_TD: torch.Tensor, T: Optional[int]) -> torch.Tensor:
+    def scatter(self, out_TD: torch.Tensor, a: Admitted) -> torch.Tensor:
         """This rank's rows of the routed experts' output ``out_TD``."""
         ...
 
@@ -269,10 +270,10 @@ class Rows(Protocol):
 class OwnRows:
     """Local rows: each rank routes its own (``Rows``)."""
 
-    def gather(self, x_TD: torch.Tensor, T: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def gather(self, x_TD: torch.Tensor, a: Admitted) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return x_TD, None
 
-    def scatter(self, out_TD: torch.Tensor, T: Optional[int]) -> torch.Tensor:
+    def scatter(self, out_TD: torch.Tensor, a: Admitted) -> torch.Tensor:
         return out_TD
 
 
@@ -283,7 +284,8 @@ class DeviceAdmission:
     def __init__(self, dim: int, flag: ProblemFlag):
         self.dim, self.flag = dim, flag
 
-    def admit(self, x: Any, dtype: torch.dtype, device: torch.device, training: bool) -> Admitted:
+    def admit(self, x: Any, transport: Union[Transport, SizedTransport], dtype: torch.dtype, device: torch.device,
+              training: bool) -> Admitted:
         D = self.dim
         if x.dim() == 0 or x.shape[-1] != D:
             raise SPMDShapeError(f"MoE expects (..., dim={D}) input, found shape {tuple(x.shape)}")

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard as DShard
 from moe_plans import build_plan, expert_grad_slice, reference_moe
 from spmdmoe import SPMDLayoutError
 from spmdmoe.moe import MoEConfig, parallelize_moe
-from spmdmoe.moe.params.checkpoint import from_torchtitan, to_torchtitan
+from spmdmoe.moe.checkpoint import from_torchtitan, to_torchtitan
 from spmdmoe.testing import assert_close_everywhere, assert_raises_everywhere
 
 CFG = MoEConfig(dim=16, hidden_dim=8, num_experts=8, top_k=2, num_shared_experts=1, load_balance_coeff=1e-3)

@@ -10,3 +10,7 @@ the layers below).
 ``fp8_cache.py``    the quantized weights, checked on the device before every use
 ==================  ==============================================================================
 """
+
+from .grouped import GroupedExperts, SharedExperts
+
+__all__ = ["GroupedExperts", "SharedExperts"]

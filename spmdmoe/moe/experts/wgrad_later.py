@@ -9,7 +9,7 @@ backward (``collectives.alltoall.exchange_launched``). With one node making ``dx
 together, that exchange starts only after the two weight-gradient GEMMs. Split, the up-projection's node
 makes ``dx`` and hands its operands (the output gradient, the rows, the offsets) to an *anchor*: a node on
 ``w1`` and ``w3`` made in the forward between the dispatch's launch and its wait
-(``_Layer._pipeline``). Autograd runs the ready node made last first, so the backward runs: the experts'
+(``_Layer._dispatch``). Autograd runs the ready node made last first, so the backward runs: the experts'
 input gradient, the fan-out's backward, the wait's node (launches ``dx``'s exchange), the shared experts'
 backward, the anchor (``dw1``, ``dw3``: two grouped GEMMs, a third of the experts' backward FLOPs), then the
 launch's node, which waits for the exchange. The GEMMs are the same on the same operands: the gradients are

@@ -10,3 +10,7 @@
 ``gather_mode.py``      gather mode's rows: all-gathered over SP and reduce-scattered back
 ======================  ========================================================================
 """
+
+from .layer import ParallelMoE, parallelize_moe
+
+__all__ = ["ParallelMoE", "parallelize_moe"]

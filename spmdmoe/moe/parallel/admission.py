@@ -15,7 +15,9 @@ bits on the host. In order, ``admit``:
    forward's ``Problem``, never raised alone, unless this process is the whole job.
 4. Tokens in (``token_exchange.py``, one all-gather over SP, which the ride's columns join): gather mode's
    agreed ``T``; sync-free EP's ``T_max`` (EP on the SP axis: the SP input's padded local count; otherwise
-   ``max_tokens``, or one host all-reduce); the ride alone for an SP layer without EP.
+   ``max_tokens``, or one host all-reduce over EP: in gather mode it now runs before the rows' all-gather over
+   SP, where it ran after it before the admission existed; the same order on every rank); the ride alone for an
+   SP layer without EP.
 5. A rank whose input was bad stands in zero rows (gather mode: its chunk of zeros at the agreed ``T``), so
    that it issues every collective its peers issue.
 
@@ -26,7 +28,7 @@ How each problem then reaches the other ranks: ``spmdmoe.agreement``'s table.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -41,6 +43,8 @@ from ...types.checks import checks_enabled, checks_mode
 from ...types.mesh import MeshAxis
 from ...types.tensor import SPMDTensor
 from ..layer import Admitted
+from ..transports.dispatch import SizedTransport, Transport
+from ..transports.sync_free import SyncFreeTransport
 from .accept import accept
 from .ride import Ride
 from .token_exchange import exchange_tokens
@@ -59,18 +63,17 @@ class Admission:
         ride: the layer's ride (``ride.py``), or ``None`` when its SP axis is not the whole job.
         max_tokens: ``parallelize_moe``'s ``max_tokens`` (sync-free EP off the SP axis), or ``None``.
 
-    ``sized``: whether the layer's transport is sized by ``T_max`` (sync-free EP); ``ParallelMoE.set_ep_mode``
-    sets it with the transport.
     """
 
     def __init__(self, sp: Optional[MeshAxis], ep: Optional[MeshAxis], gather: bool, dim: int, flag: ProblemFlag,
                  ride: Optional[Ride], max_tokens: Optional[int]):
         self.sp, self.ep, self.gather, self.dim = sp, ep, gather, dim
         self.flag, self.ride, self.max_tokens = flag, ride, max_tokens
-        self.sized = False
 
-    def admit(self, x: Any, dtype: torch.dtype, device: torch.device, training: bool) -> Admitted:
-        """This forward's rows, ``T``, ``T_max`` and problem (module docstring, steps 1-5)."""
+    def admit(self, x: Any, transport: Union[Transport, SizedTransport], dtype: torch.dtype, device: torch.device,
+              training: bool) -> Admitted:
+        """This forward's rows, ``T``, ``T_max`` (a sync-free ``transport``'s size) and problem (module docstring,
+        steps 1-5)."""
         sp = self.sp
         axis = sp if sp is not None else self.ep
         if axis is not None and checks_mode() == "collectives":  # train / eval and grad mode decide collectives
@@ -80,21 +83,22 @@ class Admission:
         problem = Problem(flag=self.flag)
         x_TD = (accept(x, problem, sp=sp, ep=self.ep, dim=self.dim, dtype=dtype, device=device) if checks_enabled()
                 else (x.local if isinstance(x, SPMDTensor) else x))
-        if problem and alone():  # the only process of the job: nobody to leave waiting
+        sized = isinstance(transport, SyncFreeTransport)
+        if problem.bits and alone():  # the only process of the job: nobody to leave waiting
             raise_problems("MoE layer", [problem.bits], problem.details)
         zeros: Callable[[int], torch.Tensor] = lambda rows: torch.zeros(  # noqa: E731
             (rows, self.dim), dtype=dtype, device=device)
         if sp is not None and self.gather:
             T = exchange_tokens(x, problem, sp, self.ride)
-            stands_in = problem.bits != 0  # host findings only so far (not bool(): torch 2.11 cannot trace it)
+            stands_in = problem.bits != 0  # host bits only so far (read as such: torch 2.11 cannot trace bool())
             if stands_in:  # its chunk of zeros at the agreed T
                 x_TD = zeros(layout.local_tokens(T, sp.size, sp.rank))
             # EP on another axis: every rank of the SP group routes the same T rows; more than max_tokens is a
             # problem for the step boundary, not a stand-in (the rows are gathered already)
-            return Admitted(x, x_TD, T, self._t_max(x, T, problem), problem, stands_in, zeros)
+            return Admitted(x, x_TD, T, self._t_max(x, T, problem, sized), problem, stands_in, zeros)
         if self.ride is not None and self.ep is None:  # the exchange only carries the ride (T not needed)
             exchange_tokens(x, problem, sp, self.ride)
-        t_max = self._t_max(x, 0 if problem else x_TD.shape[0], problem)
+        t_max = self._t_max(x, 0 if problem.bits else x_TD.shape[0], problem, sized)
         stands_in = problem.bits != 0
         if stands_in:  # zero rows: the same collectives as the peers, nothing routed
             x_TD = zeros(0)
@@ -108,13 +112,13 @@ class Admission:
             return stand_in(a.x, out_TD, a.zeros)
         return a.x.with_local(out_TD) if isinstance(a.x, SPMDTensor) else out_TD
 
-    def _t_max(self, x: Any, rows: int, problem: Problem) -> Optional[int]:
+    def _t_max(self, x: Any, rows: int, problem: Problem, sized: bool) -> Optional[int]:
         """``T_max`` of a sized transport (``None`` for the others): with EP on the SP axis the SP input's padded
         local count, from the token exchange (no host read on a rank whose input is good); otherwise
         ``max_tokens`` (more ``rows`` here: a problem added), or, when that is ``None``, one host all-reduce (MAX)
         of the routed rows over EP: the documented sync of that case."""
         ep = self.ep
-        if not self.sized or ep is None:
+        if not sized or ep is None:
             return None
         if self.sp is not None and self.sp == ep:
             return layout.padded_local_tokens(max(exchange_tokens(x, problem, self.sp, self.ride), 0), ep.size)

@@ -24,6 +24,7 @@ from ...types import layout
 from ...types.mesh import MeshAxis
 from ...types.placement import Partial, Shard
 from ...types.tensor import SPMDTensor
+from ..layer import Admitted
 
 __all__ = ["GatheredRows"]
 
@@ -35,17 +36,19 @@ class GatheredRows:
     def __init__(self, sp: MeshAxis):
         self.sp = sp
 
-    def gather(self, x_TD: torch.Tensor, T: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def gather(self, x_TD: torch.Tensor, a: Admitted) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(h_TD, own_T)``: the SP group's ``T`` rows (this rank's ``x_TD`` is its chunk), and the mask of
-        those this rank holds (its load counts, aux loss and non-finite check)."""
+        those this rank holds (its load counts, aux loss and non-finite check). The input itself is gathered
+        where ``x_TD`` is its rows (not joined, not standing in): a padded buffer it carries is sent as it is."""
+        T, sp = a.T, self.sp
         assert T is not None, "gather mode: the admission agrees on T"
-        sp = self.sp
         start = layout.chunk_offset(T, sp.size, sp.rank)
-        h_TD = all_gather(SPMDTensor._new(x_TD, sp, Shard(0), T, 0)).local
+        x = a.x if isinstance(a.x, SPMDTensor) and a.x.local is x_TD else SPMDTensor._new(x_TD, sp, Shard(0), T, 0)
+        h_TD = all_gather(x).local
         rows_T = torch.arange(h_TD.shape[0], device=h_TD.device)
         return h_TD, (rows_T >= start) & (rows_T < start + x_TD.shape[0])
 
-    def scatter(self, out_TD: torch.Tensor, T: Optional[int]) -> torch.Tensor:
+    def scatter(self, out_TD: torch.Tensor, a: Admitted) -> torch.Tensor:
         """This rank's rows of the sum of every SP rank's partial ``out_TD`` (the reduce-scatter)."""
-        assert T is not None, "gather mode: the admission agrees on T"
-        return reduce_scatter(SPMDTensor._new(out_TD, self.sp, Partial(), T, 0)).local
+        assert a.T is not None, "gather mode: the admission agrees on T"
+        return reduce_scatter(SPMDTensor._new(out_TD, self.sp, Partial(), a.T, 0)).local

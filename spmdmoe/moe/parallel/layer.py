@@ -168,13 +168,13 @@ class ParallelMoE(_Layer):
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
         self.expert_slice, self.hidden_slice = experts_slice, hidden
         self.load_axes = _distinct(sp, ep, dp)
-        ep_mode, self.capacity_factor, self.max_tokens = transport
+        ep_mode, self.capacity_factor, max_tokens = transport
         # SP over the whole job, without EP or with EP on the SP axis: the T exchange (made for gather mode, the
         # sync-free capacity, or for the ride alone without EP) carries the deferred problems and the grad mode
         rides = sp is not None and ep in (None, sp) and dp is None and 1 < sp.size == torch.distributed.get_world_size()
         gather = sp is not None and sp_mode == "gather"
         self.admission = Admission(sp, ep, gather, cfg.dim, self.problems, Ride(sp, self.problems) if rides else None,
-                                   self.max_tokens)
+                                   max_tokens)
         self.rows = GatheredRows(sp) if sp is not None and gather else OwnRows()
         self.set_ep_mode(ep_mode)
         self.aux_axes = () if sp is None else (sp,)
@@ -213,7 +213,11 @@ class ParallelMoE(_Layer):
             kept = torch.zeros(4, dtype=torch.int64, device=device)
         self.transport = transport_for(self.ep, ep_mode, self.config.num_experts, self.config.top_k,
                                        self.capacity_factor, raises=spans, overflow=kept)
-        self.admission.sized = isinstance(self.transport, SyncFreeTransport)  # sized by T_max each forward
+
+    @property
+    def max_tokens(self) -> Optional[int]:
+        """``parallelize_moe``'s ``max_tokens``: what sizes sync-free EP off the SP axis (the admission's)."""
+        return self.admission.max_tokens
 
     def _record_overflow(self) -> None:
         """A sync-free transport: its overflow since the last check recorded in the layer's sticky flag (one host

@@ -44,7 +44,7 @@ live on a mesh of other ranks agrees over that mesh before it gathers them.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -201,7 +201,23 @@ def _renamed(key: str, table: dict[str, str]) -> str:
     return key
 
 
-def install_hooks(module: torch.nn.Module, layout: Optional[ExpertLayout], agree_over: Optional[MeshAxis] = None) -> None:
+class Checkpointed(Protocol):
+    """What the state-dict hooks use of a layer (``MoE``, ``ParallelMoE``): its config, bias and parameters."""
+
+    config: MoEConfig
+    expert_bias: torch.Tensor
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+    def get_parameter(self, target: str) -> torch.nn.Parameter: ...
+
+    def register_state_dict_post_hook(self, hook: Callable[..., None]) -> Any: ...
+
+    def register_load_state_dict_pre_hook(self, hook: Callable[..., None]) -> Any: ...
+
+
+def install_hooks(module: Checkpointed, layout: Optional[ExpertLayout], agree_over: Optional[MeshAxis] = None) -> None:
     """Register the save hook (parallel layers) and the load hook (every layer) on ``module``.
 
     ``agree_over``: the group a parallel layer's load agrees over (``None``: the world)."""
@@ -227,7 +243,7 @@ def _save_hook(layout: ExpertLayout) -> Any:
     return hook
 
 
-def _load_hook(module: torch.nn.Module, layout: Optional[ExpertLayout], agree_over: Optional[MeshAxis]) -> Any:
+def _load_hook(module: Checkpointed, layout: Optional[ExpertLayout], agree_over: Optional[MeshAxis]) -> Any:
     def hook(mod: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool, *args: Any) -> None:
         for key in [k for k in state_dict if k.startswith(prefix)]:
             ours = prefix + _renamed(key[len(prefix):], TORCHTITAN_NAMES)
@@ -278,7 +294,7 @@ def _dtensor_axis(state_dict: dict[str, Any], prefix: str) -> Optional[MeshAxis]
     return world_axis()
 
 
-def _agree_on_entries(module: Any, state_dict: dict[str, Any], prefix: str, layout: Optional[ExpertLayout],
+def _agree_on_entries(module: Checkpointed, state_dict: dict[str, Any], prefix: str, layout: Optional[ExpertLayout],
                       strict: bool, agree_over: Optional[MeshAxis]) -> None:
     """One agreement exchange over ``agree_over`` (the world by default) before any gather: every rank
     raises if one rank's entries are missing (strict), misshapen, or of another kind than its peers'.
@@ -338,7 +354,7 @@ def _shape_problem(name: str, found: tuple[int, ...], want: Any) -> str:
     text = f"expected shape {tuple(want)}, found {found}"
     if name in HIDDEN_DIM and len(found) == 3 and found == (want[0], want[2], want[1]):
         text += ("; this looks like torchtitan's oldest (E, D, F) orientation: convert it with "
-                 "spmdmoe.moe.params.checkpoint.from_torchtitan(state_dict, orientation='EDF') (never guessed: it is "
+                 "spmdmoe.moe.checkpoint.from_torchtitan(state_dict, orientation='EDF') (never guessed: it is "
                  "ambiguous when dim == hidden_dim)")
     elif name in HIDDEN_DIM:
         text += ("; a plain tensor must hold every expert (save with the layer's state_dict(), which presents "

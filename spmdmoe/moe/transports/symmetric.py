@@ -361,7 +361,7 @@ class SymmetricTransport(SyncFreeTransport):
         rows, K = x_TD.shape[0], ids_TK.shape[1]
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
-        if rows > t_max:  # the layer recorded the problem (``layer_t_max``): the rows past T_max are not sent
+        if rows > t_max:  # the admission recorded the problem (``T_max``): the rows past T_max are not sent
             x_TD, ids_TK, weights_TK = x_TD[:t_max], ids_TK[:t_max], weights_TK[:t_max]
         n, e, me, E = self.axis.size, self.local_experts, self.axis.rank, self.num_experts
         _, R = self.sizes(t_max)
