@@ -62,7 +62,6 @@ class Admission:
         flag: the layer's sticky flag: the sink of every forward's ``Problem``.
         ride: the layer's ride (``ride.py``), or ``None`` when its SP axis is not the whole job.
         max_tokens: ``parallelize_moe``'s ``max_tokens`` (sync-free EP off the SP axis), or ``None``.
-
     """
 
     def __init__(self, sp: Optional[MeshAxis], ep: Optional[MeshAxis], gather: bool, dim: int, flag: ProblemFlag,
