@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
-from typing import Any, Callable, ContextManager, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -127,40 +127,28 @@ def _covered(params: Sequence[torch.Tensor]) -> bool:
     return outer is not None and outer.covers(params)
 
 
-def joined(x: Any, params: Union[Sequence[torch.Tensor], Callable[[], Sequence[torch.Tensor]]]
-           ) -> ContextManager[Any]:
-    """Run the body (``with joined(x, params) as x:``) as a joined call on input ``x`` (a tensor or an
-    ``SPMDTensor``); the ``x`` it gives is the one to use instead. ``params``: the parameters whose SP sums it
-    defers, or a call that lists them (not made under ``torch.compile``, with grad off, or when ``x`` is not
-    floating point). Gives ``x`` unchanged, joining nothing, in those cases, when ``params`` is empty, or when an
-    enclosing joined call already covers them. The decision must be the same on every rank (their collectives
-    differ otherwise), so it does not depend on ``x.requires_grad``: an ``x`` that needs no gradient is joined
-    too, and backward then computes its gradient (to reach the join)."""
+@contextlib.contextmanager
+def joined(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
+    """Run the body as a joined call on input ``x`` (a tensor or an ``SPMDTensor``); yields the
+    ``x`` to use instead. Yields ``x`` unchanged, joining nothing, when an enclosing joined call
+    already covers ``params``, when there are none, under ``torch.compile``, with grad off, or when
+    ``x`` is not floating point. The decision must be the same on every rank (their collectives
+    differ otherwise), so it does not depend on ``x.requires_grad``: an ``x`` that needs no
+    gradient is joined too, and backward then computes its gradient (to reach the join)."""
     local = x.local if isinstance(x, SPMDTensor) else x
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not isinstance(local, torch.Tensor)
-            or not local.is_floating_point()):
-        return contextlib.nullcontext(x)
-    params = list(params() if callable(params) else params)
-    if not params or _covered(params):
-        return contextlib.nullcontext(x)
-    return _Joining(x, Join(params))
-
-
-class _Joining:
-    """:func:`joined`'s context: the join node on ``x`` at entry, the join on this thread's stack until exit."""
-
-    def __init__(self, x: Any, join: Join):
-        self.x, self.join = x, join
-
-    def __enter__(self) -> Any:
-        x, join = self.x, self.join
-        local, join.token = _JoinNode.apply(join, x.local if isinstance(x, SPMDTensor) else x, *join.params)
-        join.node = join.token.grad_fn
-        _local.__dict__.setdefault("stack", []).append(join)
-        return x.with_local(local) if isinstance(x, SPMDTensor) else local
-
-    def __exit__(self, *exc: Any) -> None:
-        _local.stack.pop()
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not params
+            or not isinstance(local, torch.Tensor) or not local.is_floating_point() or _covered(params)):
+        yield x
+        return
+    join = Join(params)
+    local, join.token = _JoinNode.apply(join, local, *params)
+    join.node = join.token.grad_fn
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(join)
+    try:
+        yield x.with_local(local) if isinstance(x, SPMDTensor) else local
+    finally:
+        stack.pop()
 
 
 def sync_params(module: nn.Module) -> list[torch.Tensor]:
@@ -201,9 +189,9 @@ def call_joined(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     """``fn(*args, **kwargs)`` as a joined call on its first tensor (or ``SPMDTensor``) argument,
     deferring the reductions of ``params()`` (not called under ``torch.compile``)."""
     i = next((i for i, a in enumerate(args) if isinstance(a, (torch.Tensor, SPMDTensor))), None)
-    if i is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():  # no context entered at all
+    if i is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    with joined(args[i], params) as x:
+    with joined(args[i], params()) as x:
         return fn(*args[:i], x, *args[i + 1:], **kwargs)
 
 
