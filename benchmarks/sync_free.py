@@ -34,7 +34,8 @@ alive at once and replayed by turns, the lossless one ran 1.2-1.9x slower than e
 (RESULTS, issue 42, tenth session); ``--graphs-together`` keeps them all alive and times them in one rotation,
 as this benchmark did before.
 
-Also: peak memory of one step per candidate, and the row moves alone, the first layer's routing, every rank
+Also: per layer, the smallest capacity factor that would have dropped nothing on this routing
+(:func:`needed_factors`), peak memory of one step per candidate, and the row moves alone, the first layer's routing, every rank
 moving at once: the symmetric transport's dispatch and combine reads (``peer_dispatch`` + ``peer_pull_sum``, with
 their barriers; called eagerly, where at 4k tokens the host's launches set the pace, and replayed from a CUDA graph
 each, their device time) against an even NCCL ``all_to_all_single`` of the same rows each way (a token once per rank it
@@ -63,6 +64,7 @@ import torch.distributed as dist
 
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
+from spmdmoe.moe.routing.permute import count_per_expert
 from spmdmoe.moe.transports.dedup import destinations
 from spmdmoe.moe.transports.symmetric import SymmetricTransport
 from spmdmoe.moe.transports.sync_free import capacity_rows
@@ -100,6 +102,36 @@ def graphed(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor
     returns the last replay's output and input gradient (the graph's static tensors)."""
     graph, out = capture_training_step(lambda: run(stack, x, g), stack, x)
     return graph.replay, lambda: (out, x.grad)
+
+
+def needed_factors(stack: torch.nn.ModuleList, x: torch.Tensor, g: torch.Tensor, E: int, K: int) -> list[float]:
+    """Per layer, the smallest ``capacity_factor`` that would not have dropped a row on this step's routing (one
+    eager step of ``stack``, every rank's layer inputs as the step made them): the sync-free transport's two
+    demands (``SyncFreeTransport._record``), the most rows a rank sends another over a slot's balanced rows
+    ``T * K / n``, and the most copies a rank's experts receive over theirs ``T * K`` (``capacity_rows``), the
+    larger of the two; the same on every rank."""
+    ids: list[torch.Tensor] = []
+    hooks = [layer.router.register_forward_hook(lambda _m, _a, out: ids.append(out.ids_TK)) for layer in stack]
+    try:
+        stack.zero_grad(set_to_none=True)
+        x.grad = None
+        run(stack, x, g)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    n, T = dist.get_world_size(), x.shape[0]
+    e, balanced = E // n, max(T * K, 1)
+    factors = []
+    for ids_TK in ids:
+        need_Tn = destinations(ids_TK, e, n)
+        mine = torch.cat([count_per_expert(ids_TK, E), need_Tn.sum(0)]).to(torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(parts, mine)
+        table = torch.stack(parts)  # [source, E + n], as the transport's count table
+        slot = int(table[:, E:].max())
+        rows = int(table[:, :E].sum(0).view(n, e).sum(1).max())
+        factors.append(max(slot * n / balanced, rows / balanced))
+    return factors
 
 
 GEMM_ALONE = "GEMM alone (2T x D x 2F bf16)"  # the probes' compute: about the experts' up-projection
@@ -307,9 +339,11 @@ def main() -> None:
         outs.append((run(stacks[name], x, g).detach(), x.grad.clone()))
     same = all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
     progress("eager steps compared")
+    factors = needed_factors(stacks["sync eager"], x, g, E, K)
     if smoke:
         if rank == 0:
-            print(f"OK: smoke, {n} ranks, sync-free == sync bitwise: {same}, candidates {list(stacks)}", flush=True)
+            print(f"OK: smoke, {n} ranks, sync-free == sync bitwise: {same}, candidates {list(stacks)}, capacity "
+                  f"factor needed per layer {[round(f, 3) for f in factors]}", flush=True)
         assert same
         return
 
@@ -437,7 +471,8 @@ def main() -> None:
     lines += ["", "| stack (eager step) | peak step GiB above the inputs |", "|---|---|"]
     lines += [f"| {name} | {gib:.2f} |" for name, gib in mem.items()]
     lines += ["", f"capacity overflow after the timing: {overflowed or 'none'}; lossless slot S = {S} rows "
-                  f"(Q = {n * S} rows per buffer vs {T * K} routed rows per rank)", "",
+                  f"(Q = {n * S} rows per buffer vs {T * K} routed rows per rank); the smallest capacity_factor "
+                  f"that drops nothing, per layer: {', '.join(f'{f:.3f}' for f in factors)}", "",
               "| row moves | ms |", "|---|---|"]
     lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
     lines += ["", f"transports: {transports}",
