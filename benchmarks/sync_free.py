@@ -47,7 +47,8 @@ experts' up-projection size alone, then with each dispatch on a side stream at o
 and does the GEMM slow down), and with the even NCCL all-to-all launched before it (the all-to-all transports'
 overlap). And what FP8 rows on the wire would save: the dispatch op and the even all-to-all with rows of
 ``D + 16`` bytes (a row's e4m3 and its fp32 scale, padded to keep rows 16-byte aligned) instead of ``2 D``.
-``--moves-only``: the row moves alone (no stack timing, no graphs).
+``--moves-only``: the row moves alone (no stack timing, no graphs); ``--no-moves``: the stack alone. The stack's
+table is written before the moves run.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
 from spmdmoe.moe.routing.permute import count_per_expert
 from spmdmoe.moe.transports.dedup import destinations
-from spmdmoe.moe.transports.symmetric import SymmetricTransport
+from spmdmoe.moe.transports.symmetric import TIMEOUT_MS, SymmetricTransport
 from spmdmoe.moe.transports.sync_free import capacity_rows
 from spmdmoe.testing import capture_training_step
 
@@ -178,11 +179,11 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
     def ce_dispatch() -> None:
         meta_peers[me][: T * W].view(T, W).copy_(meta_TW)
         rows_all[me][x_off: x_off + T * D].view(T, D).copy_(x_TD)
-        st.hdl.barrier(channel=0)
+        st.hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
         for s in order:
             ce_meta[s * T: (s + 1) * T].copy_(meta_peers[s][: T * W].view(T, W))
             ce_x[s * T: (s + 1) * T].copy_(x_TD if s == me else rows_all[s][x_off: x_off + T * D].view(T, D))
-        st.hdl.barrier(channel=0)
+        st.hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
 
     # pushed instead (NVLink writes, as NCCL and DeepEP's kernels move rows; pulls are reads): each rank's ids and
     # rows copied into every rank's buffer at its source slot by copy_, barrier, each rank's n slots copied out
@@ -193,10 +194,10 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
         for d in order:
             meta_peers[d][me * T * W: (me + 1) * T * W].view(T, W).copy_(meta_TW)
             rows_all[d][p_x + me * T * D: p_x + (me + 1) * T * D].view(T, D).copy_(x_TD)
-        st.hdl.barrier(channel=0)
+        st.hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
         ce_meta.copy_(meta_peers[me][: n * T * W].view(n * T, W))
         ce_x.copy_(rows_all[me][p_x: p_x + n * T * D].view(n * T, D))
-        st.hdl.barrier(channel=0)
+        st.hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
 
     # what runs beside a GEMM: an (M, D) x (D, 2F)-like bf16 GEMM of about the experts' up-projection size
     a = torch.randn(2 * T, D, device=x_TD.device, dtype=x_TD.dtype)
@@ -231,6 +232,66 @@ def symmetric_moves(transport: SymmetricTransport, x_TD: torch.Tensor, ids_TK: t
         "symmetric combine op, graphed": capture_training_step(combine, torch.nn.Module(), warmup=1)[0].replay,
         f"peer-copy ceiling: copy_ of {crossing} rows from the peer, x 2": lambda: [dst.copy_(src) for _ in range(2)],
     }, crossing
+
+
+def row_moves(stacks: dict[str, torch.nn.ModuleList], x: torch.Tensor, T: int, n: int, D: int, E: int, S: int,
+              device: torch.device, dtype: torch.dtype, iters: int, reps: int) -> tuple[dict[str, float], list[str]]:
+    """The row moves alone, the first layer's routing (module docstring): ``Q = n * S`` rows each way (the padded
+    exchange) against the rows the sync transport sends (a token once per rank it needs) in one even exchange
+    each way, and the symmetric transport's ops and probes; their times (ms, max over ranks) and the report's
+    lines."""
+    rows_free = torch.randn(n * S, D, device=device, dtype=dtype)
+    out_free = torch.empty_like(rows_free)
+    first = stacks["sync eager"][0]
+    ids_TK = first.router(x.detach(), first.expert_bias, first.router.gate.weight).ids_TK
+    # one size on every rank (an even exchange of sizes that differ by rank is not a valid all-to-all: the runs
+    # before issue 44's fourteenth session passed each rank its own): the busiest rank's rows, whose moves set the
+    # symmetric ops' time too (timed: max over ranks)
+    sent_ = torch.tensor([int(destinations(ids_TK, E // n, n).sum())], device=device)
+    dist.all_reduce(sent_, op=dist.ReduceOp.MAX)
+    sent = -(-int(sent_) // n) * n
+    rows_even = torch.randn(sent, D, device=device, dtype=dtype)
+    out_even = torch.empty_like(rows_even)
+    # e4m3 + an fp32 scale, padded to 16 bytes: D + 16 bytes a row (rows of D + 4 bytes, 4-byte aligned, took
+    # NCCL 0.553 ms against 0.584 for bf16's 2D: RESULTS, issue 42, twelfth session)
+    rows_fp8 = torch.randn(sent, D // 2 + 8, device=device, dtype=dtype)
+    out_fp8 = torch.empty_like(rows_fp8)
+    moves = {
+        f"padded all-to-all dispatch + combine (2 x Q = 2 x {n * S} rows)": lambda: [dist.all_to_all_single(out_free, rows_free) for _ in range(2)],
+        f"even all_to_all_single of the busiest rank's rows sent ({sent}) x 2": lambda: [dist.all_to_all_single(out_even, rows_even) for _ in range(2)],
+        "the same x 1": lambda: dist.all_to_all_single(out_even, rows_even),
+        "the same x 1, e4m3 rows + fp32 scale (D + 16 bytes a row)": lambda: dist.all_to_all_single(out_fp8, rows_fp8),
+    }
+    crossing = 0
+    if isinstance(first_free := stacks["sync-free eager"][0].transport, SymmetricTransport):
+        peer_moves, crossing = symmetric_moves(first_free, x.detach(), ids_TK, T, n, D)
+        moves.update(peer_moves)
+        gemm = peer_moves[GEMM_ALONE]
+
+        def a2a_beside() -> None:  # NCCL's own stream: launched, the GEMM, waited for (the all-to-all transports'
+            works = [dist.all_to_all_single(out_even, rows_even, async_op=True) for _ in range(2)]  # overlap)
+            gemm()
+            for w in works:
+                w.wait()
+        moves["GEMM + the even all_to_all_single x 2, launched before it"] = a2a_beside
+    from timing import timed
+
+    moves = timed(moves, iters, reps)
+
+    lines = ["", "| row moves | ms |", "|---|---|"]
+    lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
+    if crossing:
+        from spmdmoe.moe.transports import symmetric
+
+        GB = crossing * D * 2 / 1e9
+        staging = sum(st.buf.numel() for st in symmetric._staging.values()) / 2**30
+        lines += [f"rank 0's rows that its peer reads: {crossing} ({GB * 1e3:.0f} MB a direction); the dispatch op "
+                  f"{GB / moves[next(k for k in moves if k.startswith('symmetric dispatch'))] * 1e3:.0f} GB/s of "
+                  f"them eagerly, {GB / moves['symmetric dispatch op, graphed'] * 1e3:.0f} GB/s graphed; the "
+                  f"peer-copy ceiling "
+                  f"{2 * GB / moves[next(k for k in moves if k.startswith('peer-copy'))] * 1e3:.0f} GB/s",
+                  f"the symmetric staging buffer (held for the job, not in the peak column): {staging:.2f} GiB"]
+    return moves, lines
 
 
 def host_profile(eager: dict[str, Callable[[], None]], x: torch.Tensor, n: int, D: int, dtype: torch.dtype,
@@ -295,6 +356,8 @@ def main() -> None:
                          "captured, timed with the eager candidates and freed before the next)")
     ap.add_argument("--moves-only", action="store_true",
                     help="time the row moves alone (no stack timing, no graphs of the stack)")
+    ap.add_argument("--no-moves", action="store_true",
+                    help="skip the row moves (the stack's table alone)")
     ap.add_argument("--dump-after", type=float, default=0,
                     help="seconds: then print every thread's stack and exit (a hang shows where it is)")
     args = ap.parse_args()
@@ -429,68 +492,27 @@ def main() -> None:
     if not t and not args.moves_only:  # --graph-order "": the eager candidates alone
         measure({})
 
-    # the row moves alone: Q rows each way (dispatch, combine) vs the rows the sync transport sends (a token
-    # once per rank it needs, this run's first layer's routing) in one even exchange each way
+    head = [f"device: {n}x {torch.cuda.get_device_name()}, torch {torch.__version__}, EP={n}, D={D} F={F} E={E} K={K}, "
+            f"T/rank={T}, {L} layers{'' if RESIDUAL[0] else ' (no residual)'}, bf16; sync-free == sync bitwise: {same}"]
     S, _ = capacity_rows(T, K, E // n, n, None)
-    rows_free = torch.randn(n * S, D, device=device, dtype=dtype)
-    out_free = torch.empty_like(rows_free)
-    first = stacks["sync eager"][0]
-    ids_TK = first.router(x.detach(), first.expert_bias, first.router.gate.weight).ids_TK
-    sent = int(destinations(ids_TK, E // n, n).sum()) // n * n
-    rows_even = torch.randn(sent, D, device=device, dtype=dtype)
-    out_even = torch.empty_like(rows_even)
-    # e4m3 + an fp32 scale, padded to 16 bytes: D + 16 bytes a row (rows of D + 4 bytes, 4-byte aligned, took
-    # NCCL 0.553 ms against 0.584 for bf16's 2D: RESULTS, issue 42, twelfth session)
-    rows_fp8 = torch.randn(sent, D // 2 + 8, device=device, dtype=dtype)
-    out_fp8 = torch.empty_like(rows_fp8)
-    moves = {
-        f"padded all-to-all dispatch + combine (2 x Q = 2 x {n * S} rows)": lambda: [dist.all_to_all_single(out_free, rows_free) for _ in range(2)],
-        f"even all_to_all_single of the rows sent ({sent}) x 2": lambda: [dist.all_to_all_single(out_even, rows_even) for _ in range(2)],
-        "the same x 1": lambda: dist.all_to_all_single(out_even, rows_even),
-        "the same x 1, e4m3 rows + fp32 scale (D + 16 bytes a row)": lambda: dist.all_to_all_single(out_fp8, rows_fp8),
-    }
-    crossing = 0
-    if isinstance(first_free := stacks["sync-free eager"][0].transport, SymmetricTransport):
-        peer_moves, crossing = symmetric_moves(first_free, x.detach(), ids_TK, T, n, D)
-        moves.update(peer_moves)
-        gemm = peer_moves[GEMM_ALONE]
-
-        def a2a_beside() -> None:  # NCCL's own stream: launched, the GEMM, waited for (the all-to-all transports'
-            works = [dist.all_to_all_single(out_even, rows_even, async_op=True) for _ in range(2)]  # overlap)
-            gemm()
-            for w in works:
-                w.wait()
-        moves["GEMM + the even all_to_all_single x 2, launched before it"] = a2a_beside
-    moves = timed(moves, args.iters, args.reps)
-    progress("row moves timed")
-
-    lines = [f"device: {n}x {torch.cuda.get_device_name()}, torch {torch.__version__}, EP={n}, D={D} F={F} E={E} K={K}, "
-             f"T/rank={T}, {L} layers{'' if RESIDUAL[0] else ' (no residual)'}, bf16; sync-free == sync bitwise: {same}",
-             "", "| candidate | stack fwd+bwd ms | vs sync eager (same rotation) |", "|---|---|---|"]
-    lines += [f"| {name} | {ms:.3f} | {ratio[name]:.2f}x |" for name, ms in t.items()]
-    lines += ["", "| stack (eager step) | peak step GiB above the inputs |", "|---|---|"]
-    lines += [f"| {name} | {gib:.2f} |" for name, gib in mem.items()]
-    lines += ["", f"capacity overflow after the timing: {overflowed or 'none'}; lossless slot S = {S} rows "
-                  f"(Q = {n * S} rows per buffer vs {T * K} routed rows per rank); the smallest capacity_factor "
-                  f"that drops nothing, per layer: {', '.join(f'{f:.3f}' for f in factors)}", "",
-              "| row moves | ms |", "|---|---|"]
-    lines += [f"| {name} | {ms:.3f} |" for name, ms in moves.items()]
-    lines += ["", f"transports: {transports}",
-              "graphs (" + ("all alive, timed together" if args.graphs_together else "one alive at a time") + "): "
-              + "; ".join(f"{k}: pool {pools[k]:.2f} GiB reserved at capture, {checks[k]}" for k in pools)]
-    if crossing:
-        from spmdmoe.moe.transports import symmetric
-
-        GB = crossing * D * 2 / 1e9
-        staging = sum(st.buf.numel() for st in symmetric._staging.values()) / 2**30
-        lines += [f"rank 0's rows that its peer reads: {crossing} ({GB * 1e3:.0f} MB a direction); the dispatch op "
-                  f"{GB / moves[next(k for k in moves if k.startswith('symmetric dispatch'))] * 1e3:.0f} GB/s of "
-                  f"them eagerly, {GB / moves['symmetric dispatch op, graphed'] * 1e3:.0f} GB/s graphed; the "
-                  f"peer-copy ceiling "
-                  f"{2 * GB / moves[next(k for k in moves if k.startswith('peer-copy'))] * 1e3:.0f} GB/s",
-                  f"the symmetric staging buffer (held for the job, not in the peak column): {staging:.2f} GiB"]
-    if rank == 0:
-        report("\n".join(lines), args.out)
+    if not args.moves_only:  # the stack's table first: a row move that fails below cannot take it along
+        lines = head + ["", "| candidate | stack fwd+bwd ms | vs sync eager (same rotation) |", "|---|---|---|"]
+        lines += [f"| {name} | {ms:.3f} | {ratio[name]:.2f}x |" for name, ms in t.items()]
+        lines += ["", "| stack (eager step) | peak step GiB above the inputs |", "|---|---|"]
+        lines += [f"| {name} | {gib:.2f} |" for name, gib in mem.items()]
+        lines += ["", f"capacity overflow after the timing: {overflowed or 'none'}; lossless slot S = {S} rows "
+                      f"(Q = {n * S} rows per buffer vs {T * K} routed rows per rank); the smallest capacity_factor "
+                      f"that drops nothing, per layer: {', '.join(f'{f:.3f}' for f in factors)}", "",
+                  f"transports: {transports}",
+                  "graphs (" + ("all alive, timed together" if args.graphs_together else "one alive at a time") + "): "
+                  + "; ".join(f"{k}: pool {pools[k]:.2f} GiB reserved at capture, {checks[k]}" for k in pools)]
+        if rank == 0:
+            report("\n".join(lines), args.out)
+    if not args.no_moves:
+        moves, lines = row_moves(stacks, x, T, n, D, E, S, device, dtype, args.iters, args.reps)
+        progress("row moves timed")
+        if rank == 0:
+            report("\n".join(head + lines), args.out)
     if args.host_profile:
         text = host_profile({k: v for k, v in steps.items() if "eager" in k}, x, n, D, dtype, device)
         if rank == 0:
