@@ -35,8 +35,8 @@ alive at once and replayed by turns, the lossless one ran 1.2-1.9x slower than e
 as this benchmark did before.
 
 Also: per layer, the smallest capacity factor that would have dropped nothing on this routing
-(:func:`needed_factors`), peak memory of one step per candidate, and the row moves alone, the first layer's routing, every rank
-moving at once: the symmetric transport's dispatch and combine reads (``peer_dispatch`` + ``peer_pull_sum``, with
+(:func:`needed_factors`), peak memory of one step per candidate, and the row moves alone, the first layer's
+routing, every rank moving at once: the symmetric transport's dispatch and combine reads (``peer_dispatch`` + ``peer_pull_sum``, with
 their barriers; called eagerly, where at 4k tokens the host's launches set the pace, and replayed from a CUDA graph
 each, their device time) against an even NCCL ``all_to_all_single`` of the same rows each way (a token once per rank it
 needs), against the peer-copy ceiling (a copy-engine ``copy_`` of the same off-rank bytes from the peer's
