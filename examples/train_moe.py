@@ -248,12 +248,13 @@ def main() -> int:
         local, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         visible = torch.cuda.device_count()  # 0 without a GPU or with a CPU build of torch
         if visible < per_node:  # every rank of this node stops here, before any process group: none is left waiting
-            if local == 0:
-                found = "no CUDA GPU is visible" if visible == 0 else f"only {visible} CUDA GPU(s) are visible"
-                build = "" if torch.backends.cuda.is_built() else f" (torch {torch.__version__} is a CPU build)"
-                fix = "" if visible == 0 else f", or launch at most {visible} processes per node"
-                print(f"error: --device cuda needs one CUDA GPU per process ({per_node} on this node), but {found}"
-                      f"{build}; leave --device out to train on CPU (gloo){fix}", file=sys.stderr)
+            if local != 0:  # (leave quietly: a rank failing first gets the others SIGTERMed by torchrun, and the
+                return 0    # message below was cut that way once; the job still fails, by local rank 0's exit)
+            found = "no CUDA GPU is visible" if visible == 0 else f"only {visible} CUDA GPU(s) are visible"
+            build = "" if torch.backends.cuda.is_built() else f" (torch {torch.__version__} is a CPU build)"
+            fix = "" if visible == 0 else f", or launch at most {visible} processes per node"
+            print(f"error: --device cuda needs one CUDA GPU per process ({per_node} on this node), but {found}"
+                  f"{build}; leave --device out to train on CPU (gloo){fix}", file=sys.stderr)
             return 2
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
