@@ -16,20 +16,45 @@ mode        how the row travels                             used by
 (a) ride    as extra columns of a collective that runs      the EP count exchange (``exchange_with_codes``:
             anyway and is read on the host anyway: no       input problems and non-finite router logits
             extra collective, no extra sync                 of an MoE layer), ``exchange_counts``
-(b) agree   :func:`agree`: one all-gather of the rows and   ``from_local``, ``product_axis``,
-            one host read: once per layer for what does     ``parallelize_moe`` (config, plan, weights),
-            not change from step to step (a plan, a state   ``load_state_dict`` of parallel layers,
-            dict; each forward compares its input with the  ``exchange_counts``' width, host count lists,
-            agreed layer, locally, free), or per call where ``spmdmoe.testing`` (``check_layout`` ...)
-            the call syncs anyway
+(b) agree   :func:`agree`: one check exchange of the    ``from_local``, ``product_axis``,
+            rows and one host read: once per layer for what ``parallelize_moe`` (config, plan, weights),
+            does not change from step to step (a plan, a    ``load_state_dict`` of parallel layers,
+            state dict; each forward compares its input     ``exchange_counts``' width, host count lists,
+            with the agreed layer, locally, free), or per   ``spmdmoe.testing`` (``check_layout`` ...)
+            call where the call syncs anyway
 (c) sticky  ``sticky.ProblemFlag`` (one per MoE layer)  MoE layers without an exchange that spans
             records this rank's bits on the device (no      them (single device, SP modes, EP with dp):
             sync); the flag rides the layer's bias-update   input problems, non-finite logits
             count all-reduce, or ``sticky.check_errors``
-            exchanges every flag (one all-reduce of
-            ``world_size`` int64 and one host read); both
-            raise on every rank
+            exchanges every flag (one check exchange and
+            one host read); both raise on every rank
 ==========  ==============================================  ==========================================
+
+Ranks in different exchanges. Modes (a) and (b) and ``check_errors`` share one collective, the *check
+exchange* (:func:`check_payload`, :func:`check_exchange`): one ``all_to_all_single`` of ``CHECK_WORDS`` int64 per
+peer, ``[tag, bits, payload..., zeros]``, the tag naming the exchange (:data:`OPS`). Two of them of the same
+width meet as the same collective, so when one rank is in one check and its peers in another (rank 2 wraps its
+rows locally as a ``Replicate`` tensor and goes into the layer's count exchange while its peers are in
+``from_local``'s), every rank reads the others' tags and bits and raises the same error (:func:`mixed_ops_error`:
+a problem's type when any rank has one, else :class:`SPMDCollectiveError`), at no extra collective. What this
+covers and what it cannot:
+
+======================================================  ==============================================================
+covered (every rank raises)                             not covered (the ranks wait until the process-group timeout)
+======================================================  ==============================================================
+any two of: ``from_local``, ``parallelize_moe``,         a rank that skips a data collective (a gather, a
+``load_state_dict``, ``init_mesh`` and ``product_axis``, scatter, the rows' all-to-all) or meets one with a check;
+``exchange_counts``, ``all_to_all``'s host-count check,  the EP count exchange of a layer with more than
+``sync_grads``' agreement, ``spmdmoe.testing``'s checks, ``CHECK_WORDS - 3`` = 125 local experts (its width is a
+``check_errors``, and the sync EP layer's count exchange  multiple of ``CHECK_WORDS``) against a narrower check;
+(eager)                                                 the SP token exchange (``token_exchange.py``: an all-gather
+                                                        that good ranks do not read), sync-free transports (no
+                                                        host read) and a compiled graph (its count exchange's tags
+                                                        are not read); the bias update's count all-reduce
+======================================================  ==============================================================
+
+In the collective-checking mode each agreement also posts its record through the store first
+(``spmdmoe.collective_check``), so a rank in another check or collective there meets it by name.
 
 One forward of an MoE layer: every way its :class:`Problem` reaches the other ranks, and when each applies
 (the problem is one object from where it is found, the layer's admission (``moe/parallel/admission.py``) and
@@ -74,14 +99,17 @@ layer, ``parallelize_moe``, ``load_state_dict`` and the sticky flags.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from ._dist import all_gather_single
+from ._dist import all_to_all_single
+from .collective_check import check_collective
 from .host import to_host
+from .types.checks import checks_mode
 from .types.errors import (
     MoEConfigError,
     SPMDDeviceError,
@@ -236,11 +264,83 @@ def _int64(v: int) -> int:
     return v if -(2**63) <= v < 2**63 else -(2**63)
 
 
-def exchange_rows(axis: Optional[MeshAxis], row: Union[Sequence[int], torch.Tensor]) -> list[list[int]]:
-    """Every rank's ``row`` (same length everywhere), in rank order: one all-gather, one host read.
+# The check exchange: the one collective shape of every exchange above that is read on the host (modes (a) and
+# (b), and ``check_errors``), so that any two of them meet as the same collective and can read each other.
+CHECK_WORDS = 128  # int64 columns a rank sends each peer (a payload past 126 words takes a multiple of it)
+_TAG = 0x5350_4D44 << 24  # "SPMD": a tag is _TAG + the op's index in OPS (counts or zeros never read as a tag)
+# Every check exchange, by the name its errors use; a new one is added here.
+OPS: tuple[str, ...] = (
+    "from_local", "parallelize_moe", "load_state_dict", "init_mesh", "exchange_counts", "all_to_all",
+    "sync_grads", "spmdmoe.testing check", "expert layout", "mesh grid", "MoE dispatch", "check_errors",
+)
 
-    ``axis`` ``None`` means the world. Without an initialised process group the
-    table is this rank's row alone.
+
+def check_width(words: int) -> int:
+    """The columns a check exchange sends each peer for a payload of ``words`` int64 (two header words more)."""
+    return CHECK_WORDS * max(1, -(-(words + 2) // CHECK_WORDS))
+
+
+def check_payload(op: str, bits: Union[int, torch.Tensor], payload_nW: torch.Tensor) -> torch.Tensor:
+    """What this rank sends each peer in ``op``'s check exchange: an ``(n, check_width(W))`` int64 table whose
+    row ``r`` goes to rank ``r``: ``[tag of op, bits, payload_nW[r], zeros]`` (device ops only, no host read).
+    ``bits``: this rank's problem bits (a host int or a device int64 scalar), the same in every row."""
+    n, width = payload_nW.shape
+    send = torch.zeros((n, check_width(width)), dtype=torch.int64, device=payload_nW.device)
+    send[:, 0] = _tag(op)
+    send[:, 1] = bits
+    send[:, 2:2 + width] = payload_nW
+    return send
+
+
+def check_exchange(axis: MeshAxis, send: torch.Tensor) -> torch.Tensor:
+    """One ``all_to_all_single`` of a :func:`check_payload` table: row ``r`` of the result is what rank ``r``
+    sent here. Two check exchanges of the same width meet as the same collective, whatever their ops."""
+    received = torch.empty_like(send)
+    all_to_all_single(received, send, group=axis.group)
+    return received
+
+
+def _tag(op: str) -> int:
+    """``op``'s tag: its index in :data:`OPS`, or for another name (a caller's own agreement) its CRC-32."""
+    return _TAG + (OPS.index(op) if op in OPS else 1 << 16 | zlib.crc32(op.encode()) & 0xFFFF)
+
+
+def _op_name(tag: int) -> str:
+    if 0 <= tag - _TAG < len(OPS):
+        return OPS[tag - _TAG]
+    return "another agreement" if 0 <= tag - _TAG < 1 << 17 else "an exchange that is not one of spmdmoe's checks"
+
+
+def mixed_ops_error(op: str, heads: Sequence[Sequence[int]], details: Sequence[str] = (),
+                    ranks: Optional[Sequence[int]] = None) -> Optional[Exception]:
+    """The error every rank raises when the ``[tag, bits]`` heads it received name more than one op (``None``
+    when every rank is in the same one): ranks out of step (one in ``from_local``, its peers in a layer's count
+    exchange, say). Any rank's problem bits decide the type (the problem is why they went apart: a rank that
+    skipped an exchange its input made wrong); otherwise :class:`SPMDCollectiveError`."""
+    tags = [int(h[0]) for h in heads]
+    if len(set(tags)) == 1:
+        return None
+    ranks = list(range(len(heads))) if ranks is None else list(ranks)
+    where: dict[str, list[int]] = {}
+    for r, t in zip(ranks, tags):
+        where.setdefault(_op_name(t), []).append(r)
+    apart = "; ".join(f"rank(s) {rs} in {name}" for name, rs in where.items())
+    why = (f"ranks are in different spmdmoe exchanges ({apart}): every rank must make the same spmdmoe calls in "
+           f"the same order (a tensor built locally on some ranks where the others call from_local, a call made "
+           f"under a rank-dependent condition)")
+    problem = problems_error(op, [int(h[1]) & ~GRAD_OFF for h in heads], details, ranks)
+    if problem is not None:
+        return type(problem)(f"{problem}\n  {why}")
+    return SPMDCollectiveError(f"{op}: {why}")
+
+
+def exchange_rows(axis: Optional[MeshAxis], row: Union[Sequence[int], torch.Tensor], op: str,
+                  bits: Union[int, torch.Tensor] = 0) -> list[list[int]]:
+    """Every rank's ``row`` (same length everywhere), in rank order: one check exchange, one host read.
+
+    ``axis`` ``None`` means the world; ``op``: the exchange's name in :data:`OPS`; ``bits``: this rank's problem
+    bits, which decide the error when ranks turn out to be in different exchanges (:func:`mixed_ops_error`,
+    raised on every rank). Without an initialised process group the table is this rank's row alone.
     """
     if not dist.is_initialized():
         return [[int(v) for v in (row.tolist() if isinstance(row, torch.Tensor) else row)]]
@@ -248,9 +348,12 @@ def exchange_rows(axis: Optional[MeshAxis], row: Union[Sequence[int], torch.Tens
     device = axis.metadata_device()
     mine = row.to(device=device, dtype=torch.int64) if isinstance(row, torch.Tensor) else \
         torch.tensor([_int64(int(v)) for v in row], dtype=torch.int64, device=device)
-    table = torch.empty(axis.size * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_single(table, mine, group=axis.group)
-    return to_host(table.view(axis.size, mine.numel()))
+    received = check_exchange(axis, check_payload(op, bits, mine.view(1, -1).expand(axis.size, -1)))
+    table = to_host(received[:, :2 + mine.numel()])
+    error = mixed_ops_error(op, table, ranks=axis.ranks)
+    if error is not None:
+        raise error
+    return [r[2:] for r in table]
 
 
 def global_rank() -> int:
@@ -324,8 +427,10 @@ def agree(
     rules, which it must derive from the table alone so every rank agrees.
     Ranks are named by their index in ``axis``, or by their global rank.
     """
+    if checks_mode() == "collectives":  # a rank in another check meets this one's record (not a hang)
+        check_collective(op, world_axis() if axis is None else axis, None, None, {"grad_enabled": None})
     row = [found.bits, *(value for _, value in fields), *extra]
-    table = exchange_rows(axis, row)
+    table = exchange_rows(axis, row, op, found.bits)
     error = verdict(op, axis, table, found, [f for f, _ in fields], global_ranks)
     if error is not None:
         raise error

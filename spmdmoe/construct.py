@@ -146,7 +146,7 @@ def from_local(
 ) -> SPMDTensor:
     """Wrap an already-local tensor, verifying the layout across ranks.
 
-    One agreement exchange (``spmdmoe.agreement.agree``: an all-gather of a
+    One agreement exchange (``spmdmoe.agreement.agree``: a check exchange of a
     few int64 per rank and one host transfer of them): every rank evaluates
     the same verdict, so a bad input raises on every rank. Caught: rows that
     break the chunk rule for the declared T (also a split that is plausible on

@@ -19,7 +19,7 @@ dim sharded over several mesh dims) is rejected with ``SPMDLayoutError``.
 ``from_dtensor`` never trusts a DTensor's global shape blindly: DTensor infers
 ``local x world`` when ``from_local`` gets no ``shape=`` (pytorch#110762), and
 accepts non-chunk splits when it does get one (pytorch#144109). The check is
-:func:`spmdmoe.from_local`'s: one all-gather of 8 int64 per rank and one
+:func:`spmdmoe.from_local`'s: one check exchange of 8 int64 per rank and one
 host transfer, and every rank raises together. A DTensor made by
 :func:`to_dtensor` carries its verified layout and skips it.
 """

@@ -59,7 +59,7 @@ def product_axis(*axes: Optional[MeshLike]) -> Optional[MeshAxis]:
     """The axis whose group is the product of ``axes`` (``None`` entries and 1-rank axes skipped).
 
     Returns ``None`` when nothing is left, the axis itself when one is left.
-    Otherwise a collective over the whole world the first time (one all-gather
+    Otherwise a collective over the whole world the first time (one check exchange
     of every rank's group members, then one ``new_group`` per product block,
     created by every rank in the same order); cached per tuple of groups, so
     every rank must make the same sequence of first calls. Raises
@@ -88,7 +88,7 @@ def _build(parts: list[MeshAxis]) -> MeshAxis:
     me, world = dist.get_rank(), dist.get_world_size()
     row = [r for a in parts for r in sorted(dist.get_process_group_ranks(a.group))]
     # every rank's groups, as a table every rank holds the same copy of (the agreement exchange)
-    rows = exchange_rows(None, row)
+    rows = exchange_rows(None, row, "mesh grid")
     parent = list(range(world))
 
     def find(r: int) -> int:
@@ -134,7 +134,7 @@ def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tu
     (without it, a dim over every rank uses the default group and the others
     the default timeout), e.g. to let one part of a job fail fast.
 
-    Every rank first exchanges its ``shape`` and ``mesh_dim_names`` (one all-gather of 10 integers per
+    Every rank first exchanges its ``shape`` and ``mesh_dim_names`` (one check exchange of 10 integers per
     rank): a rank that passes other ones makes every rank raise the same :class:`SPMDMeshError`, naming
     the values per rank, instead of leaving its peers waiting in ``new_group``.
 
@@ -173,7 +173,7 @@ _MAX_DIMS = 8
 
 def _agree_on_mesh(shape: "tuple[int, ...]", names: "tuple[str, ...]") -> None:
     """Raise the same :class:`SPMDMeshError` on every rank when ranks pass different meshes to :func:`init_mesh`
-    (one all-gather over the world: dims, each size, a checksum of the names)."""
+    (one check exchange over the world: dims, each size, a checksum of the names)."""
     fix = "every rank must call init_mesh with the same shape and mesh_dim_names, in the same order"
     sizes = [int(s) for s in shape[:_MAX_DIMS]] + [0] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
     fields = [(Field("number of mesh dims", SPMDMeshError, fix=fix), len(shape))]

@@ -8,7 +8,7 @@ single-device layer, SP modes, EP beside a ``dp_mesh``) records this rank's
 bits on the device, in the layer's :class:`ProblemFlag`: no sync, no
 collective. They are raised on every rank at once by the next exchange of
 flags: a layer's ``update_expert_bias`` (its count all-reduce carries them) or
-:func:`check_errors` (one all-reduce of ``world_size`` int64 and one host read).
+:func:`check_errors` (one check exchange of every rank's bits and one host read).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ._dist import all_reduce
-from .agreement import problems_error, world_axis
-from .host import to_host
+from .agreement import exchange_rows, problems_error, world_axis
 from .types.mesh import MeshLike, mesh_axis
 
 __all__ = ["ProblemFlag", "check_errors", "clear_all"]
@@ -102,8 +100,9 @@ class ProblemFlag:
 _flags: "weakref.WeakSet[ProblemFlag]" = weakref.WeakSet()
 
 
-def _raise_and_clear(op: str, slots: Sequence[int], flags: Sequence[ProblemFlag]) -> None:
-    error = problems_error(op, slots, [d for flag in flags for d in flag.details])
+def _raise_and_clear(op: str, slots: Sequence[int], flags: Sequence[ProblemFlag],
+                     ranks: Optional[Sequence[int]] = None) -> None:
+    error = problems_error(op, slots, [d for flag in flags for d in flag.details], ranks)
     if error is not None:
         for flag in flags:
             flag.clear()
@@ -113,9 +112,10 @@ def _raise_and_clear(op: str, slots: Sequence[int], flags: Sequence[ProblemFlag]
 def check_errors(mesh: Optional[MeshLike] = None) -> None:
     """Raise, on every rank at once, the problems any rank recorded since the last check.
 
-    A collective over ``mesh`` (default: the world): one all-reduce of
-    ``world_size`` int64 (every flag of this process OR-ed into this rank's
-    slot) and one host read (a sync). Call it where a step should fail if any
+    A collective over ``mesh`` (default: the world): one check exchange
+    (``spmdmoe.agreement.check_exchange``) of every flag of this process OR-ed
+    into one int64, and one host read (a sync); a peer in another spmdmoe
+    check exchange meets it there and every rank raises. Call it where a step should fail if any
     rank saw a problem its peers could not see, e.g. once per step before
     ``optimizer.step()`` (each MoE layer's ``update_expert_bias`` does the
     same for its own problems over its own axes), and at the end of an
@@ -132,13 +132,11 @@ def check_errors(mesh: Optional[MeshLike] = None) -> None:
     else:
         axis, device = None, torch.device("cpu")
     flags = list(_flags)
-    world, _ = _world()
-    slots = torch.zeros(world, dtype=torch.int64, device=device)
+    mine = torch.zeros(1, dtype=torch.int64, device=device)
     for flag in flags:
-        slots.bitwise_or_(flag.slots(device))
-    if axis is not None:
-        all_reduce(slots, group=axis.group)
-    _raise_and_clear("check_errors", to_host(slots), flags)
+        flag.bits_into(mine)
+    bits = [row[0] for row in exchange_rows(axis, mine, "check_errors", mine[0])]
+    _raise_and_clear("check_errors", bits, flags, None if axis is None else axis.ranks)
 
 
 def clear_all() -> None:

@@ -68,7 +68,7 @@ def reference_tensor(
 
 def all_ranks_agree(ok: bool, mesh: Optional[MeshLike] = None) -> list[int]:
     """The ranks (in the axis; default: the world) where ``ok`` is false; the same list on every rank."""
-    table = exchange_rows(None if mesh is None else mesh_axis(mesh), [0 if ok else 1])
+    table = exchange_rows(None if mesh is None else mesh_axis(mesh), [0 if ok else 1], "spmdmoe.testing check")
     return [r for r, (bad,) in enumerate(table) if bad]
 
 
@@ -80,7 +80,7 @@ def check_layout(x: SPMDTensor) -> None:
     metadata; they cannot see a ``global_tokens``, dtype, feature shape or
     placement that differs on another rank (the next collective would then
     abort or hang). This runs :func:`spmdmoe.from_local`'s collective check on
-    ``x`` as it is, also with checks switched off: one all-gather of a few
+    ``x`` as it is, also with checks switched off: one check exchange of a few
     int64 and one host read. Meant for tests and debugging.
 
     >>> import torch, spmdmoe

@@ -116,7 +116,8 @@ def test_documented_row_widths(pg, monkeypatch):
 
     widths = []
     real = agreement.exchange_rows
-    monkeypatch.setattr(agreement, "exchange_rows", lambda axis, row: (widths.append(len(row)), real(axis, row))[1])
+    monkeypatch.setattr(agreement, "exchange_rows", lambda axis, row, op, bits=0: (widths.append(len(row)),
+                                                                                   real(axis, row, op, bits))[1])
     spmdmoe.from_local(torch.zeros(3, 2), pg)
     parallelize_moe(MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2)), ep_mesh=pg)
     assert widths == [8, 19]

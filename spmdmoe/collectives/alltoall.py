@@ -18,7 +18,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_to_all_single
-from ..agreement import BIT, Field, Problem, agree, raise_problems
+from ..agreement import BIT, Field, Problem, agree, check_exchange, check_payload, mixed_ops_error, raise_problems
 from ..autograd import GRAD_LEAF, always_recorded, collective_op, written
 from ..host import to_host
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
@@ -169,49 +169,65 @@ class _Once:
         return wait()
 
 
-def _counts_with_codes(counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
+def _counts_with_codes(counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis, op: str
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(payload, received)``: the ``(n, W)`` counts with this rank's problem bits as column ``W``, and what
-    every rank sent here (one ``all_to_all_single``; nothing read on the host)."""
-    n, width = counts_nW.shape
-    payload = torch.empty((n, width + 1), dtype=torch.int64, device=counts_nW.device)
-    payload[:, :width] = counts_nW
-    payload[:, width] = code
-    received = torch.empty_like(payload)
-    all_to_all_single(received, payload, group=axis.group)
-    return payload, received
+    """``(payload, received)``: ``op``'s check exchange (``spmdmoe.agreement.check_payload``) of the ``(n, W)``
+    counts with this rank's problem bits: row ``r`` of ``payload`` is ``[tag, bits, counts_nW[r], zeros]``, and
+    of ``received`` what rank ``r`` sent here (one ``all_to_all_single``; nothing read on the host)."""
+    payload = check_payload(op, code, counts_nW)
+    return payload, check_exchange(axis, payload)
+
+
+def _heads_ok(op: str, heads: list[list[int]], details: Sequence[str], axis: MeshAxis) -> None:
+    """Raise on every rank when the received ``[tag, bits]`` heads name another exchange than ``op`` (ranks out
+    of step: :func:`spmdmoe.agreement.mixed_ops_error`)."""
+    error = mixed_ops_error(op, heads, details, axis.ranks)
+    if error is not None:
+        raise error
 
 
 def exchange_with_codes(
-    counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
+    counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis, op: str = "exchange_counts"
 ) -> tuple[list[int], list[int], list[int], torch.Tensor]:
-    """Agreement mode (a): one ``all_to_all_single`` of ``(n, W)`` counts plus a problem-bits column, one host read.
+    """Agreement mode (a): one check exchange of ``(n, W)`` counts plus the problem bits, one host read.
 
     ``W`` must be the same on every rank (a fact the caller has agreed). Returns
     this rank's flat send counts, the flat received counts (``W`` per source,
     source-major) and every rank's problem bits (the same list on every rank),
     so callers raise together without another collective; and the received
     counts still on the device, ``(n, W)`` (for device-side index building).
+    A rank in another check exchange of the same width raises on every rank.
     """
     width = counts_nW.shape[1]
-    payload, received = _counts_with_codes(counts_nW, code, axis)
-    mine, theirs = to_host(torch.stack([payload, received]))
-    codes = [row[width] for row in theirs]
-    return [c for r in mine for c in r[:width]], [c for r in theirs for c in r[:width]], codes, received[:, :width]
+    payload, received = _counts_with_codes(counts_nW, code, axis, op)
+    mine, theirs = to_host(torch.stack([payload[:, :2 + width], received[:, :2 + width]]))
+    _heads_ok(op, theirs, [], axis)
+    codes = [row[1] for row in theirs]
+    return ([c for r in mine for c in r[2:]], [c for r in theirs for c in r[2:]], codes,
+            received[:, 2:2 + width])
 
 
 def exchange_split_sizes(
-    copies_ne: torch.Tensor, rows_n: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis
+    copies_ne: torch.Tensor, rows_n: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis,
+    details: Sequence[str] = (),
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """The EP dispatch's count exchange: :func:`exchange_with_codes` of ``(n, e + 1)`` counts per destination
     rank (the copies for each of its ``e`` local experts, then the rows sent to it: ``moe/transports/dedup.py`` sends a
     token once per rank), with the sums the dispatch needs taken on the device first, so the one host read
-    carries ``3n + e`` ints and no host loop grows with ``n * e``. Returns the rows to send to and receive
-    from each rank, the copies received per local expert, and every rank's problem bits."""
+    carries ``4n + e`` ints and no host loop grows with ``n * e``. Returns the rows to send to and receive
+    from each rank, the copies received per local expert, and every rank's problem bits. Eager, a rank in
+    another check exchange (``from_local`` on its peers, say) raises on every rank, with ``details`` (this
+    rank's problem) in the message; traced, the tags are not read (no data-dependent raise in a graph)."""
     n, e = copies_ne.shape
-    payload, received = _counts_with_codes(torch.cat([copies_ne, rows_n.view(n, 1)], dim=1), code, axis)
-    host = to_host(torch.cat([payload[:, e], received[:, e], received[:, :e].sum(0), received[:, e + 1]]))
-    return host[:n], host[n:2 * n], host[2 * n:2 * n + e], host[2 * n + e:]
+    payload, received = _counts_with_codes(torch.cat([copies_ne, rows_n.view(n, 1)], dim=1), code, axis,
+                                           "MoE dispatch")
+    traced = torch.compiler.is_compiling()
+    host = to_host(torch.cat([payload[:, 2 + e], received[:, 2 + e], received[:, 2:2 + e].sum(0), received[:, 1],
+                              *(() if traced else (received[:, 0],))]))
+    codes = host[2 * n + e:3 * n + e]
+    if not traced:
+        _heads_ok("MoE dispatch", [list(h) for h in zip(host[3 * n + e:], codes)], details, axis)
+    return host[:n], host[n:2 * n], host[2 * n:2 * n + e], codes
 
 
 def _exchange(send_counts: torch.Tensor, axis: MeshAxis, rows: Optional[int], width: int, op: str,
@@ -325,9 +341,9 @@ def _ints(counts: Sequence[Any]) -> list[Any]:
 
 
 def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAxis) -> None:
-    """Collective verdict on caller-given host counts: one ``all_to_all_single`` of the send counts (each rank
-    learns what every peer sends to it: ``n`` ints per rank), then the problem bits' all-gather (agreement
-    mode (b)) and one host read. A ``recv_counts`` that contradicts what the peers send is a problem of the
+    """Collective verdict on caller-given host counts: one check exchange of the send counts (each rank
+    learns what every peer sends to it: ``n`` ints per rank) and its host read, then the problem bits'
+    agreement (mode (b)). A ``recv_counts`` that contradicts what the peers send is a problem of the
     receiving rank, so every rank raises instead of the one gloo error and the others' hang."""
     n = axis.size
     problem = (
@@ -337,9 +353,8 @@ def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAx
     )
     # a rank with a problem of its own sends -1 (unknown): its peers do not blame their receive counts for it
     mine = torch.tensor([-1] * n if problem else send, dtype=torch.int64, device=axis.metadata_device())
-    _, theirs = _counts_with_codes(mine[:, None], 0, axis)  # theirs[src, 0]: send_counts of src for this rank
+    sent = exchange_with_codes(mine[:, None], 0, axis, "all_to_all")[1]  # sent[src]: src's count for this rank
     if problem is None:
-        sent = to_host(theirs[:, 0])
         wrong = [src for src in range(n) if sent[src] >= 0 and sent[src] != recv[src]]
         if wrong:
             problem = (f"recv_counts {recv} expect {[recv[s] for s in wrong]} rows from rank(s) {wrong}, which send "

@@ -23,7 +23,7 @@ mode only)                          process group's store per call, and a host
                                     ``benchmarks/RESULTS.md``)
 ==================================  =============================================  =====================
 
-``from_local`` always exchanges (one all-gather of 8 int64 per rank and one
+``from_local`` always exchanges (one check exchange of 8 int64 per rank and one
 device-to-host copy of them, a sync on CUDA), in every mode. Collectives never
 re-check: they trust the type. (Measured figures are in
 ``benchmarks/RESULTS.md``.)

@@ -130,13 +130,13 @@ def test_padded_empty_buffer(world, device):
 
 
 def test_from_local_exchanges_the_same_with_checks_off(world, device, monkeypatch):
-    """Issue 24: the checking switch never decides whether from_local communicates (one all-gather in every mode),
+    """Issue 24: the checking switch never decides whether from_local communicates (one check exchange in every mode),
     so a rank with checks off and its peers with checks on still meet in the same exchange."""
     import spmdmoe.agreement as agreement
 
     calls = []
-    real = agreement.all_gather_single
-    monkeypatch.setattr(agreement, "all_gather_single", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = agreement.all_to_all_single
+    monkeypatch.setattr(agreement, "all_to_all_single", lambda *a, **k: calls.append(1) or real(*a, **k))
     chunk = spmdmoe.shard(torch.zeros(9, 2, device=device), world).local
     for on in (True, False):
         with spmdmoe.checks(on):

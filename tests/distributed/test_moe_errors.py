@@ -5,7 +5,7 @@ import torch
 
 import spmdmoe
 from moe_plans import reference_moe
-from spmdmoe import MoEConfigError, Replicate, SPMDLayoutError, SPMDRoutingError, SPMDShapeError
+from spmdmoe import MoEConfigError, Replicate, SPMDCollectiveError, SPMDLayoutError, SPMDRoutingError, SPMDShapeError
 from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.testing import assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
@@ -218,5 +218,63 @@ def test_replicate_of_every_row_on_one_rank_of_an_sp_ep_layer(world, device, req
                                        match=rf"rank {last}: input is not in the layer's layout")
         assert type(err) is SPMDLayoutError, f"{type(err).__name__}: {err}"
         step(plan.wrap(full[plan.rows].clone().requires_grad_()))
+    finally:
+        spmdmoe.set_checks(previous)
+
+
+@pytest.mark.parametrize("mode,error", [("on", SPMDLayoutError), ("collectives", SPMDCollectiveError)])
+def test_local_replicate_on_one_rank_while_its_peers_call_from_local(world, device, monkeypatch, mode, error):
+    """Issue 60's first snippet, as a user writes it: an SP x EP layer (SP = EP = world); rank 2 (the last on fewer
+    ranks) wraps all 37 rows as a ``Replicate`` SPMDTensor (a local constructor: no exchange), its peers wrap
+    their rows with ``from_local`` (which exchanges); then the layer, backward, ``check_errors``. Rank 2's first
+    exchange is the layer's count exchange while its peers are in ``from_local``'s: the two check exchanges meet
+    (``spmdmoe.agreement.mixed_ops_error``) and every rank raises the same type: rank 2's layout problem in the
+    default mode; in the collective-checking mode the records (``from_local`` against ``MoE layer``) differ."""
+    monkeypatch.setenv("SPMDMOE_CHECK_TIMEOUT", "10")
+    previous = spmdmoe.set_checks("collectives" if mode == "collectives" else True)
+    try:
+        n, rank, T = world.size(), world.get_local_rank(), 37
+        bad = min(2, n - 1)
+        layer = parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world, ep_mesh=world)
+        X = reference_tensor((T, D), 5, device=device)
+        start = layout.chunk_offset(T, n, rank)
+
+        def step():
+            x = (spmdmoe.SPMDTensor(X, world, Replicate(), global_tokens=T) if rank == bad
+                 else spmdmoe.from_local(X[start:start + layout.local_tokens(T, n, rank)], world, global_tokens=T))
+            y = layer(x)
+            y.local.sum().backward()
+            spmdmoe.check_errors(world)
+
+        err = assert_raises_everywhere(error, step, match=rf"\[{bad}\]|rank {bad}")
+        assert type(err) is error, f"{type(err).__name__}: {err}"
+    finally:
+        spmdmoe.set_checks(previous)
+
+
+@pytest.mark.parametrize("mode", ["on", "collectives"])
+def test_torchtitan_state_dict_missing_a_key_on_one_rank(mesh2d_wide, world, device, monkeypatch, mode):
+    """Issue 60's second snippet: a torchtitan-style state dict (``to_torchtitan``'s names) whose experts are
+    DTensors ``Shard(0)`` over the world, loaded into a layer with EP over one axis of a 2-D mesh; rank 2's dict
+    lacks the first expert weight. Every rank raises ``SPMDLayoutError`` naming rank 2. (The snippet as the
+    issue wrote it deletes ``experts.w1_EFD``, a key ``to_torchtitan(names="new")`` does not write: a
+    ``KeyError`` in the user's own line on rank 2, before any spmdmoe call, which no library can turn into an
+    error on the other ranks.)"""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from spmdmoe.moe.checkpoint import to_torchtitan
+
+    monkeypatch.setenv("SPMDMOE_CHECK_TIMEOUT", "10")
+    previous = spmdmoe.set_checks("collectives" if mode == "collectives" else True)
+    try:
+        bad = 2
+        sd = to_torchtitan(reference_moe(CFG, 1, device).state_dict(), names="new")
+        sd = {k: distribute_tensor(v, world, [Shard(0)]) if k.startswith("routed_experts.") else v
+              for k, v in sd.items()}
+        if world.get_local_rank() == bad:
+            del sd["routed_experts.inner_experts.w1_EFD"]
+        layer = parallelize_moe(reference_moe(CFG, 0, device), ep_mesh=mesh2d_wide["sp"])
+        err = assert_raises_everywhere(SPMDLayoutError, lambda: layer.load_state_dict(sd), match=rf"rank {bad}")
+        assert type(err) is SPMDLayoutError, f"{type(err).__name__}: {err}"
     finally:
         spmdmoe.set_checks(previous)

@@ -111,7 +111,7 @@ _GRIDS: "weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, DeviceMes
 def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:
     """The 2-D ``(ep, sp)`` mesh of this rank's block: row ``e`` is the SP group of the EP peer of EP rank ``e``.
 
-    A collective over ``ep`` only (one all-gather of each EP peer's SP group), made once per pair of groups:
+    A collective over ``ep`` only (one check exchange of each EP peer's SP group), made once per pair of groups:
     every EP peer calls it with the same groups in the same order (``parallelize_moe`` does, after its
     agreement over ``agree_over``), so a pipeline stage's layers never wait on another stage's, and a
     model's second layer on the same axes reuses the first one's mesh without a collective.
@@ -120,7 +120,7 @@ def grid_mesh(ep: MeshAxis, sp: MeshAxis) -> DeviceMesh:
     if cached is not None:
         return cached
     sp_ranks = sorted(dist.get_process_group_ranks(sp.group), key=lambda r: dist.get_group_rank(sp.group, r))
-    grid = torch.tensor(exchange_rows(ep, sp_ranks), dtype=torch.int64)  # (ep.size, sp.size)
+    grid = torch.tensor(exchange_rows(ep, sp_ranks, "expert layout"), dtype=torch.int64)  # (ep.size, sp.size)
     mesh = DeviceMesh.from_group([ep.group, sp.group], ep.device_type, mesh=grid, mesh_dim_names=("ep", "sp"))
     _GRIDS.setdefault(ep.group, weakref.WeakKeyDictionary())[sp.group] = mesh
     return mesh
@@ -330,7 +330,7 @@ def _agree_on_entries(module: Checkpointed, state_dict: dict[str, Any], prefix: 
         agree("load_state_dict", agree_over, found, kinds, global_ranks=True)
         return
     wider = bool(reach - set(agree_over.ranks))
-    table = exchange_rows(agree_over, [found.bits, *(v for _, v in kinds), int(wider)])
+    table = exchange_rows(agree_over, [found.bits, *(v for _, v in kinds), int(wider)], "load_state_dict", found.bits)
     if any(row[-1] for row in table):  # some rank's gathers reach past the group: every rank of theirs agrees
         agree("load_state_dict", None, found, kinds, global_ranks=True)
         return

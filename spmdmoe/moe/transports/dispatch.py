@@ -222,7 +222,7 @@ class AllToAllTransport(Dispatching):
         dev = self.axis.metadata_device()
         marker = 0 if torch.is_grad_enabled() else GRAD_OFF  # grad mode rides too: a mix would hang backward
         send, recv, sizes, codes = exchange_split_sizes(counts.to(dev), need_Tn.sum(0).to(dev),
-                                                        problem.bits | marker, self.axis)
+                                                        problem.bits | marker, self.axis, problem.details)
         if torch.compiler.is_compiling():
             problem.record(problem.bits, x_TD.device)  # no data-dependent raise in a graph: the step boundary raises
             for c in send + recv + sizes:  # facts about the traced counts that the tracer cannot see
