@@ -232,12 +232,16 @@ def test_checkpointed_fp8_layer_matches_plain():
 def test_compiled_fp8_layer_matches_eager():
     """``fullgraph=True`` on the FP8 layer (the weight cache refreshed in the graph), over changing T, one graph:
     outputs and every gradient as eager (CPU: the emulation; an sm90 GPU: the FP8 GEMMs, where an
-    ``autograd.Function`` form once compiled to zero gradients)."""
+    ``autograd.Function`` form once compiled to zero gradients). Under ``aot_eager`` (the default) bit for bit:
+    the graph runs the same ops as eager (CPU, and an H200 with torch 2.11). Under inductor
+    (``FP8_TEST_BACKEND=inductor``, the GPU runs) the output and the expert weight gradients too (the experts
+    are opaque ops; H200, torch 2.11), the input gradient >= 50 dB (56.8-59.4 dB there): it also flows through
+    the router's backward, which inductor fuses and sums in another order."""
     torch._dynamo.reset()
     _, fp8 = _layers()
     compiled_layer = copy.deepcopy(fp8)
-    run = torch.compile(compiled_layer, backend=os.environ.get("FP8_TEST_BACKEND", "aot_eager"), fullgraph=True,
-                        dynamic=True)
+    backend = os.environ.get("FP8_TEST_BACKEND", "aot_eager")
+    run = torch.compile(compiled_layer, backend=backend, fullgraph=True, dynamic=True)
     for T in (13, 29, 6):
         gen = torch.Generator().manual_seed(T)
         x, g = (torch.randn(T, D, generator=gen).to(DEVICE) for _ in range(2))
@@ -249,8 +253,10 @@ def test_compiled_fp8_layer_matches_eager():
         got = [y.detach(), xi.grad] + [w.grad for w in (compiled_layer.experts.w1, compiled_layer.experts.w2,
                                                         compiled_layer.experts.w3)]
         for k, (a, b) in enumerate(zip(got, want)):
-            # the experts run the same code (opaque ops); the router and combine around them may fuse differently
-            assert sqnr(a, b) >= 40, (T, k, sqnr(a, b))
+            if backend == "aot_eager" or k != 1:  # k = 1: the input gradient
+                assert torch.equal(a, b), (T, k, sqnr(a, b))
+            else:
+                assert sqnr(a, b) >= 50, (T, k, sqnr(a, b))
     assert len(_debug_get_cache_entry_list(type(compiled_layer).forward.__code__)) == 1, "one graph for every T"
 
 

@@ -83,8 +83,11 @@ def quantize_reference(v: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tenso
 
 def write_where(gate: torch.Tensor, outs: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> None:
     """Each ``out.copy_(new)`` where the one-element device tensor ``gate`` is nonzero, else unchanged (device
-    ops only): how the references of the gated kernels write."""
+    ops only): how the references of the gated kernels write. Like the kernels (raw stores), it leaves each
+    ``out``'s version counter as it was (it writes through ``out.data``, a counter of its own): the weight
+    cache's tensors are saved by pending backwards, and a closed gate writes back the same bytes
+    (``tests/test_fp8_two_forwards.py``)."""
     take = gate.reshape(()) != 0
     for out, value in zip(outs, new):
         bits = (lambda t: t.view(torch.uint8)) if out.dtype == FP8 else (lambda t: t)
-        bits(out).copy_(torch.where(take, bits(value.reshape(out.shape)), bits(out)))
+        bits(out.data).copy_(torch.where(take, bits(value.reshape(out.shape)), bits(out)))

@@ -35,12 +35,20 @@ returns a fresh empty tensor, ``ready``, that the experts' forward op takes as a
 before every read of the cache in the same forward. Declaring the writes (``mutates_args``) would bump the
 version counters of the cached tensors, which a pending backward saved: a micro-batch's forward, or an
 activation-checkpoint recompute, would then fail another micro-batch's backward ("modified by an inplace
-operation") although the bytes did not change. The cached tensors are marked static addresses, so
-inductor's CUDA graphs (``mode="reduce-overhead"``) use them in place rather than copying them in.
+operation") although the bytes did not change. Neither writer bumps them: the Triton kernels store through
+pointers, the CPU reference (:func:`spmdmoe.kernels.fp8_common.write_where`) through ``.data``. So two forwards
+in flight (pipeline 1F1B, a layer used twice in a step, a no-grad forward before a backward) back-propagate
+bit for bit as without the second forward, on CPU and CUDA (``tests/test_fp8_two_forwards.py``). The cached
+tensors are marked static addresses, so inductor's CUDA graphs (``mode="reduce-overhead"``) use them in place
+rather than copying them in.
 
 One forward at a time per cache (the fingerprint's accumulators are shared): two layers, two caches.
-A backward reads the cached weights of the forward it belongs to, so the weights must not change between a
-forward and its backward (no optimizer step in between; ordinary training never does).
+A backward reads the cached weights as the last forward's refresh left them, so the weights must not change
+between a forward and its backward (no optimizer step in between; ordinary training never does). Where they
+are changed in place and the layer reads the parameters or views of them, that backward raises ("modified by
+an inplace operation"), as the bf16 layer's does, eagerly and compiled: the experts' node saves the bf16
+weights for their version counters (``fp8_ops._setup``; same test file). Not seen: writes through ``p.data``
+and weights an integration's ``read_weights`` casts each forward; the backward then uses the newer weights.
 """
 
 from __future__ import annotations

@@ -52,19 +52,21 @@ class ExpertsInputs(NamedTuple):
     down_t: torch.Tensor
     down_t_s: torch.Tensor
     wgrad_fp8: bool  # the weight gradients in FP8 (fp8.fp8_wgrad)
+    watched: list[bool]  # which of w1, w2, w3 the node saves for their version counters (fp8_swiglu)
     w_R: Optional[torch.Tensor]  # each row's routing weight (takes its gradient), or None
     copies_TK: Optional[torch.Tensor]  # each token's rows (the output is y_TD), or None
 
 
 @torch.library.custom_op("spmdmoe::fp8_mm_rows", mutates_args=())
 def _fp8_mm(q_RI: torch.Tensor, s_R: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, offsets_e: torch.Tensor,
-            out_dtype: torch.dtype, dims: list[int], kind: str, after: Optional[torch.Tensor]) -> torch.Tensor:
+            out_dtype: torch.dtype, dims: list[int], kind: str, after: list[torch.Tensor]) -> torch.Tensor:
     """``q @ w[g]^T`` per group ``g`` on rowwise e4m3 ``(q, s)`` and a weight layout of :class:`Fp8Weights`
     (``kind``: ``"forward"``, the up projection, or ``"dgrad"``, an input gradient; :data:`FAST_ACCUM`);
     ``dims``: the layer's ``(D, F)`` (native or emulated: asked here, on real tensors, also when compiled);
-    ``after``: a tensor that must be made first, not read (the weight cache's refresh token before the up
+    ``after``: tensors that must be made first, not read (the weight cache's refresh token before the up
     projection; the weight gradient before ``dh``, so a compiled graph frees the bf16 operands first, as
-    eager runs do), or ``None``."""
+    eager runs do; and there the bf16 weights, so a compiled backward saves them and checks their version
+    counters as eager's does, :func:`_setup`)."""
     return gemms._mm_rows(q_RI, s_R, w, w_s, offsets_e, out_dtype, gemms.fp8_native(q_RI, *dims), kind)
 
 
@@ -89,7 +91,7 @@ def _(q_RI, s_R, w, w_s, offsets_e, out_dtype, dims, kind, after):  # type: igno
 def _fp8_experts(x_RD: torch.Tensor, w1_eFD: torch.Tensor, w2_eDF: torch.Tensor, w3_eFD: torch.Tensor,
                  offsets_e: torch.Tensor, valid: torch.Tensor, h13_R2F: torch.Tensor, up_t: torch.Tensor,
                  up_t_s: torch.Tensor, down: torch.Tensor, down_s: torch.Tensor, down_t: torch.Tensor,
-                 down_t_s: torch.Tensor, wgrad_fp8: bool, w_R: Optional[torch.Tensor],
+                 down_t_s: torch.Tensor, wgrad_fp8: bool, watched: list[bool], w_R: Optional[torch.Tensor],
                  copies_TK: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h_RF)`` from the up projection's ``h13_R2F``: ``h = w * silu(h1) * h3`` with its rowwise e4m3
     from the same registers, ``y_RD = h @ w2^T`` on that e4m3; ``y`` is ``y_RD``, or ``y_TD`` (each token's
@@ -171,7 +173,13 @@ def _weight_grads(operands: list[torch.Tensor], offsets_e: torch.Tensor, ctx: An
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     a = ExpertsInputs(*inputs)
     ctx.w_dtype, ctx.wgrad_fp8, ctx.dims = a.w1_eFD.dtype, a.wgrad_fp8, [a.x_RD.shape[1], a.w1_eFD.shape[1]]
-    ctx.save_for_backward(a.offsets_e, a.valid, a.up_t, a.up_t_s, a.down_t, a.down_t_s, a.w_R, a.copies_TK)
+    # The watched bf16 weights are saved for their version counters alone (fp8_swiglu): the cache's refresh writes
+    # without bumping the cached tensors' counters (a pending backward saved them; an unchanged weight rewrites
+    # nothing), so an in-place change of the weights between a forward and its backward (an optimizer step)
+    # raises in that backward, as in the bf16 layer, instead of reading what a later forward re-quantized.
+    # The backward passes them to dh's GEMM (unread), so a compiled backward saves and checks them too.
+    held = [w for w, keep in zip((a.w1_eFD, a.w2_eDF, a.w3_eFD), a.watched) if keep]
+    ctx.save_for_backward(a.offsets_e, a.valid, a.up_t, a.up_t_s, a.down_t, a.down_t_s, a.w_R, a.copies_TK, *held)
     # The activations in a box, not saved: the backward drops each once it has read it, so none is alive
     # longer than in the bf16 layer (detached aliases: no reference back to this node).
     ctx.box = {"x": a.x_RD.detach(), "h13": a.h13_R2F.detach(), "h": output[1].detach()}
@@ -188,7 +196,7 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _gh: Any) -> tuple:
     to the graph."""
     if g is None:
         return (None,) * len(ExpertsInputs._fields)
-    offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_R, copies_TK = ctx.saved_tensors
+    offsets_e, valid, up_t, up_t_s, down_t, down_t_s, w_R, copies_TK, *weights = ctx.saved_tensors
     if not ctx.box:
         raise RuntimeError("spmdmoe FP8 experts: a second backward through the same forward (retain_graph=True): "
                            "the first freed the saved activations as it went, to keep the step peak at the bf16 "
@@ -209,7 +217,7 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _gh: Any) -> tuple:
     (dw2,) = _weight_grads(operands, offsets_e, ctx)
     gq_RD, gs_R = q or _quantize_dy(g, copies_TK, R, valid, dw2)
     del q
-    dh_RF = _fp8_mm(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims, "dgrad", dw2)
+    dh_RF = _fp8_mm(gq_RD, gs_R, down_t, down_t_s, offsets_e, dtype, dims, "dgrad", [dw2, *weights])
     del gq_RD, gs_R
     # dh13's e4m3 written over dh (read for the last time here; a 2-byte row of F holds an e4m3 row of 2F): one
     # R x 2F buffer less at this point, eager and compiled alike (dh is made in this backward, so a compiled
@@ -224,7 +232,7 @@ def _grad(ctx: Any, g: Optional[torch.Tensor], _gh: Any) -> tuple:
     # scheduler then picks (measured: forcing dx first there raised the compiled peak at four of five shapes, as
     # the dispatch's backward does not consume it at once; forcing it after dw1 | dw3 raised it at Qwen3-235B)
     needs = ExpertsInputs(*ctx.needs_input_grad)
-    dx = _fp8_mm(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims, "dgrad", None) if needs.x_RD else None
+    dx = _fp8_mm(q13_R2F, s13_R, up_t, up_t_s, offsets_e, dtype, dims, "dgrad", []) if needs.x_RD else None
     dw = dw_R.to(w_R.dtype) if w_R is not None and needs.w_R else None
     grads = {"x_RD": dx, "w1_eFD": dw1, "w2_eDF": dw2, "w3_eFD": dw3, "w_R": dw}  # the others: None
     return tuple(grads.get(name) for name in ExpertsInputs._fields)
@@ -250,8 +258,12 @@ def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
     q, dims = quantized, [x_RD.shape[1], w1_eFD.shape[1]]
     in_fp8 = gemms.fp8_wgrad(x_RD.shape[1], w1_eFD.shape[1], w1_eFD.shape[0], x_RD.dtype, wgrad)
     xq, xs = x_fp8 or quantize_rows(x_RD.detach(), valid)
-    h13_R2F = _fp8_mm(xq, xs, q.up, q.up_s, offsets_e, x_RD.dtype, dims, "forward", q.ready)
+    after = [] if q.ready is None else [q.ready]
+    h13_R2F = _fp8_mm(xq, xs, q.up, q.up_s, offsets_e, x_RD.dtype, dims, "forward", after)
     del xq, xs
+    # parameters and views of them: no bytes of their own, so the node saves them to check their version counters
+    # (a cast, which an integration's read_weights may return, would be kept alive for no check: nothing writes it)
+    watched = [w.is_leaf or w._base is not None for w in (w1_eFD, w2_eDF, w3_eFD)]
     y, _ = _fp8_experts(x_RD, w1_eFD, w2_eDF, w3_eFD, offsets_e, valid, h13_R2F, q.up_t, q.up_t_s, q.down, q.down_s,
-                        q.down_t, q.down_t_s, in_fp8, w_R, copies_TK)
+                        q.down_t, q.down_t_s, in_fp8, watched, w_R, copies_TK)
     return y
