@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..._dist import all_reduce
 from ...agreement import alone
 from ...collective_check import check_collective
+from ...host import to_host
 from ...meshes import product_axis
 from ...types.checks import checks_mode
 from ...types.errors import SPMDMeshError
@@ -117,7 +118,7 @@ def _clip(module_or_params: Parameters, max_norm: float, norm_type: float, error
         local = (torch.nn.utils.get_total_norm(owned, p, False, foreach).to(device, acc) if owned
                  else torch.zeros((), dtype=acc, device=device))
         total = _reduce(local, p, axis)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):  # opt-in host read; the same value on every rank
+    if error_if_nonfinite and not to_host(torch.isfinite(total)):  # opt-in host read; the same value on every rank
         mine = float(torch.nn.utils.get_total_norm(owned, p)) if owned else 0.0
         raise RuntimeError(
             f"rank {dist.get_rank() if dist.is_initialized() else 0}: clip_grad_norm_ expected a finite total "
