@@ -145,12 +145,12 @@ def test_dispatch_picks_reference_off_cuda():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [0, 5])
+@torch._dynamo.config.patch(capture_scalar_outputs=True)  # restored after the test
 def test_launchers_take_a_data_dependent_row_count_under_compile(rows):
     """EP's received rows are a traced scalar under ``torch.compile`` (``capture_scalar_outputs``): each launcher
     traces with an unbacked row count, and an empty one launches nothing. The Triton kernels (``COMPILED``),
     compiled with ``fullgraph=True``, against the same calls eagerly, for 0 rows and for 5."""
     torch._dynamo.reset()
-    torch._dynamo.config.capture_scalar_outputs = True
     gen = torch.Generator().manual_seed(rows)
     D, F = 32, 16
     src = torch.randn(8, D, generator=gen).to(DEVICE, torch.bfloat16)

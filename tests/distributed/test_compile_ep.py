@@ -20,6 +20,7 @@ def test_compiled_ep_with_torchs_default_shapes(world, device, request, options)
     _compare("ep", options, None, world, device, request, max_graphs=3)
 
 
+@torch._dynamo.config.patch(capture_scalar_outputs=True)  # restored after the test
 def test_compiled_sync_ep_zero_fills_no_row_buffer(world, device, request):
     """The sync EP transport's buffers are sized by the exchanged counts (data-dependent under compile) and
     every row of them is written: the dedup send buffer (a token to a rank once) and the experts' copies (at
@@ -45,7 +46,6 @@ def test_compiled_sync_ep_zero_fills_no_row_buffer(world, device, request):
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
-    torch._dynamo.config.capture_scalar_outputs = True
     cfg = MoEConfig(dim=D, hidden_dim=16, num_experts=8, top_k=2)
     moe = reference_moe(cfg, 9, device, dtype=torch.bfloat16)
     layer = build_plan("ep", moe, STEPS[0], world, request).layer

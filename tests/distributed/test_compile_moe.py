@@ -26,7 +26,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from moe_plans import PLANS, build_plan, compile_backend, reference_moe
 from spmdmoe import SPMDTensor
 from spmdmoe.moe import MoEConfig
-from spmdmoe.testing import reference_tensor
+from spmdmoe.testing import all_ranks_agree, reference_tensor
 from spmdmoe.types import layout
 from test_moe_parity import close
 
@@ -42,6 +42,19 @@ def _steps(n):
 
 STEPS = _steps(int(os.environ.get("WORLD_SIZE", "1")))
 D = 16
+
+
+def on_every_rank(check):
+    """Run ``check`` (a step's assertions); when it fails on any rank, fail on every rank, so that no rank goes on
+    into the next step's collectives (or the next test's) while another has left."""
+    try:
+        check()
+        problem = ""
+    except AssertionError as e:
+        problem = str(e)
+    failed = all_ranks_agree(not problem)
+    if failed:
+        raise AssertionError(f"failed on ranks {failed}" + (f"; this rank: {problem}" if problem else ""))
 
 
 def _step(plan, layer, X, G):
@@ -64,17 +77,18 @@ def test_compiled_layer_matches_eager_with_one_graph(world, device, request, pla
     _compare(plan_name, options, True, world, device, request)
 
 
+@torch._dynamo.config.patch(capture_scalar_outputs=True)  # the EP split sizes; restored when it returns
 def _compare(plan_name, options, dynamic, world, device, request, max_graphs=1):
     if plan_name == "sp_ep" and options:
         options = {"ep_mode": "sync_free"}  # EP on the SP axis: T_max from the layout (symbolic in T)
     torch._dynamo.reset()
-    torch._dynamo.config.capture_scalar_outputs = True  # the EP split sizes
     cfg = MoEConfig(dim=D, hidden_dim=16, num_experts=8, top_k=2, num_shared_experts=1, aux_loss_coeff=0.01,
                     load_balance_coeff=1e-3)
     moe = reference_moe(cfg, 3, device)
     eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
     compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
     run = torch.compile(compiled, backend=compile_backend(device), fullgraph=True, dynamic=dynamic)
+    plan_rows = lambda total: build_plan(plan_name, moe, total, world, request, layer=eager).rows  # noqa: E731
     for i, total in enumerate(STEPS):
         X = reference_tensor((total, D), 100 + i, device=device)
         G = reference_tensor((total, D), 200 + i, device=device)
@@ -82,19 +96,26 @@ def _compare(plan_name, options, dynamic, world, device, request, max_graphs=1):
             layer.zero_grad(set_to_none=True)
         want = _step(build_plan(plan_name, moe, total, world, request, layer=eager), eager, X, G)
         got = _step(build_plan(plan_name, moe, total, world, request, layer=compiled), run, X, G)
-        for name, a, b in zip(("output", "input gradient", "aux loss"), got, want):
-            close(a.reshape(-1), b.reshape(-1), f"step {i} (T={total}) {name}")
-        for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
-            close(p.grad, q.grad, f"step {i} {name} gradient")
-        close(compiled.tokens_per_expert, eager.tokens_per_expert, f"step {i} load counts", 0)
-        graphs = len(_debug_get_cache_entry_list(type(compiled).forward.__code__))
-        assert graphs <= max_graphs, f"step {i} (T={total}): {graphs} graphs compiled (at most {max_graphs})"
+
+        def checks(i=i, total=total, got=got, want=want):
+            for name, a, b in zip(("output", "input gradient", "aux loss"), got, want):
+                close(a.reshape(-1), b.reshape(-1), f"step {i} (T={total}) {name}")
+            for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+                close(p.grad, q.grad, f"step {i} {name} gradient")
+            close(compiled.tokens_per_expert, eager.tokens_per_expert, f"step {i} load counts", 0)
+            code = type(compiled).forward.__code__
+            graphs = len(_debug_get_cache_entry_list(code))
+            why = [str(r) for r in torch._dynamo.utils.guard_failures.get(code, [])]
+            assert graphs <= max_graphs, (f"step {i} (T={total}, {X[plan_rows(total)].shape[0]} rows here): {graphs} "
+                                          f"graphs compiled (at most {max_graphs}); recompiled for: {why}")
+        on_every_rank(checks)
     eager.update_expert_bias()
     compiled.update_expert_bias()
-    assert torch.equal(compiled.expert_bias, eager.expert_bias)
+    on_every_rank(lambda: torch.testing.assert_close(compiled.expert_bias, eager.expert_bias, rtol=0, atol=0))
 
 
 @pytest.mark.parametrize("plan_name", ["sp", "sp_x_ep"])
+@torch._dynamo.config.patch(capture_scalar_outputs=True)  # restored after the test
 def test_the_traced_forward_reads_the_agreed_set_and_no_cache(world, device, request, monkeypatch, plan_name):
     """The layer agreed which SP-replicated weights train when it was wrapped and keeps that set as a plain
     attribute: neither its eager nor its compiled forward reaches ``sync_grads``' call-site cache (keyed by
@@ -106,7 +127,6 @@ def test_the_traced_forward_reads_the_agreed_set_and_no_cache(world, device, req
         raise AssertionError("the layer's forward consulted sync_grads' call-site cache")
 
     torch._dynamo.reset()
-    torch._dynamo.config.capture_scalar_outputs = True
     cfg = MoEConfig(dim=D, hidden_dim=16, num_experts=8, top_k=2, num_shared_experts=1)
     moe = reference_moe(cfg, 5, device)
     eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
