@@ -89,9 +89,9 @@ def main() -> None:
     if args.base:
         sys.path.insert(0, args.base)
         libs["base"] = importlib.import_module("spmdmoe_base")
-    # the agreement's all-gather is not filled by the fake group: every rank sends this rank's row
+    # the agreement's check exchange is not filled by the fake group: every rank sends this rank's row
     for lib in libs.values():
-        lib.agreement.exchange_rows = lambda axis, row: [[int(v) for v in row]] * (
+        lib.agreement.exchange_rows = lambda axis, row, *_: [[int(v) for v in row]] * (
             dist.get_world_size() if axis is None else axis.size)
     meshes = [m for m in MESHES if m[0] * m[1] * m[2] == 1024] if args.quick else MESHES
     lines = [f"torch {torch.__version__}, fake process group, one simulated rank; MoE E={CFG.num_experts} "

@@ -52,6 +52,6 @@ def test_the_examples_end_cleanly_run_after_run(torchrun_job):
     """``examples/shard_gather.py`` on 4 gloo processes, 3 runs: exit 0 every time, no abort at exit
     (``examples/train_moe.py`` ends the same way and runs 3 times in ``test_example.py``)."""
     for _ in range(3):
-        returncode, out, err = torchrun_job("examples/shard_gather.py", timeout=90)
+        returncode, out, err = torchrun_job("examples/shard_gather.py", "--device", "cpu", timeout=90)
         assert returncode == 0 and "terminate called" not in err, out[-2000:] + err[-2000:]
         assert "equal to the batch: True" in out
