@@ -19,7 +19,7 @@ VENV_NEW  ?= .venv-torch-new
 TORCH_OLD ?= torch==2.11.0
 VENV_OLD  ?= .venv-torch-old
 OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchtitan.py tests/test_docs_torchtitan.py \
-	tests/test_transformers.py \
+	tests/test_transformers.py tests/test_docs_porting.py \
 	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_benchmark_smoke \
 	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_compiled_blocks_benchmark_smoke
 OLD_DIST   ?= tests/distributed/test_compile_moe.py tests/distributed/test_compile_ep.py tests/distributed/test_grad_overlap.py \
@@ -36,7 +36,7 @@ PY       := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 PYTEST   := -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-single test-dist test-torch-new test-torch-old clean
+.PHONY: demo test test-single test-dist test-bench test-torch-new test-torch-old clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ test-single: $(VENV)/.installed
 test-dist: $(VENV)/.installed
 	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) tests/distributed
 
+# The benchmarks' --smoke runs (marker bench: whole benchmarks in subprocesses, minutes on 2 cores), which plain
+# pytest deselects; CI runs them once, on this venv's torch.
+test-bench: $(VENV)/.installed
+	$(PY) $(PYTEST) -m bench tests/test_benchmark_smoke.py
+
 # The single-process suite (the examples' clean exit included) on the newest supported torch, in its own venv.
 test-torch-new:
 	$(MAKE) test-single VENV=$(VENV_NEW) TORCH="$(TORCH_NEW)" TORCHTITAN=
@@ -65,7 +70,7 @@ test-torch-new:
 # The tests that trace, and the torchtitan tests, on the oldest supported torch, in its own venv.
 test-torch-old:
 	$(MAKE) $(VENV_OLD)/.installed VENV=$(VENV_OLD) TORCH="$(TORCH_OLD)"
-	$(VENV_OLD)/bin/python $(PYTEST) $(OLD_SINGLE)
+	$(VENV_OLD)/bin/python $(PYTEST) -m "" $(OLD_SINGLE)
 	$(VENV_OLD)/bin/torchrun --nproc-per-node 4 $(PYTEST) $(OLD_DIST)
 
 clean:

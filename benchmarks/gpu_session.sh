@@ -1,8 +1,24 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: its single-process GPU tests only) | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf (not in all) | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: the single-process suite only) | suite4 | suite2 | files4 | files2 | compile4 | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf (not in all) | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
+# The tests, a part per call (device time is scarce: each fits one call; `timeout 590 bash ...` around it):
+#   single     the whole single-process suite (`pytest`: tests/ and the package's doctests) on one GPU
+#              (SINGLE_TESTS="tests/test_cuda_graphs.py tests/test_torchtitan.py": those only; SINGLE_TIMEOUT, default 540 s)
+#   suite4     the whole distributed suite in ONE torchrun at 4 ranks, as the README runs it (`torchrun
+#   suite2     --nproc-per-node 4 -m pytest tests/distributed`); suite2: 2 ranks on GPUs 0,1 (SUITE_TIMEOUT, default 540 s;
+#              SUITE_TESTS="tests/distributed/test_x.py": those only)
+#   files4     the distributed suite, a torchrun per test file, at 4 ranks (files2: 2 ranks; FILE_TIMEOUT per file, default 300 s)
+#   compile4   every distributed test file that compiles or captures CUDA graphs (test_compile_moe, test_compile_ep,
+#              test_grad_overlap, test_cuda_graphs, test_symmetric, test_torchtitan: found by grep), a torchrun per file at 4 ranks
+#   (`tests` runs single, the per-file suites at 4 and 2 ranks, the main job, then suite4 and suite2: SUITES="" leaves those out)
+# Each writes a table (file | passed | failed | errors | skipped | s) to $OUT/gpu_session_PART.md beside the archive;
+# a run past its limit is killed with every process it started (its own session), and the table says where it was.
+# DRY_CPU=1: these parts without a GPU (gloo, CUDA tests skip), to check the script itself, e.g.
+#   DRY_CPU=1 SINGLE_TESTS=tests/test_chunk_rule.py PATH=$PWD/.venv/bin:$PATH bash benchmarks/gpu_session.sh single
+# The rule: every compile test file runs at 4 NCCL ranks after any change to the data path
+# (`benchmarks/gpu_session.sh compile4`), before the change is called done.
 set -uo pipefail
 PART=${1:-all}
 # everything is written under a scratch folder and packed into ONE archive in $OUT at the end (the device
@@ -10,12 +26,12 @@ PART=${1:-all}
 # (a folder per part, so two parts can run at once)
 # (TAG: a suffix for a second run of one part in the same call, e.g. the titan part's 4-GPU layouts after its 2-GPU ones)
 NAME=gpu_session_$PART${TAG:-}; DEST=${OUT:-/tmp/out}; OUT=/tmp/$NAME; rm -rf "$OUT"; mkdir -p "$OUT" "$DEST"
-trap 'tar czf "$DEST/$NAME.tgz" -C /tmp "$NAME"' EXIT
+trap 'cat "$OUT"/tests_*.md > "$DEST/$NAME.md" 2>/dev/null; tar czf "$DEST/$NAME.tgz" -C /tmp "$NAME"' EXIT
 # killed from outside (a plain `timeout 560 bash ...`, which signals this whole process group): stop what it started (a hung NCCL job holds its GPUs), its own
 # descendants only (not by name: that would kill other people's runs on a shared machine), and still pack
 # (the suite's jobs by their sessions, the rest by walking this script's children)
 kill_tree() { local p; for p in $(pgrep -P "$1"); do kill_tree "$p"; kill -9 "$p" 2>/dev/null; done; }
-trap 'kill_tree $$; for f in "$OUT"/nccl_*/*.sid; do [ -f "$f" ] && pkill -9 -s "$(cat "$f")"; done; exit 124' TERM
+trap 'kill_tree $$; for f in "$OUT"/*/*.sid; do [ -f "$f" ] && pkill -9 -s "$(cat "$f")"; done; cut_short; exit 124' TERM
 # (every inner `timeout` runs with --foreground: a plain one moves its command into a process group of its own,
 # which the outer `timeout` does not signal, and bash runs the trap above only after its foreground command
 # ends (checked: `timeout 2 bash -c 'trap ... TERM; timeout 6 sleep 30'` ends after 6 s, with --foreground after 2):
@@ -26,6 +42,9 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 # (`GPU0=2 WORLDS=2 gpu_session.sh dist` on GPUs 2,3 beside `gpu_session.sh syncfree` on 0,1); NGPU counts from it.
 # Honoured by the dist, titan, syncfree and hf parts and the main job; the other parts take the first GPUs
 GPU0=${GPU0:-0}; NGPU=$((NGPU - GPU0))
+if [ "${DRY_CPU:-0}" = 1 ]; then  # a check of the script on a machine without GPUs: the test parts on gloo
+  case "$PART" in single|suite4|suite2|files4|files2|compile4) NGPU=4 ;; *) echo "DRY_CPU: test parts only"; exit 2 ;; esac
+fi
 [ "$NGPU" -ge 1 ] || { echo "GPU0=$GPU0: this host has $((NGPU + GPU0)) GPUs"; exit 2; }
 gpus() { seq -s, "$GPU0" $((GPU0 + $1 - 1)); }  # CUDA_VISIBLE_DEVICES for this call's first $1 GPUs
 peer_wheels() {  # torchtitan, torchao and their pins from the carried .whl/ (../shared/tools/peer_wheels.sh)
@@ -36,17 +55,26 @@ peer_wheels() {  # torchtitan, torchao and their pins from the carried .whl/ (..
 # TORCH_NCCL_ASYNC_ERROR_HANDLING's default an NCCL timeout kills the process, and a mismatched collective can
 # poison its communicator, so one file's failure must not take other files down. Heaviest files first.
 FIRST="compile_moe compile_ep data_parallel agreement grad_overlap moe_training torchtitan collectives cuda_graphs sync_free"
+in_session() {  # $1 a file for the session's id, $2 seconds, then a command: run under `timeout` in a session of its
+  # own (setsid; the shell inside writes the session's id), then kill what is left of that session (torchrun's
+  # workers after a timeout): this job's processes alone. Returns the command's exit status (124: timed out).
+  # Waited for as a background job: a TERM from outside then runs the trap at once (bash runs it only after a
+  # foreground command ends, and the outer `timeout` does not reach the new session)
+  local sid=$1 limit=$2 rc; shift 2
+  setsid -w bash -c 'echo $$ > "$0"; exec "$@"' "$sid" timeout -k 5 "$limit" "$@" &
+  wait $!
+  rc=$?
+  pkill -9 -s "$(cat "$sid")" 2>/dev/null
+  return $rc
+}
 run_file() {  # $1 ranks, $2 test file, $3 CUDA_VISIBLE_DEVICES: one torchrun, its log and rows under $OUT/nccl_$1/
   local n=$1 f=$2 name dir t0 rc r
   name=$(basename "$f" .py); dir="$OUT/nccl_$n"; t0=$(date +%s)
-  # a session of its own (setsid; the shell inside writes the session's id), so what a timeout leaves running
-  # (torchrun's workers) is killed by session: this job's processes alone
   SPMDMOE_FILE_TABLE="$dir/$name.md" CUDA_VISIBLE_DEVICES=$3 TORCH_FR_BUFFER_SIZE=2000 \
     TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$dir/fr_${name}_" \
-    setsid -w bash -c 'echo $$ > "$0"; exec "$@"' "$dir/$name.sid" timeout -k 5 "${FILE_TIMEOUT:-300}" \
+    in_session "$dir/$name.sid" "${FILE_TIMEOUT:-300}" \
     torchrun --standalone --nproc-per-node "$n" -m pytest -q -p no:cacheprovider -rs "$f" > "$dir/$name.txt" 2>&1
   rc=$?
-  pkill -9 -s "$(cat "$dir/$name.sid")" 2>/dev/null
   [ -s "$dir/$name.md" ] || printf '| %s | | | | | |\n' "$name" > "$dir/$name.md"
   printf '| %s | %s | %s |' "$name" "$(( $(date +%s) - t0 ))" "$([ "$rc" = 124 ] && echo timeout || echo "$rc")" > "$dir/$name.run"
   if [ "$rc" != 0 ]; then  # where each rank was when it ended (tests/distributed/conftest.py)
@@ -73,11 +101,68 @@ dist_suite() {  # $1 ranks: $OUT/tests_nccl_$1.md, a row per file, a total, a ro
   } > "$table"
   cat "$table"
 }
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
+compile_files() {  # every distributed test file that compiles or captures a CUDA graph, by grep (dist_suite's FILES)
+  grep -lE 'torch\.compile|\.compile\(|capture_scalar_outputs|capture_training_step|CUDAGraph' tests/distributed/test_*.py \
+    | sed 's#.*/test_##; s#\.py$##' | tr '\n' ' '
+}
+totals() {  # $1 rows (| file | passed | failed | errors | skipped | s |), $2 what ends the total's row
+  awk -F'|' '{for (k = 3; k <= 6; k++) t[k] += $k} END {printf "| all | %d | %d | %d | %d |", t[3], t[4], t[5], t[6]}' "$1"
+  printf ' %s |\n' "$2"
+}
+single_suite() {  # the whole single-process suite (`pytest`: tests/ and the package's doctests; SINGLE_TESTS: those
+  # only) on the first GPU, a row per file as it goes (benchmarks/file_table.py): $OUT/tests_single.md
+  local dir="$OUT/single" t0 rc
+  mkdir -p "$dir"; t0=$(date +%s)
+  FILE_TABLE="$dir/rows.md" CUDA_VISIBLE_DEVICES=$GPU0 in_session "$dir/single.sid" "${SINGLE_TIMEOUT:-540}" \
+    python3 -m pytest -v --durations=20 --timeout="${TEST_TIMEOUT:-200}" -p no:cacheprovider -p benchmarks.file_table -rs \
+    --deselect "$CPU_CASE" ${SINGLE_TESTS:-} > "$OUT/tests_single.txt" 2>&1
+  rc=$?
+  touch "$dir/rows.md"
+  { printf '| file (one process, GPU %s) | passed | failed | errors | skipped | s |\n|---|---|---|---|---|---|\n' "$GPU0"
+    cat "$dir/rows.md"
+    totals "$dir/rows.md" "$(( $(date +%s) - t0 )) s wall, exit $([ "$rc" = 124 ] && echo "timeout ($(cat "$dir/rows.md.now" 2>/dev/null))" || echo "$rc")"
+    printf '\n'
+  } > "$OUT/tests_single.md"
+  cat "$OUT/tests_single.md"
+}
+one_torchrun() {  # $1 ranks: the whole distributed suite (SUITE_TESTS: those files only) in ONE torchrun, as the
+  # README runs it, on this call's first $1 GPUs; a row per file as it goes: $OUT/tests_suite_$1.md
+  local n=$1 dir="$OUT/suite_$1" t0 rc r
+  [ "$NGPU" -ge "$n" ] || { echo "suite at $n ranks: $NGPU GPUs here, skipped" | tee "$OUT/tests_suite_$n.md"; return; }
+  mkdir -p "$dir"; t0=$(date +%s)
+  FILE_TABLE="$dir/rows.md" SPMDMOE_FILE_TABLE="$dir/end.md" CUDA_VISIBLE_DEVICES=$(gpus "$n") TORCH_FR_BUFFER_SIZE=2000 \
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$dir/fr_" in_session "$dir/suite.sid" "${SUITE_TIMEOUT:-540}" \
+    torchrun --standalone --nproc-per-node "$n" -m pytest -q -p no:cacheprovider -p benchmarks.file_table -rs \
+    ${SUITE_TESTS:-tests/distributed} > "$dir/suite.txt" 2>&1
+  rc=$?
+  touch "$dir/rows.md"
+  { printf '| file (%s ranks, NCCL, one torchrun) | passed | failed | errors | skipped | s |\n|---|---|---|---|---|---|\n' "$n"
+    cat "$dir/rows.md"
+    totals "$dir/rows.md" "$(( $(date +%s) - t0 )) s wall, exit $([ "$rc" = 124 ] && echo timeout || echo "$rc")"
+    if [ "$rc" != 0 ]; then  # where each rank was when it ended (tests/distributed/conftest.py)
+      for r in $(seq 0 $((n - 1))); do printf 'rank %s: %s\n' "$r" "$(cat "$dir/end.md.rank$r.now" 2>/dev/null)"; done
+    fi
+    printf '\nskipped (%s ranks, one torchrun):\n' "$n"; grep -h "^SKIPPED" "$dir/suite.txt" | sort | uniq
+    printf '\n'
+  } > "$OUT/tests_suite_$n.md"
+  cat "$OUT/tests_suite_$n.md"
+}
+cut_short() {  # after a TERM from outside: the tables of the suites it cut short, from their rows so far
+  local d t
+  for d in "$OUT"/single "$OUT"/suite_*; do
+    t="$OUT/tests_${d##*/}.md"  # single: tests_single.md; suite_4: tests_suite_4.md
+    [ -d "$d" ] && [ ! -f "$t" ] || continue
+    touch "$d/rows.md"
+    { printf '| file (%s, cut short) | passed | failed | errors | skipped | s |\n|---|---|---|---|---|---|\n' "${d##*/}"
+      cat "$d/rows.md"; totals "$d/rows.md" "killed from outside ($(cat "$d/rows.md.now" 2>/dev/null))"; } > "$t"
+  done
+}
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name() if torch.cuda.is_available() else "(none)")' | tee "$OUT/env.txt"
+case "$PART" in tests|dist|all|single|suite4|suite2|files4|files2|compile4) peer_wheels ;; esac  # torchtitan's tests need it
 CPU_CASE="tests/test_compile_moe.py::test_compiled_block_matches_eager[inductor-True-False]"  # CPU_CASE_RUN=0: skipped
 if [ "$PART" = tests ] || [ "$PART" = single ] || [ "$PART" = all ]; then
-  # on the first visible GPU while the NCCL suites run; waited for below. The README (its GPU block) before the
-  # compile tests; a test past --timeout gets its stacks dumped (pytest-timeout) and ends the run. The one case of
+  # the whole single-process suite (single_suite), on the first visible GPU while the NCCL suites run; waited for
+  # below. A test past --timeout gets its stacks dumped (pytest-timeout) and fails. The one case of
   # inductor on the CPU device runs after the suites (CPU_CASE), beside the main job: on these hosts inductor's C++
   # builds are slow (61-94 s to compile `x.sin() + 1`, the probe below), and beside 6 NCCL torchruns the case ran
   # into the part's 480 s limit (issue 41)
@@ -85,14 +170,23 @@ if [ "$PART" = tests ] || [ "$PART" = single ] || [ "$PART" = all ]; then
   { { command -v g++ c++ gcc; timeout --foreground -k 10 120 python3 -c 'import time, torch; t = time.time()
 print("inductor on the CPU:", torch.compile(lambda x: x.sin() + 1)(torch.ones(8))[0].item(), f"{time.time() - t:.1f} s")'
       echo "probe exit $?"; } > "$OUT/inductor_cpu_probe.txt" 2>&1 &
-    timeout "${SINGLE_TIMEOUT:-480}" python3 -m pytest -v --durations=20 --timeout=200 -p no:cacheprovider -rs \
-      tests/test_kernels.py tests/test_fp8_kernels.py tests/test_fp8.py tests/test_moe.py tests/test_agreement.py \
-      tests/test_dedup.py tests/test_readme.py tests/test_compile_moe.py --deselect "$CPU_CASE" > "$OUT/tests_single.txt" 2>&1
+    single_suite > /dev/null  # the whole single-process suite: its table is printed below
     wait; } &
   SINGLE=$!
 fi
+case "$PART" in
+  files4|files2)  # the distributed suite, a torchrun per file, at 4 or 2 ranks
+    n=${PART#files}
+    if [ "$NGPU" -ge "$n" ]; then echo "== distributed tests on NCCL, $n ranks, a torchrun per file"; dist_suite "$n"
+    else echo "$PART: $NGPU GPUs here" | tee "$OUT/tests_nccl_$n.md"; fi ;;
+  compile4)  # every compile test file at 4 ranks: the rule after a change to the data path (header)
+    if [ "$NGPU" -ge 4 ]; then
+      echo "== compile test files on NCCL, 4 ranks, a torchrun per file: $(compile_files)"; FILES="$(compile_files)" dist_suite 4
+    else echo "compile4: $NGPU GPUs here, 4 needed" | tee "$OUT/tests_nccl_4.md"; fi ;;
+  suite4|suite2)  # the whole distributed suite in one torchrun
+    echo "== distributed tests on NCCL, ${PART#suite} ranks, one torchrun"; one_torchrun "${PART#suite}" ;;
+esac
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
-  peer_wheels
   # every world size at once (JOBS torchruns each); each prints its table when done
   for n in ${WORLDS:-$([ "$NGPU" -ge 4 ] && echo 4) $([ "$NGPU" -ge 2 ] && echo 2)}; do
     { echo "== distributed tests on NCCL, $n ranks, a torchrun per file"; dist_suite "$n"; } > "$OUT/dist_$n.log" 2>&1 &
@@ -111,8 +205,12 @@ if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
 fi
 if [ -n "${SINGLE:-}" ]; then
   wait "${CPU_RUN:-$SINGLE}"
-  echo "== single-process GPU tests (kernels, FP8, the MoE layer, compile, the README's blocks), then the CPU inductor case"
-  tail -4 "$OUT/inductor_cpu_probe.txt"; tail -15 "$OUT/tests_single.txt"; tail -1 "$OUT/tests_single_cpu_inductor.txt" 2>/dev/null
+  echo "== the single-process suite on one GPU, then the CPU inductor case"
+  tail -4 "$OUT/inductor_cpu_probe.txt"; cat "$OUT/tests_single.md"; tail -3 "$OUT/tests_single.txt"
+  tail -1 "$OUT/tests_single_cpu_inductor.txt" 2>/dev/null
+fi
+if [ "$PART" = tests ] || [ "$PART" = all ]; then  # then the whole distributed suite in one torchrun per world size
+  for n in ${SUITES-4 2}; do echo "== distributed tests on NCCL, $n ranks, one torchrun"; one_torchrun "$n"; done
 fi
 exits() {  # $1 name, $2 GPUs, $3 the run numbers, then the command: a row per run (exit, s, s from the last line to the exit)
   local name=$1 gpus=$2 runs=$3 i t0 rc; shift 3

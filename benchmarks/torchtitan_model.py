@@ -20,7 +20,8 @@ models are built on meta from one config, one of them swapped, and initialised b
 * ``parity``: the DeepSeek-MoE-16B flavor (dim 2048, 64 experts of hidden 1408, top 6, 2 shared
   experts, vocabulary 102400) cut to its first ``--layers`` blocks (the first dense), with torchtitan's
   causal SDPA attention (no FlexAttention autotuning); 50 eager steps, |loss difference| <= 1 % of
-  torchtitan's loss at every step.
+  torchtitan's loss at every step, and every parameter's gradient at the first step within 5 % (relative,
+  ||diff|| / ||torchtitan's||: the swap keeps torchtitan's parameter names) of torchtitan's.
 * ``ep`` (under ``torchrun``, one GPU a process): torchtitan's debug model (``--flavor``, ``--layers``) through
   torchtitan's own ``parallelize_fn`` as its Trainer calls it, both models: the spec's own and
   ``swapped_model_spec``'s (it swaps, then runs torchtitan's). FSDP over every rank (``dp_shard``), EP
@@ -30,8 +31,12 @@ models are built on meta from one config, one of them swapped, and initialised b
   parameters and fp32 reductions (its ``mixed_precision_*`` defaults); each rank its own batch, the loss a
   sum over the rank's tokens / the step's tokens (torchtitan turns FSDP's division off), AdamW with its
   load-balancing hook, no clipping. Both start from torchtitan's weights; ``--steps`` steps, |loss
-  difference| <= 1 % of torchtitan's loss at every step; then tokens/s of both, steps timed interleaved.
-* ``bench``: that model, every block compiled as torchtitan does, both models resident; a training step
+  difference| <= 1 % of torchtitan's loss at every step and the first step's gradients within 50 % (each
+  parameter, norms over all ranks' shards; gross errors only: with bf16 parameters torchtitan's gate GEMM runs in
+  bf16 and ours in fp32, so near-tie tokens choose other experts, ``GRAD_TOLERANCE_BF16_PARAMS``); then, only if
+  both hold, tokens/s of both, steps timed interleaved.
+* ``bench``: that model, every block compiled as torchtitan does, both models resident; the first (compiling)
+  step's loss within 1 % and every parameter's gradient within 5 % of torchtitan's, else nothing is timed; a training step
   (forward, backward, AdamW step) of each timed interleaved (``timing.timed``: rotated order, median);
   tokens/s and peak memory: the most a step allocates above what is resident (weights, gradients,
   optimizer state: reported beside it).
@@ -47,7 +52,7 @@ import argparse
 import datetime
 import pathlib
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -57,6 +62,46 @@ from timing import report, timed  # noqa: E402
 from spmdmoe.integrations._torch_compat import shim_torch  # noqa: E402
 
 TOLERANCE = 0.01  # |loss difference| / loss at every step
+GRAD_TOLERANCE = 5e-2  # ||diff|| / ||torchtitan's|| of each parameter's gradient at the first step (fp32 parameters)
+# the same with bf16 parameters (the ep part: FSDP's param_dtype): torchtitan's gate GEMM then runs in bf16 and ours in
+# fp32 (router_dtype="float32"), so tokens near a tie choose other experts, which moves whole expert gradients (CPU
+# smoke, dp 2 x ep 2: experts' gradients 0.15 apart, the router's 0.26; 5e-3 with fp32 parameters). Gross errors
+# only: a gradient skipped (zeros) is 1 apart
+GRAD_TOLERANCE_BF16_PARAMS = 0.5
+
+
+def keep_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient by name (this rank's shard of a DTensor's; a missing one as zeros), copied."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        out[name] = (g.to_local() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def grad_error(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest ||diff|| / ||ref|| of one parameter's gradient (the swap keeps torchtitan's parameter names; under
+    FSDP / EP both models are sharded alike, so the norms are summed over the ranks' shards), and its name; inf
+    where a parameter is missing on one side or of another shape."""
+    import torch.distributed as dist
+
+    names = sorted(set(ours) | set(ref))
+    sums = torch.zeros(len(names), 2, dtype=torch.float64)
+    for i, n in enumerate(names):
+        a, b = ours.get(n), ref.get(n)
+        if a is None or b is None or a.shape != b.shape:
+            sums[i] = torch.tensor([float("inf"), 1.0])
+            continue
+        sums[i] = torch.stack([(a.double() - b.double()).pow(2).sum(), b.double().pow(2).sum()]).cpu()
+    if dist.is_initialized():  # every rank: the same names (the same model), its own shards
+        sums = sums.to(next(iter(ref.values())).device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+    rel = [(d / r) ** 0.5 if r > 0 else (float("inf") if d > 0 else 0.0) for d, r in sums.tolist()]
+    worst = max(range(len(rel)), key=rel.__getitem__, default=None)
+    return (0.0, "") if worst is None else (rel[worst], names[worst])
 
 
 def compile_blocks(model: torch.nn.Module) -> None:
@@ -87,9 +132,12 @@ class Trainer:
             logits = self.model(x, **extra)
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, grads: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """One training step; ``grads``: filled with the step's parameter gradients (``keep_grads``)."""
         loss = self.loss(tokens)
         loss.backward()
+        if grads is not None:
+            grads.update(keep_grads(self.model))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -115,32 +163,36 @@ def batches(vocab: int, batch: int, seq: int, count: int, device: str) -> list[t
 
 
 def track(config: Any, steps: int, data: list[torch.Tensor], device: str, lr: float, flex: bool,
-          compiled: bool) -> tuple[list[float], list[float]]:
-    """``steps`` steps of each model (torchtitan's first, then ours) on the same batches: their losses."""
-    losses = []
+          compiled: bool) -> tuple[list[float], list[float], tuple[float, str]]:
+    """``steps`` steps of each model (torchtitan's first, then ours) on the same batches: their losses, and the
+    first step's parameter gradients compared (``grad_error``)."""
+    losses, grads = [], []
     for model in pair(config, device).values():
         if compiled:
             compile_blocks(model)
         trainer = Trainer(model, lr, flex)
-        losses.append(torch.stack([trainer.step(data[i % len(data)]) for i in range(steps)]).tolist())
+        grads.append({})
+        losses.append(torch.stack([trainer.step(data[i % len(data)], grads[-1] if i == 0 else None)
+                                   for i in range(steps)]).tolist())
         del trainer, model
         if device == "cuda":
             torch.cuda.empty_cache()
-    return losses[0], losses[1]
+    return losses[0], losses[1], grad_error(grads[1], grads[0])
 
 
-def tracking_table(title: str, runs: dict[str, tuple[list[float], list[float]]]) -> tuple[str, bool]:
+def tracking_table(title: str, runs: dict[str, tuple[list[float], list[float], tuple[float, str]]],
+                   grad_tolerance: float = GRAD_TOLERANCE) -> tuple[str, bool]:
     lines = [title, "", "| run | steps | first loss tt / ours | last loss tt / ours | max abs(loss diff) / loss | "
-             "at step |", "|---|---|---|---|---|---|"]
+             "at step | first step's gradients: max rel error (parameter) |", "|---|---|---|---|---|---|---|"]
     ok = True
-    for name, (tt, ours) in runs.items():
+    for name, (tt, ours, (grad_rel, where)) in runs.items():
         rel = [abs(a - b) / abs(a) for a, b in zip(tt, ours)]
         worst = max(range(len(rel)), key=rel.__getitem__)
-        ok &= max(rel) <= TOLERANCE and tt[-1] < tt[0]
+        ok &= max(rel) <= TOLERANCE and tt[-1] < tt[0] and grad_rel <= grad_tolerance
         lines.append(f"| {name} | {len(tt)} | {tt[0]:.4f} / {ours[0]:.4f} | {tt[-1]:.4f} / {ours[-1]:.4f} | "
-                     f"{rel[worst]:.2e} | {worst} |")
+                     f"{rel[worst]:.2e} | {worst} | {grad_rel:.2e} ({where}) |")
     lines.append(f"\n{'OK' if ok else 'FAILED'}: every step within {TOLERANCE:.0%} of torchtitan's loss, and the "
-                 "loss fell")
+                 f"loss fell; every parameter's first-step gradient within {grad_tolerance:.0%} of torchtitan's")
     return "\n".join(lines), ok
 
 
@@ -188,9 +240,18 @@ def part_bench(args: argparse.Namespace, device: str) -> bool:
     for trainer in trainers.values():
         compile_blocks(trainer.model)
     tokens = data[0][:, 1:].numel()
-    first = {key: trainer.step(data[0]).item() for key, trainer in trainers.items()}  # compiles
+    grads: dict[str, dict[str, torch.Tensor]] = {key: {} for key in trainers}
+    first = {key: trainer.step(data[0], grads[key]).item() for key, trainer in trainers.items()}  # compiles
+    grad_rel, where = grad_error(grads["spmdmoe"], grads["torchtitan"])
+    del grads
+    gap = abs(first["spmdmoe"] - first["torchtitan"]) / abs(first["torchtitan"])
+    check = (f"first step: loss rel gap {gap:.2e} (<= {TOLERANCE}), parameter gradients' max rel error {grad_rel:.2e} "
+             f"({where}; <= {GRAD_TOLERANCE})")
+    if not (gap <= TOLERANCE and grad_rel <= GRAD_TOLERANCE):
+        report(f"{name}: FAILED, not timed: the compiled models differ: {check}", args.out)
+        return False
     if args.smoke:
-        print("OK: smoke, both models compiled per block and stepped:", first)
+        print(f"OK: smoke, both models compiled per block and stepped: {first}; {check}")
         return True
     peak, resident = {}, {}
     for key, trainer in trainers.items():
@@ -298,22 +359,27 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
             for _ in range(2 if args.smoke else 4)]  # cycled: the loss falls as the model learns them
     step_tokens = args.batch * seq * world
 
-    def step(key: str, tokens: torch.Tensor) -> torch.Tensor:
+    def step(key: str, tokens: torch.Tensor, grads: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
         logits = models[key](tokens[:, :-1])
         loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(),
                                                      reduction="sum")
         (loss_sum / step_tokens).backward()
+        if grads is not None:
+            grads.update(keep_grads(models[key]))
         opts[key].step()
         opts[key].zero_grad(set_to_none=True)
         return loss_sum.detach()
 
     steps = 6 if args.smoke else args.steps
     losses: dict[str, list[float]] = {key: [] for key in models}
+    grads: dict[str, dict[str, torch.Tensor]] = {key: {} for key in models}  # the first step's
     for i in range(steps):
         for key in models:
-            total = step(key, data[i % len(data)])
+            total = step(key, data[i % len(data)], grads[key] if i == 0 else None)
             dist.all_reduce(total)
             losses[key].append(total.item() / step_tokens)
+    first_grads = grad_error(grads["spmdmoe"], grads["torchtitan"])
+    del grads
     name = (f"torchtitan DeepSeek-V3 {args.flavor}, {layers} blocks, SDPA, {world} processes: FSDP over {world}, "
             f"EP {ep}{f' (dp {world // ep} x ep {ep} for the experts)' if 1 < ep < world else ''}, "
             f"{backend} backend{', blocks compiled' if args.compile else ''}"
@@ -321,8 +387,9 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
             f"{args.batch} x {seq} tokens a rank "
             f"a step, AdamW lr {args.lr}; weights bitwise equal after init: {'yes' if same else 'no (copied)'}")
     text, ok = tracking_table(name, {"eager" if not args.compile else "compiled": (losses["torchtitan"],
-                                                                                    losses["spmdmoe"])})
-    if not args.smoke:
+                                                                                    losses["spmdmoe"], first_grads)},
+                              GRAD_TOLERANCE_BF16_PARAMS)
+    if not args.smoke and ok:  # timed only when both models train alike, gradients included
         it = iter(range(steps, 1 << 30))
         ms = timed({key: (lambda k=key: step(k, data[next(it) % len(data)])) for key in models}, args.iters, args.reps)
         text += ("\n\n| MoE | step ms | tokens/s (all ranks) | speedup |\n|---|---|---|---|\n"

@@ -50,11 +50,20 @@ gradient accumulation, recomputes). Columns: fwd+bwd ms; step peak GiB (the most
 above what was allocated before it: weights, inputs and the FP8 cache excluded, gradients included; max
 over ranks); persistent FP8 GiB (the cache: two e4m3 layouts of every weight and their scales); ratios.
 
-Before timing, every candidate's output and input gradient are compared with torchtitan bf16 eager's on
-the same input: max abs diff, relative error ||diff|| / ||ref||, and the fraction of token rows whose own
+Before timing, every candidate's output, input gradient and parameter gradients are compared with
+torchtitan bf16 eager's on the same input (each candidate's gradients set to None first). Output and input
+gradient: max abs diff, relative error ||diff|| / ||ref||, and the fraction of token rows whose own
 relative error exceeds 2e-2 (bf16) or 0.25 (FP8: about 24 dB of quantization noise; gross errors only;
 a row can flip experts on a near-tie, which fp32 gate GEMMs of other summation orders break
-differently); with more than 1 % of such rows the run stops.
+differently). Parameter gradients, matched by role (torchtitan's names read as ours, ``from_torchtitan``:
+the router's gate, each expert weight, the shared experts' weights), each rank's own experts (a layer holding
+all E experts on every rank, the one-GPU rows, has its expert gradients summed over the ranks first, as EP
+sums them): the relative error ||diff|| / ||ref|| of every parameter, which must stay within 5e-2 (bf16) or
+0.25 (FP8: the weight gradients' 21 dB gate, ``fp8_numerics.py``, is about 0.09; gross errors only), and
+the fraction of units (each expert's slice of an expert weight, every other parameter whole) whose own
+relative error exceeds that tolerance (one expert's gradient moves by about 1 / sqrt(its rows) when a row
+flips). A gradient missing (None) counts as zeros, so a candidate that skips weight-gradient work is off by
+1. With more than 1 % of rows off, a parameter off, or more than 1 % of units off, the run stops.
 
 Then the ceiling table, on the same GPU in the same run (N = 1, CUDA): the device-to-device copy
 bandwidth; each of the experts' six GEMMs (``benchmarks/expert_gemms.py``) in bf16 and in FP8 on the group
@@ -84,20 +93,24 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from expert_gemms import gemms, operands
 from older import config_in
 from shapes import SHAPES, Shape
 import spmdmoe
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
-from spmdmoe.moe.checkpoint import to_torchtitan
+from spmdmoe.moe.checkpoint import from_torchtitan, to_torchtitan
 from spmdmoe.moe.experts.fp8 import fp8_wgrad
 from timing import kernel_table, report, timed
 
 Fwd = Callable[[torch.Tensor], torch.Tensor]
 TOLERANCE = 2e-2  # relative error of one row (output or input gradient) in bf16
 TOLERANCE_FP8 = 0.25  # the same for FP8 rows against the bf16 reference (gross errors only)
-ROWS_OFF = 1e-2  # fraction of rows allowed beyond it (routing flips on near-ties)
+GRAD_TOLERANCE = 5e-2  # relative error of one parameter gradient unit (an expert's slice, or a parameter) in bf16
+GRAD_TOLERANCE_FP8 = 0.25  # the same for FP8 candidates against the bf16 reference (gross errors only)
+ROWS_OFF = 1e-2  # fraction of rows, and of gradient units, allowed beyond them (routing flips on near-ties)
+EXPERT_WEIGHTS = ("experts.w1", "experts.w2", "experts.w3")  # our names; (E or E / EP, ...) each
 
 
 class Candidate(NamedTuple):
@@ -196,18 +209,85 @@ def first_error(calls: list[Callable[[], object]]) -> Optional[str]:
     return error
 
 
-def compare(fwd: Fwd, ref: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, g: torch.Tensor,
-            tolerance: float = TOLERANCE) -> list[float]:
-    """Output and input gradient against ``ref``: [max abs diff, ||diff|| / ||ref||, fraction of rows
-    whose own relative error exceeds ``tolerance``], each the max over the two and over ranks."""
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: a DTensor's local shard; a wrapper subclass's (torchao's FP8 weights) inner tensor of
+    the same shape, where it has one."""
+    if isinstance(t, DTensor):
+        return t.to_local()
+    while type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        inner = [x for x in (getattr(t, n) for n in t.__tensor_flatten__()[0]) if x.shape == t.shape]
+        if not inner:
+            break
+        t = inner[0]
+    return t
+
+
+def param_grads(module: torch.nn.Module, num_experts: int, copy: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient under our names (torchtitan's read as ours, ``from_torchtitan``), the expert
+    weights' as this rank's slice of ``E / world`` experts (what EP holds): a layer holding all ``E`` experts on
+    each of several ranks (a one-GPU row) has its expert gradients summed over the ranks first, in fp32, as EP's
+    are (a collective: every rank calls this for the same modules in the same order). A missing gradient (None)
+    is zeros. The gradients themselves (no copy: compared at once, as ``compare`` does), or ``copy``: copies in
+    their own dtype (the reference's, kept while the other candidates step)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out = {}
+    for name, p in from_torchtitan(dict(module.named_parameters())).items():
+        g = torch.zeros(p.shape, device=p.device, dtype=p.dtype) if p.grad is None else plain(p.grad).detach()
+        if world > 1 and name.endswith(EXPERT_WEIGHTS) and p.shape[0] == num_experts:
+            g = g.float()  # a copy
+            dist.all_reduce(g)
+            e = num_experts // world
+            g = g[dist.get_rank() * e:(dist.get_rank() + 1) * e]
+        out[name] = g.clone() if copy else g
+    return out
+
+
+def relative(dn: torch.Tensor, bn: torch.Tensor) -> torch.Tensor:
+    """||diff|| / ||ref||, elementwise; 0 / 0 is 0 (equal), x / 0 is inf."""
+    return torch.where(bn > 0, dn / bn.clamp_min(torch.finfo(bn.dtype).tiny), torch.where(dn > 0, torch.inf, 0.0))
+
+
+def grad_errors(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tolerance: float) -> list[float]:
+    """Parameter gradients against ``ref`` (``param_grads``): [the largest ||diff|| / ||ref|| of one parameter,
+    the largest of one unit, the fraction of units whose own relative error exceeds ``tolerance``]. Units: each
+    expert's slice of an expert weight, every other parameter whole; a parameter missing on one side, or of
+    another shape, is off in every unit (relative error inf)."""
+    worst_param, worst_unit, units, off = 0.0, 0.0, 0, 0
+    for name in sorted(set(grads) | set(ref)):
+        a, b = grads.get(name), ref.get(name)
+        n = b.shape[0] if b is not None and name.endswith(EXPERT_WEIGHTS) else 1
+        if a is None or b is None or a.shape != b.shape:
+            worst_param = worst_unit = float("inf")
+            units, off = units + n, off + n
+            continue
+        a, b = a.float(), b.float()  # one parameter at a time in fp32
+        d = a - b
+        worst_param = max(worst_param, relative(d.norm(), b.norm()).item())
+        dn, bn = (d.flatten(1).norm(dim=1), b.flatten(1).norm(dim=1)) if n > 1 else (d.norm().view(1), b.norm().view(1))
+        worst_unit = max(worst_unit, relative(dn, bn).max().item())
+        off += int((~(dn <= tolerance * bn)).sum())  # NaN counts as off
+        units += n
+    return [worst_param, worst_unit, off / max(units, 1)]
+
+
+def compare(c: Candidate, ref: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], x: torch.Tensor,
+            g: torch.Tensor, num_experts: int) -> list[float]:
+    """One step of ``c`` (its gradients set to None first) against ``ref`` (output, input gradient, parameter
+    gradients): [max abs diff, ||diff|| / ||ref||, fraction of rows whose own relative error exceeds the row
+    tolerance], each the max over output and input gradient; then ``grad_errors`` of its parameter gradients
+    (the gradient tolerance); every figure the max over ranks."""
+    c.module.zero_grad(set_to_none=True)
     x.grad = None
-    y = fwd(x)
+    y = c.fwd(x)
     y.backward(g)
+    tolerance = TOLERANCE_FP8 if c.fp8 else TOLERANCE
     out = torch.zeros(3, dtype=torch.float64, device=x.device)
     for a, b in ((y.detach().float(), ref[0].float()), (x.grad.float(), ref[1].float())):
         d = a - b
         rows_off = (~(d.norm(dim=1) <= tolerance * b.norm(dim=1))).double().mean()  # NaN counts as off
         out = torch.maximum(out, torch.stack([d.abs().max(), d.norm() / b.norm(), rows_off]).double())
+    grads = grad_errors(param_grads(c.module, num_experts), ref[2], GRAD_TOLERANCE_FP8 if c.fp8 else GRAD_TOLERANCE)
+    out = torch.cat([out, torch.tensor(grads, dtype=torch.float64, device=x.device)])
     if dist.is_initialized():
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out.tolist()
@@ -232,10 +312,12 @@ def peak_gib(step: Callable[[], None], modules: list[torch.nn.Module], x: torch.
 def table(head: str, T: int, t: dict[str, float], mem: dict[str, float], cands: dict[str, Candidate],
           failed: dict[str, str], checks: dict[str, list[float]]) -> str:
     refs = [r for r in ("spmdmoe bf16 eager", "torchtitan bf16 compiled", "torchtitan FP8 compiled") if r in t]
-    worst = {fp8: max((c for n, c in checks.items() if cands[n].fp8 == fp8), key=lambda c: c[1], default=None)
-             for fp8 in (False, True)}
+    worst = {fp8: [max(c) for c in zip(*(c for n, c in checks.items() if cands[n].fp8 == fp8))] or None
+             for fp8 in (False, True)}  # each figure's worst over the candidates of that precision
     agreement = "; ".join(f"{'FP8' if fp8 else 'bf16'} rows vs torchtitan bf16 eager (output, input grad): rel error "
-                          f"<= {c[1]:.2g}, rows off by > {TOLERANCE_FP8 if fp8 else TOLERANCE}: <= {c[2]:.2%}"
+                          f"<= {c[1]:.2g}, rows off by > {TOLERANCE_FP8 if fp8 else TOLERANCE}: <= {c[2]:.2%}; "
+                          f"parameter gradients: rel error <= {c[3]:.2g} (worst unit <= {c[4]:.2g}), units off by > "
+                          f"{GRAD_TOLERANCE_FP8 if fp8 else GRAD_TOLERANCE}: <= {c[5]:.2%}"
                           for fp8, c in worst.items() if c is not None)
     lines = [head, agreement, "", "| candidate | fwd+bwd ms | tokens/s per GPU | step peak GiB | persistent FP8 GiB | "
              + " | ".join(f"speedup vs {r}" for r in refs) + " |", "|---|---|---|---|---|" + "---|" * len(refs)]
@@ -503,19 +585,25 @@ def main() -> None:
             compiled("base FP8 compiled, cached (b)", old, True, cache_gib=gib)
         titan_rows(True)
 
-    ref_fwd = cands.get("torchtitan bf16 eager", next(iter(cands.values()))).fwd
+    ref_c = cands.get("torchtitan bf16 eager", next(iter(cands.values())))
+    ref_c.module.zero_grad(set_to_none=True)  # the compile steps (first_step) left gradients on shared modules
     x.grad = None
-    y_ref = ref_fwd(x)
+    y_ref = ref_c.fwd(x)
     y_ref.backward(g)
-    ref = (y_ref.detach(), x.grad.detach().clone())
-    checks = {n: compare(c.fwd, ref, x, g, TOLERANCE_FP8 if c.fp8 else TOLERANCE) for n, c in cands.items()
-              if n != "torchtitan bf16 eager"}
-    for n, (abs_err, rel_err, off) in checks.items() if rank == 0 else ():
+    ref = (y_ref.detach(), x.grad.detach().clone(), param_grads(ref_c.module, E, copy=True))
+    checks = {n: compare(c, ref, x, g, E) for n, c in cands.items() if c is not ref_c}
+    for n, (abs_err, rel_err, off, grad_rel, unit_rel, units_off) in checks.items() if rank == 0 else ():
         print(f"{n} vs the reference (output, input grad): max abs diff {abs_err:.3g}, rel error {rel_err:.3g}, "
-              f"rows off by > {TOLERANCE_FP8 if cands[n].fp8 else TOLERANCE}: {off:.3%}", flush=True)
-    if bad := {n: c for n, c in checks.items() if not c[2] <= ROWS_OFF}:
-        sys.exit(f"vs_torchtitan: more than {ROWS_OFF:.0%} of rows differ from the reference beyond their row "
-                 f"tolerance: {bad} (max abs, rel, fraction of rows): not the same layer; not timing it")
+              f"rows off by > {TOLERANCE_FP8 if cands[n].fp8 else TOLERANCE}: {off:.3%}; parameter gradients: rel "
+              f"error {grad_rel:.3g} (worst unit {unit_rel:.3g}), units off by > "
+              f"{GRAD_TOLERANCE_FP8 if cands[n].fp8 else GRAD_TOLERANCE}: {units_off:.3%}", flush=True)
+    if bad := {n: c for n, c in checks.items()
+               if not (c[2] <= ROWS_OFF and c[3] <= (GRAD_TOLERANCE_FP8 if cands[n].fp8 else GRAD_TOLERANCE)
+                       and c[5] <= ROWS_OFF)}:
+        sys.exit(f"vs_torchtitan: more than {ROWS_OFF:.0%} of rows, or a parameter's gradient, or more than "
+                 f"{ROWS_OFF:.0%} of gradient units, differ from the reference beyond their tolerance: {bad} (max abs, "
+                 f"rel, fraction of rows; parameter gradients' worst rel, worst unit's rel, fraction of units): not "
+                 f"the same layer; not timing it")
 
     if args.smoke:
         if rank == 0:

@@ -12,6 +12,10 @@ gloo processes and checks that the three real ones give the same gradients. ``be
 ``benchmarks/vs_torchtitan.py --smoke --shared 1`` builds and steps every candidate at EP 2 (2 gloo processes)
 against torchtitan's layer. ``benchmarks/hf_model.py --smoke`` builds a tiny transformers Qwen3-MoE model, swaps a copy
 and checks the two losses agree.
+
+Each is a whole benchmark in subprocesses (minutes on a 2-core CPU, most of the single-process suite's time), so
+they are marked ``bench`` and left out of a plain ``pytest`` / ``make test`` (``addopts`` deselects the marker);
+``make test-bench`` runs them, and CI runs it once, on torch 2.13 (``.ci/run``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.bench
 
 
 @pytest.mark.timeout(300)

@@ -13,11 +13,14 @@ of them (``dynamic=True``: the token counts, the local rows and the global
 ``T``, are symbolic from the first call; with torch's default automatic
 dynamic shapes a rank compiles at most twice more, when it first sees its rows
 and ``T`` change), and the bias
-update after the steps must give the same ``expert_bias`` bitwise.
+update after the steps must give the same ``expert_bias`` bitwise. Neither forward may consult ``sync_grads``'
+call-site cache (``_steps_agree``). A step's assertions are agreed across ranks (``on_every_rank``): a failure on
+one rank fails the step on every rank, so no rank goes on into collectives its peers have left.
 """
 
 import copy
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from moe_plans import PLANS, build_plan, compile_backend, reference_moe
 from spmdmoe import SPMDTensor
 from spmdmoe.moe import MoEConfig
+from spmdmoe.moe.params import grads
 from spmdmoe.testing import all_ranks_agree, reference_tensor
 from spmdmoe.types import layout
 from test_moe_parity import close
@@ -88,6 +92,19 @@ def _compare(plan_name, options, dynamic, world, device, request, max_graphs=1):
     eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
     compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
     run = torch.compile(compiled, backend=compile_backend(device), fullgraph=True, dynamic=dynamic)
+    with mock.patch.object(grads, "_agreed_at_call_site", _no_lookup):
+        _steps_agree(plan_name, moe, eager, compiled, run, world, device, request, max_graphs)
+
+
+def _no_lookup(*args, **kwargs):
+    raise AssertionError("the layer's forward consulted sync_grads' call-site cache")
+
+
+def _steps_agree(plan_name, moe, eager, compiled, run, world, device, request, max_graphs):
+    """Every step of ``STEPS`` eager and compiled: equal results, at most ``max_graphs`` graphs, neither forward
+    reaching ``sync_grads``' call-site cache (the layer keeps the set of SP-replicated weights it agreed on when
+    wrapped as a plain attribute: the cache is keyed by ``id()`` of group and tensors, which torch 2.11's Dynamo
+    cannot trace)."""
     plan_rows = lambda total: build_plan(plan_name, moe, total, world, request, layer=eager).rows  # noqa: E731
     for i, total in enumerate(STEPS):
         X = reference_tensor((total, D), 100 + i, device=device)
@@ -112,32 +129,3 @@ def _compare(plan_name, options, dynamic, world, device, request, max_graphs=1):
     eager.update_expert_bias()
     compiled.update_expert_bias()
     on_every_rank(lambda: torch.testing.assert_close(compiled.expert_bias, eager.expert_bias, rtol=0, atol=0))
-
-
-@pytest.mark.parametrize("plan_name", ["sp", "sp_x_ep"])
-@torch._dynamo.config.patch(capture_scalar_outputs=True)  # restored after the test
-def test_the_traced_forward_reads_the_agreed_set_and_no_cache(world, device, request, monkeypatch, plan_name):
-    """The layer agreed which SP-replicated weights train when it was wrapped and keeps that set as a plain
-    attribute: neither its eager nor its compiled forward reaches ``sync_grads``' call-site cache (keyed by
-    ``id()`` of group and tensors, which torch 2.11's Dynamo cannot trace), and the compiled gradients are
-    eager's."""
-    from spmdmoe.moe.params import grads
-
-    def no_lookup(*args, **kwargs):
-        raise AssertionError("the layer's forward consulted sync_grads' call-site cache")
-
-    torch._dynamo.reset()
-    cfg = MoEConfig(dim=D, hidden_dim=16, num_experts=8, top_k=2, num_shared_experts=1)
-    moe = reference_moe(cfg, 5, device)
-    eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
-    compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request).layer
-    monkeypatch.setattr(grads, "_agreed_at_call_site", no_lookup)
-    run = torch.compile(compiled, backend=compile_backend(device), fullgraph=True, dynamic=True)
-    X = reference_tensor((STEPS[0], D), 7, device=device)
-    G = reference_tensor((STEPS[0], D), 8, device=device)
-    want = _step(build_plan(plan_name, moe, STEPS[0], world, request, layer=eager), eager, X, G)
-    got = _step(build_plan(plan_name, moe, STEPS[0], world, request, layer=compiled), run, X, G)
-    for name, a, b in zip(("output", "input gradient"), got, want):
-        close(a.reshape(-1), b.reshape(-1), name)
-    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
-        close(p.grad, q.grad, f"{name} gradient")
