@@ -266,8 +266,12 @@ def test_compiled_fp8_layer_follows_weight_changes():
     optimizer step or a ``.data`` edit between calls reaches the next call's output."""
     torch._dynamo.reset()
     _, fp8 = _layers()
-    run = torch.compile(fp8, backend=os.environ.get("FP8_TEST_BACKEND", "aot_eager"), fullgraph=True)
+    backend = os.environ.get("FP8_TEST_BACKEND", "aot_eager")
+    run = torch.compile(fp8, backend=backend, fullgraph=True)
     cache = fp8.experts.fp8_cache
+    # aot_eager runs eager's kernels: the current weights give eager's output bit for bit; inductor fuses (40 dB)
+    current = (lambda y: torch.equal(y, _fresh_output(fp8, x))) if backend == "aot_eager" else \
+        (lambda y: sqnr(y, _fresh_output(fp8, x)) >= 40)
     opt = torch.optim.SGD(fp8.parameters(), lr=10.0)
     x = torch.randn(27, D, generator=torch.Generator().manual_seed(8)).to(DEVICE, DTYPE)
 
@@ -280,12 +284,12 @@ def test_compiled_fp8_layer_follows_weight_changes():
         y = step()
         assert torch.equal(step(), y), "the same weights twice: the same output"
         assert cache.refreshes() == i + 1, f"step {i}: quantized {cache.refreshes()} times in all"
-        assert sqnr(y, _fresh_output(fp8, x)) >= 40, f"step {i}: not the current weights"
+        assert current(y), f"step {i}: not the current weights"
         opt.step()
         opt.zero_grad(set_to_none=True)
     fp8.experts.w2.data.mul_(2.0)
     y = step()
-    assert cache.refreshes() == 4 and sqnr(y, _fresh_output(fp8, x)) >= 40, "a .data edit"
+    assert cache.refreshes() == 4 and current(y), "a .data edit"
     assert len(_debug_get_cache_entry_list(type(fp8).forward.__code__)) == 1, "one graph"
 
 
