@@ -134,6 +134,10 @@ __all__ = [
     "verdict",
     "exchange_rows",
     "problems_error",
+    "check_payload",
+    "check_exchange",
+    "mixed_ops_error",
+    "raise_mixed_ops",
     "world_axis",
     "raise_problems",
     "alone",
@@ -334,6 +338,14 @@ def mixed_ops_error(op: str, heads: Sequence[Sequence[int]], details: Sequence[s
     return SPMDCollectiveError(f"{op}: {why}")
 
 
+def raise_mixed_ops(op: str, heads: Sequence[Sequence[int]], details: Sequence[str] = (),
+                    ranks: Optional[Sequence[int]] = None) -> None:
+    """Raise :func:`mixed_ops_error`'s error, if there is one."""
+    error = mixed_ops_error(op, heads, details, ranks)
+    if error is not None:
+        raise error
+
+
 def exchange_rows(axis: Optional[MeshAxis], row: Union[Sequence[int], torch.Tensor], op: str,
                   bits: Union[int, torch.Tensor] = 0) -> list[list[int]]:
     """Every rank's ``row`` (same length everywhere), in rank order: one check exchange, one host read.
@@ -350,9 +362,7 @@ def exchange_rows(axis: Optional[MeshAxis], row: Union[Sequence[int], torch.Tens
         torch.tensor([_int64(int(v)) for v in row], dtype=torch.int64, device=device)
     received = check_exchange(axis, check_payload(op, bits, mine.view(1, -1).expand(axis.size, -1)))
     table = to_host(received[:, :2 + mine.numel()])
-    error = mixed_ops_error(op, table, ranks=axis.ranks)
-    if error is not None:
-        raise error
+    raise_mixed_ops(op, table, ranks=axis.ranks)
     return [r[2:] for r in table]
 
 

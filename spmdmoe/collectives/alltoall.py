@@ -18,7 +18,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_to_all_single
-from ..agreement import BIT, Field, Problem, agree, check_exchange, check_payload, mixed_ops_error, raise_problems
+from ..agreement import (BIT, Field, Problem, agree, check_exchange, check_payload, raise_mixed_ops,
+                         raise_problems)
 from ..autograd import GRAD_LEAF, always_recorded, collective_op, written
 from ..host import to_host
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
@@ -178,14 +179,6 @@ def _counts_with_codes(counts_nW: torch.Tensor, code: Union[int, torch.Tensor], 
     return payload, check_exchange(axis, payload)
 
 
-def _heads_ok(op: str, heads: list[list[int]], details: Sequence[str], axis: MeshAxis) -> None:
-    """Raise on every rank when the received ``[tag, bits]`` heads name another exchange than ``op`` (ranks out
-    of step: :func:`spmdmoe.agreement.mixed_ops_error`)."""
-    error = mixed_ops_error(op, heads, details, axis.ranks)
-    if error is not None:
-        raise error
-
-
 def exchange_with_codes(
     counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis, op: str = "exchange_counts"
 ) -> tuple[list[int], list[int], list[int], torch.Tensor]:
@@ -201,7 +194,7 @@ def exchange_with_codes(
     width = counts_nW.shape[1]
     payload, received = _counts_with_codes(counts_nW, code, axis, op)
     mine, theirs = to_host(torch.stack([payload[:, :2 + width], received[:, :2 + width]]))
-    _heads_ok(op, theirs, [], axis)
+    raise_mixed_ops(op, theirs, ranks=axis.ranks)
     codes = [row[1] for row in theirs]
     return ([c for r in mine for c in r[2:]], [c for r in theirs for c in r[2:]], codes,
             received[:, 2:2 + width])
@@ -226,7 +219,7 @@ def exchange_split_sizes(
                               *(() if traced else (received[:, 0],))]))
     codes = host[2 * n + e:3 * n + e]
     if not traced:
-        _heads_ok("MoE dispatch", [list(h) for h in zip(host[3 * n + e:], codes)], details, axis)
+        raise_mixed_ops("MoE dispatch", list(zip(host[3 * n + e:], codes)), details, axis.ranks)
     return host[:n], host[n:2 * n], host[2 * n:2 * n + e], codes
 
 
