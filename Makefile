@@ -23,6 +23,7 @@ OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchti
 	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_benchmark_smoke \
 	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_compiled_blocks_benchmark_smoke
 OLD_DIST   ?= tests/distributed/test_compile_moe.py tests/distributed/test_compile_ep.py tests/distributed/test_grad_overlap.py \
+	tests/distributed/test_symmetric.py::test_compiled_matches_eager \
 	tests/distributed/test_torchtitan.py tests/distributed/test_transformers.py
 # torchtitan for the swap tests (tests/test_torchtitan.py; Python >= 3.11), without its training-only dependencies
 TORCHTITAN ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.0
@@ -32,11 +33,13 @@ TORCHTITAN_INSTALL = if $(VENV)/bin/python -c 'import sys; sys.exit(sys.version_
 # from_pretrained need, without its tokenizers and hub CLI dependencies
 TRANSFORMERS ?= transformers==5.24.0 huggingface_hub==1.33.0 regex==2026.11.19 pyyaml==6.0.4 safetensors==0.8.0 \
 	tqdm==4.70.1 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 idna==3.20 certifi==2026.10.19.post1 packaging
+# pytest-xdist workers for the single-process suite: one a core, at most 8 (each imports torch)
+JOBS     ?= $(shell $(PYTHON) -c 'import os; print(min(8, len(os.sched_getaffinity(0))))')
 PY       := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 PYTEST   := -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-single test-dist test-bench test-torch-new test-torch-old clean
+.PHONY: demo test test-single test-dist test-bench test-compile test-torch-new test-torch-old clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,7 +56,7 @@ demo: $(VENV)/.installed
 test: test-single test-dist
 
 test-single: $(VENV)/.installed
-	$(PY) $(PYTEST)
+	$(PY) $(PYTEST) -n $(JOBS)
 
 test-dist: $(VENV)/.installed
 	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) tests/distributed
@@ -63,6 +66,11 @@ test-dist: $(VENV)/.installed
 test-bench: $(VENV)/.installed
 	$(PY) $(PYTEST) -m bench tests/test_benchmark_smoke.py
 
+# The whole 4-process compiled-vs-eager matrix (marker compile_matrix: every plan and transport, torch's default
+# shapes; plain pytest keeps one case per transport): minutes on 2 cores. CI runs it in the torch-2.11 leg.
+test-compile: $(VENV)/.installed
+	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) -m compile_matrix tests/distributed
+
 # The single-process suite (the examples' clean exit included) on the newest supported torch, in its own venv.
 test-torch-new:
 	$(MAKE) test-single VENV=$(VENV_NEW) TORCH="$(TORCH_NEW)" TORCHTITAN=
@@ -70,8 +78,8 @@ test-torch-new:
 # The tests that trace, and the torchtitan tests, on the oldest supported torch, in its own venv.
 test-torch-old:
 	$(MAKE) $(VENV_OLD)/.installed VENV=$(VENV_OLD) TORCH="$(TORCH_OLD)"
-	$(VENV_OLD)/bin/python $(PYTEST) -m "" $(OLD_SINGLE)
-	$(VENV_OLD)/bin/torchrun --nproc-per-node 4 $(PYTEST) $(OLD_DIST)
+	$(VENV_OLD)/bin/python $(PYTEST) -n $(JOBS) -m "" $(OLD_SINGLE)
+	$(VENV_OLD)/bin/torchrun --nproc-per-node 4 $(PYTEST) -m "not bench" $(OLD_DIST)
 
 clean:
 	rm -rf $(VENV) $(VENV_NEW) $(VENV_OLD) build *.egg-info

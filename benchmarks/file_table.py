@@ -6,7 +6,7 @@
 ``rows.md`` holds ``| file | passed | failed | errors | skipped | s |`` for every file seen so far (seconds: the
 sum of its tests' set-up, call and tear-down), the package's doctests one row; rewritten (atomically) after each test's report and each failed
 collection, so a run killed at its time limit still leaves the rows of what ran; ``rows.md.now`` names the test
-in progress (or ``finished, exit status N``). Under ``torchrun`` rank 0 writes them (the distributed tests'
+in progress (or ``finished, exit status N``). Under ``torchrun`` rank 0 writes them, under pytest-xdist the controller (the distributed tests'
 verdicts are collective; ``tests/distributed/conftest.py`` echoes another rank's own failures). Without
 ``FILE_TABLE`` it does nothing. ``tests/distributed/conftest.py``'s ``SPMDMOE_FILE_TABLE`` writes its rows at
 the session's end only: this one is for runs of many files under one time limit.
@@ -22,7 +22,10 @@ KEYS = ("passed", "failed", "errors", "skipped")
 
 
 def _path() -> str:
-    return os.environ.get("FILE_TABLE", "") if os.environ.get("RANK", "0") == "0" else ""
+    # under torchrun rank 0 writes; under pytest-xdist the controller (it sees every worker's reports), no worker
+    if os.environ.get("RANK", "0") != "0" or "PYTEST_XDIST_WORKER" in os.environ:
+        return ""
+    return os.environ.get("FILE_TABLE", "")
 
 
 def _write(path: str, text: str) -> None:

@@ -24,6 +24,11 @@ collect_ignore = [] if "WORLD_SIZE" in os.environ else ["distributed"]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# under pytest-xdist (``make test`` runs ``-n``), the cores shared among the workers: torch's default (a thread a
+# core in every worker) oversubscribes them, and OpenMP's spinning threads made some tests 10x slower on 2 cores
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture
 def torchrun_job():

@@ -8,7 +8,8 @@ fp32 grouped GEMM is a masked loop and inductor fuses differently), compile
 one graph (``dynamic=True``; torch's default automatic dynamic shapes compile
 at most one more, at the first change), count the load once per step, and
 count it once under activation checkpointing too (the recompute runs the
-forward again; the counts are added by the backward).
+forward again; the counts are added by the backward), and trace the block once (no second attempt: under
+``dynamic=True`` a Python test of a config float made Dynamo specialise it and trace everything again).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ D = 16
 
 
 class Block(nn.Module):
-    def __init__(self, checkpointed: bool = False):
+    def __init__(self, checkpointed: bool = False, route_scale: float = 1.0):
         super().__init__()
         self.norm = nn.Linear(D, D, bias=False)  # a dense op before the layer (its gradient crosses it)
         self.moe = MoE(MoEConfig(dim=D, hidden_dim=8, num_experts=4, top_k=2, num_shared_experts=1,
-                                 aux_loss_coeff=0.01, load_balance_coeff=1e-3))
+                                 aux_loss_coeff=0.01, load_balance_coeff=1e-3, route_scale=route_scale))
         self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,21 +57,29 @@ def _run(block: nn.Module, fn, total: int, seed: int):
     return [y.detach(), x.grad, block.moe.aux_loss.detach()] + [p.grad for p in block.parameters()]
 
 
-@pytest.mark.parametrize("backend,dynamic,checkpointed", [
-    ("aot_eager", True, False), ("inductor", True, False), ("aot_eager", None, False), ("aot_eager", True, True),
+@pytest.mark.parametrize("backend,dynamic,checkpointed,route_scale", [
+    ("aot_eager", True, False, 1.0), ("inductor", True, False, 2.5), ("aot_eager", None, False, 1.0),
+    ("aot_eager", True, True, 1.0),
 ])
-def test_compiled_block_matches_eager(backend, dynamic, checkpointed):
+def test_compiled_block_matches_eager(backend, dynamic, checkpointed, route_scale):
     torch._dynamo.reset()
     # the layer sets aux_loss and records problem bits in its forward: under compile, checkpointing needs
     # leave not to replay those side effects in the recompute (replaying them changes nothing: the
     # recompute's aux_loss is unused, the bits are OR-ed, the counts are added by the backward)
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
-        _compare(backend, dynamic, checkpointed)
+        _compare(backend, dynamic, checkpointed, route_scale=route_scale)
 
 
-def _compare(backend, dynamic, checkpointed, device="cpu", dtype=torch.float32, tol=1e-5):
+def _retraces() -> int:
+    """How many times Dynamo has restarted a frame's analysis so far (a second, third ... attempt)."""
+    return sum(len(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()
+               if k.startswith("compile_attempt_") and k != "compile_attempt_0")
+
+
+def _compare(backend, dynamic, checkpointed, device="cpu", dtype=torch.float32, tol=1e-5, route_scale=1.0):
     torch.manual_seed(0)
-    eager = Block(checkpointed).to(device=device, dtype=dtype)
+    retraces = _retraces()
+    eager = Block(checkpointed, route_scale).to(device=device, dtype=dtype)
     compiled = copy.deepcopy(eager)
     run = torch.compile(compiled, backend=backend, fullgraph=True, dynamic=dynamic)
     for i, total in enumerate(STEPS):
@@ -85,6 +94,7 @@ def _compare(backend, dynamic, checkpointed, device="cpu", dtype=torch.float32, 
         # T = 2 may specialise (0 and 1 do), so the default mode may compile for it too
         limit = 1 if dynamic else 3
         assert _graphs() <= limit, f"step {i} (T={total}): {_graphs()} graphs"
+    assert _retraces() == retraces, "Dynamo traced the block twice (a restarted analysis: TORCH_LOGS=dynamo says why)"
     eager.moe.update_expert_bias()
     compiled.moe.update_expert_bias()
     assert torch.equal(compiled.moe.expert_bias, eager.moe.expert_bias)

@@ -82,10 +82,13 @@ def test_quantize_rows(R, C, dtype, cut):
         torch.testing.assert_close(s[:n] * 448, x[:n].float().abs().amax(1).clamp(min=1e-12), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sizes,extra,A,B", GROUPS)
-@pytest.mark.parametrize("tiles", ["default", "narrow", "narrow, all split"])
-def test_quantize_cols_pair(sizes, extra, A, B, dtype, tiles, monkeypatch):
+# the default tiles in both dtypes; the narrow ones (many programs: the interpreter's time) in one dtype per group
+COLS_CASES = ([("default", g, d) for g in GROUPS for d in DTYPES]
+              + [(t, g, DTYPES[i % 2]) for t in ("narrow", "narrow, all split") for i, g in enumerate(GROUPS)])
+
+
+@pytest.mark.parametrize("tiles,group,dtype", COLS_CASES)
+def test_quantize_cols_pair(group, dtype, tiles, monkeypatch):
     """The default split rule gives a mix ([3, 0, 17, 5]: the 17-row group is split, the others are cast whole by
     one program). ``narrow``: tiles of few rows and columns, so a split group spans many tiles dealt to three
     row programs, the cast pass splits a split group's rows in three parts, and its grid takes the other
@@ -101,6 +104,7 @@ def test_quantize_cols_pair(sizes, extra, A, B, dtype, tiles, monkeypatch):
         monkeypatch.setitem(fp8_cols.CAST_CONFIG, "block_c", 8)
     if tiles == "narrow, all split":
         monkeypatch.setattr(fp8_cols, "SPLIT_ABOVE", 0)
+    sizes, extra, A, B = group
     gen = torch.Generator().manual_seed(sum(sizes) * 31 + A * 7 + B)
     R, e = sum(sizes) + extra, len(sizes)
     a = _rows_input(R, A, dtype, gen)
@@ -218,16 +222,22 @@ def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monk
         assert over[valid:].isnan().all(), f"in place {impl}: rows past valid written"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("e,A,C", [(3, 33, 20), (2, 16, 70), (0, 4, 4), (1, 5, 1), (2, 300, 9), (2, 40, 700),
-                                   (1, 1100, 3)]
-                         + ([(4, 2816, 2048), (3, 2048, 1408)] if DEVICE == "cuda" else []))
+# (e, A, C, dtype): the small shapes in both dtypes; the larger ones, where the CPU interpreter spends its time,
+# in one dtype each (the dtype changes the loads, not the loops)
+WEIGHT_PAIRS = ([(3, 33, 20), (2, 16, 70), (0, 4, 4), (1, 5, 1)]
+                + ([(4, 2816, 2048), (3, 2048, 1408)] if DEVICE == "cuda" else []))
+WEIGHT_PAIRS = ([s + (d,) for s in WEIGHT_PAIRS for d in DTYPES]
+                + [(2, 300, 9, torch.bfloat16), (2, 40, 700, torch.float32), (1, 290, 3, torch.bfloat16)])
+
+
+@pytest.mark.parametrize("e,A,C,dtype", WEIGHT_PAIRS)
 @pytest.mark.parametrize("narrow", [False, True])
 def test_quantize_weight_pair(e, A, C, dtype, narrow, monkeypatch):
     """Both layouts of a weight (rowwise, and the transpose per column without a transposing copy) equal the
     rowwise quantizer on ``w`` and on the transposed copy bit for bit: rows and columns of every magnitude
-    (huge, tiny, all zero), more rows than one program takes (A = 1100); ``narrow``: launch configurations
-    with tiles narrower than the rows (the two-read path) and few rows per program."""
+    (huge, tiny, all zero), more rows than one program takes (A = 290: 10 programs of the rows pass, 3 blocks
+    of the columns pass, the last partial); ``narrow``: launch configurations with tiles narrower than the rows
+    (the two-read path) and few rows per program."""
     from spmdmoe.kernels import fp8_weights
     if narrow:
         monkeypatch.setattr(fp8_weights, "ROWS_CONFIG", {16: (8, 4, 4)})

@@ -12,6 +12,7 @@ from spmdmoe.testing import reference_tensor
 from test_compile_moe import D, STEPS, SYNC_FREE, _compare, _step
 
 
+@pytest.mark.compile_matrix
 @pytest.mark.parametrize("options", [{}, SYNC_FREE], ids=["sync", "sync_free"])
 def test_compiled_ep_with_torchs_default_shapes(world, device, request, options):
     """``torch.compile``'s default (``dynamic=None``): the first graph has static sizes (inductor on CUDA
@@ -20,6 +21,7 @@ def test_compiled_ep_with_torchs_default_shapes(world, device, request, options)
     _compare("ep", options, None, world, device, request, max_graphs=3)
 
 
+@pytest.mark.compile_matrix
 @torch._dynamo.config.patch(capture_scalar_outputs=True)  # restored after the test
 def test_compiled_sync_ep_zero_fills_no_row_buffer(world, device, request):
     """The sync EP transport's buffers are sized by the exchanged counts (data-dependent under compile) and

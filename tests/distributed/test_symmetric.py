@@ -192,6 +192,7 @@ def test_skewed_routing(world, device, request, peers, case, nan_empty):
     plan.layer.check_capacity()
 
 
+@pytest.mark.compile_matrix  # on gloo the transport is emulated; plain pytest compiles it in the two tests below
 @pytest.mark.parametrize("plan_name", ["ep", "sp_ep"])
 def test_compiled_matches_eager(world, device, request, peers, plan_name):
     """``torch.compile(fullgraph=True)`` over the symmetric transport's custom ops (``test_compile_moe``'s

@@ -103,7 +103,9 @@ def aux_loss(scores_TE: torch.Tensor, total_counts_E: torch.Tensor, top_k: int, 
     copies = total_counts_E.sum().clamp(min=1).to(torch.float32)
     f_E = total_counts_E.to(torch.float32) / copies
     P_E = scores_TE.sum(dim=0) / (copies / top_k)
-    return coeff * total_counts_E.numel() * (f_E * P_E).sum()
+    # the tensor first: compiled with dynamic=True ``coeff`` is a symbolic float, and float arithmetic on it
+    # outside a tensor op made torch 2.11's Dynamo specialise it and trace the layer a second time
+    return (f_E * P_E).sum() * total_counts_E.numel() * coeff
 
 
 @torch.no_grad()

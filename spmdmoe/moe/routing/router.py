@@ -80,7 +80,9 @@ def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, expert_bias_E: torch.Tensor
     weights_TK = scores_TE.gather(1, ids_TK)
     if config.route_norm:
         weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    if config.route_scale != 1.0:
+    # compiled, always: under dynamic=True route_scale is a symbolic float, and a test of its value would make
+    # Dynamo specialise it and trace the whole layer a second time (x * 1.0 is exact; the multiply fuses)
+    if torch.compiler.is_compiling() or config.route_scale != 1.0:
         weights_TK = weights_TK * config.route_scale
     return Routing(ids_TK, weights_TK, scores_TE, logits_TE)
 
