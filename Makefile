@@ -56,7 +56,7 @@ demo: $(VENV)/.installed
 test: test-single test-dist
 
 test-single: $(VENV)/.installed
-	$(PY) $(PYTEST) -n $(JOBS)
+	$(PY) $(PYTEST) -n $(JOBS) --dist worksteal
 
 test-dist: $(VENV)/.installed
 	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) tests/distributed
@@ -69,6 +69,7 @@ test-bench: $(VENV)/.installed
 # The whole 4-process compiled-vs-eager matrix (marker compile_matrix: every plan and transport, torch's default
 # shapes; plain pytest keeps one case per transport): minutes on 2 cores. CI runs it in the torch-2.11 leg.
 test-compile: $(VENV)/.installed
+	$(PY) $(PYTEST) -m compile_matrix tests/test_compile_moe.py
 	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) -m compile_matrix tests/distributed
 
 # The single-process suite (the examples' clean exit included) on the newest supported torch, in its own venv.
