@@ -34,7 +34,7 @@ TORCHTITAN_INSTALL = if $(VENV)/bin/python -c 'import sys; sys.exit(sys.version_
 TRANSFORMERS ?= transformers==5.24.0 huggingface_hub==1.33.0 regex==2026.11.19 pyyaml==6.0.4 safetensors==0.8.0 \
 	tqdm==4.70.1 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 idna==3.20 certifi==2026.10.19.post1 packaging
 # pytest-xdist workers for the single-process suite: one a core, at most 8 (each imports torch)
-JOBS     ?= $(shell $(PYTHON) -c 'import os; print(min(8, len(os.sched_getaffinity(0))))')
+JOBS     ?= $(shell $(PYTHON) -c 'import os; print(min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))')
 PY       := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 PYTEST   := -m pytest -q -p no:cacheprovider

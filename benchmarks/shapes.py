@@ -23,6 +23,7 @@ class Shape(NamedTuple):
 
 
 SHAPES: dict[str, Shape] = {
+    "dsv3-debug": Shape(256, 256, 8, 3, 4096, "torchtitan's DeepSeek-V3 debug model"),
     "dsmoe16b": Shape(2048, 1408, 64, 6, 16384, "DeepSeek-MoE-16B"),
     "dsmoe16b-64k": Shape(2048, 1408, 64, 6, 65536, "DeepSeek-MoE-16B"),
     "qwen3-30b": Shape(2048, 768, 128, 8, 16384, "Qwen3-30B-A3B"),

@@ -27,7 +27,8 @@ if not torch.cuda.is_available():
 # under pytest-xdist (``make test`` runs ``-n``), the cores shared among the workers: torch's default (a thread a
 # core in every worker) oversubscribes them, and OpenMP's spinning threads made some tests 10x slower on 2 cores
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ gloo processes and checks that the three real ones give the same gradients. ``be
 --smoke`` runs its layer study (every fast-accumulation setting against fp64) at a tiny shape.
 ``benchmarks/vs_torchtitan.py --smoke --shared 1`` builds and steps every candidate at EP 2 (2 gloo processes)
 against torchtitan's layer. ``benchmarks/hf_model.py --smoke`` builds a tiny transformers Qwen3-MoE model, swaps a copy
-and checks the two losses agree.
+and checks the two losses agree. ``benchmarks/host_cost.py --smoke`` counts each EP layer's ATen ops a step.
 
 Each is a whole benchmark in subprocesses (minutes on a 2-core CPU, most of the single-process suite's time), so
 they are marked ``bench`` and left out of a plain ``pytest`` / ``make test`` (``addopts`` deselects the marker);
@@ -21,6 +21,7 @@ they are marked ``bench`` and left out of a plain ``pytest`` / ``make test`` (``
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -71,6 +72,19 @@ def test_vs_torchtitan_ep_benchmark_smoke():
     assert "'spmdmoe bf16 eager, one GPU (all experts here, no EP)'" in done, out.stdout[-2000:]
     assert "'spmdmoe FP8 eager, cached (b), one GPU (all experts here, no EP)'" in done, out.stdout[-2000:]
     assert "'spmdmoe" not in done.partition("failed")[2], done
+
+
+@pytest.mark.timeout(200)
+def test_host_cost_benchmark_smoke():
+    """``benchmarks/host_cost.py --smoke`` on 2 gloo processes: torchtitan's EP layer and ours (sync, sync-free)
+    each step, and their ATen ops a step are counted (the GPU columns are CUDA-only)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(ROOT / "benchmarks" / "host_cost.py"), "--smoke"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    for row in ("torchtitan MoE", "ours, EP 2 sync", "ours, EP 2 sync_free (no max_tokens)"):
+        assert re.search(rf"\| {re.escape(row)} \| [1-9][0-9]* ATen ops \|", out.stdout), out.stdout[-2000:]
 
 
 @pytest.mark.timeout(300)

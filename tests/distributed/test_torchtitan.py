@@ -124,6 +124,7 @@ def test_ep_swap_of_a_cpu_built_initialised_model_shards_its_weights(device):
     _ep_parity(ref, ours)
 
 
+@pytest.mark.compile_matrix  # 45 s of 4 processes tracing on 2 cores: the torch-2.11 leg and the GPU run it
 def test_ep_swapped_model_compiled_per_block_matches_eager(device):
     """torchtitan's per-block compile (``apply_compile``: each block ``compile(fullgraph=True)``, scalar outputs
     captured; inductor on NCCL, ``aot_eager`` on gloo) of a model swapped with EP = n by hand: three training

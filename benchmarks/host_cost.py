@@ -1,0 +1,166 @@
+"""Host cost of one MoE layer step (forward + backward, eager), ours next to torchtitan 0.3.0's MoE.
+
+    torchrun --nproc-per-node 1 benchmarks/host_cost.py [--shape dsv3-debug] [--tokens 1024,4096,16384] [--out FILE]
+    torchrun --nproc-per-node N benchmarks/host_cost.py ...     # EP over the N GPUs
+    torchrun --nproc-per-node 2 benchmarks/host_cost.py --smoke # CPU (gloo), tiny: the op counts, no timing
+
+Per candidate and token count (T tokens a rank, bf16, the same weights; columns):
+
+* host us: the host time to issue one step (``timing.host_us``: 200 steps back to back, no device wait, max over
+  ranks). When it exceeds the GPU time, the step is host-bound and this is its time;
+* GPU ms: the step's time with the device waited for (``timing.timed``: CUDA events, candidates interleaved, median);
+* launches: kernel launches and async copies/fills a step (the CUDA runtime and driver calls in ``torch.profiler``);
+* ops: ATen ops dispatched a step (a ``TorchDispatchMode`` counting every op that reaches the kernels' level,
+  autograd's included): on a GPU each is at least one launch or host work.
+
+Candidates: torchtitan's MoE (its all-to-all dispatcher on an "ep" mesh at N > 1); ours ``parallelize_moe`` with
+EP over the ranks, ``ep_mode`` "sync" and "sync_free" (as a user's first call writes it: no ``max_tokens``); at
+N = 1 also the plain ``MoE`` (no parallel wrapper). The DeepSeek-V3 debug shape (``dsv3-debug``: 256 / 256 / 8 / 3,
+two shared experts' worth of hidden units) is the torchtitan debug model's MoE; ``--shape dsmoe16b --tokens 4096``
+the 16B shape at 4k tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(__file__))
+from shapes import SHAPES, Shape  # noqa: E402
+from timing import host_us, report, timed  # noqa: E402
+from vs_torchtitan import build_torchtitan, on_backend  # noqa: E402
+
+from spmdmoe.moe import MoE, MoEConfig, parallelize_moe  # noqa: E402
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
+            "cudaMemsetAsync")
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(step: Callable[[], None]) -> int:
+    step()
+    with _Ops() as mode:
+        step()
+    return mode.count
+
+
+def launches_per_step(step: Callable[[], None], steps: int = 3) -> float:
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.name in LAUNCHES) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="dsv3-debug", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", default="1024,4096,16384", help="tokens a rank, comma-separated")
+    ap.add_argument("--shared", type=int, default=None, help="shared experts (of F each); default: the debug "
+                    "model's 2 at dsv3-debug, else 0")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    try:
+        from torchtitan.distributed.spmd_types import set_spmd_meshes
+    except ImportError as exc:
+        print(f"host_cost: torchtitan is not importable ({exc}): `pip install --no-deps .whl/*.whl`. Nothing "
+              "measured.", flush=True)
+        return
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch 2.11 lacks it; its EP dispatcher calls it
+        torch.compiler._is_non_strict_tracing = lambda: False  # type: ignore[attr-defined]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.smoke:
+        device, dtype, shape, tokens = torch.device("cpu"), torch.float32, Shape(32, 16, 8, 2, 0, "smoke"), [37]
+    else:
+        torch.cuda.set_device(local)
+        device, dtype, shape = torch.device("cuda", local), torch.bfloat16, SHAPES[args.shape]
+        tokens = [int(t) for t in args.tokens.split(",")]
+    dist.init_process_group("gloo" if args.smoke else "nccl", device_id=None if args.smoke else device)
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh)
+    shared = args.shared if args.shared is not None else (2 if args.shape == "dsv3-debug" else 0)
+    cfg = MoEConfig(dim=shape.D, hidden_dim=shape.F, num_experts=shape.E, top_k=shape.K, load_balance_coeff=1e-3,
+                    num_shared_experts=shared)
+    torch.manual_seed(0)
+    state = {k: v.detach().clone() for k, v in MoE(cfg).to(device=device, dtype=dtype).state_dict().items()}
+
+    def ours(ep: bool = True, **options: object) -> torch.nn.Module:
+        m = MoE(cfg).to(device=device, dtype=dtype)
+        m.load_state_dict(state)
+        return parallelize_moe(m, ep_mesh=dist.group.WORLD, **options) if ep else m
+
+    layers: dict[str, torch.nn.Module] = {
+        "torchtitan MoE": build_torchtitan(cfg, state, dtype, device, mesh if world > 1 else None),
+        f"ours, EP {world} sync": ours(),
+        f"ours, EP {world} sync_free (no max_tokens)": ours(ep_mode="sync_free"),
+    }
+    if world == 1:
+        layers["ours, plain MoE (no parallel wrapper)"] = ours(ep=False)
+    lines = [f"host cost of one layer step (forward + backward, eager), {shape.D} / {shape.F} / {shape.E} / "
+             f"{shape.K}, {shared} shared, {world} rank(s), {dtype}, torch {torch.__version__}, "
+             f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}"]
+    for T in tokens:
+        gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
+        x = torch.randn(T, shape.D, device=device, dtype=dtype, generator=gen).requires_grad_()
+        g = torch.randn(T, shape.D, device=device, dtype=dtype, generator=gen)
+
+        def step_of(name: str, layer: torch.nn.Module) -> Callable[[], None]:
+            fwd = layer
+            if name.startswith("torchtitan"):
+                fwd = lambda t: layer(t.view(1, T, -1)).view(T, -1)  # noqa: E731  (it takes (B, L, D))
+                if args.smoke and world > 1:  # its default backend's all-to-all is uneven: not on gloo
+                    fwd = on_backend("partial_dtensor", fwd)
+
+            def step() -> None:
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
+                fwd(x).backward(g)
+            return step
+
+        steps = {name: step_of(name, layer) for name, layer in layers.items()}
+        ops = {name: ops_per_step(s) for name, s in steps.items()}
+        lines.append(f"\nT = {T} tokens a rank")
+        if args.smoke:
+            lines += [f"| {name} | {ops[name]} ATen ops |" for name in steps]
+            continue
+        gpu = timed(steps, iters=5, reps=9)
+        host = {name: host_us(s, calls=100) for name, s in steps.items()}
+        launches = {name: launches_per_step(s) for name, s in steps.items()}
+        base = host["torchtitan MoE"]
+        lines.append("| candidate | host us | GPU ms | host-bound | launches | ATen ops | host vs torchtitan |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for name in steps:
+            lines.append(f"| {name} | {host[name]:.0f} | {gpu[name]:.3f} | {'yes' if host[name] / 1e3 > gpu[name] else 'no'}"
+                         f" | {launches[name]:.0f} | {ops[name]} | {host[name] / base:.2f}x |")
+    if dist.get_rank() == 0:
+        report("\n".join(lines), args.out)
+
+
+if __name__ == "__main__":
+    import spmdmoe
+
+    main()
+    spmdmoe.shutdown(0)  # flush, tear the groups down, leave: no gloo exit abort
