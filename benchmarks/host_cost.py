@@ -6,7 +6,7 @@
 
 Per candidate and token count (T tokens a rank, bf16, the same weights; columns):
 
-* host us: the host time to issue one step (``timing.host_us``: 200 steps back to back, no device wait, max over
+* host us: the host time to issue one step (``timing.host_us``: 100 steps back to back, no device wait, max over
   ranks). When it exceeds the GPU time, the step is host-bound and this is its time;
 * GPU ms: the step's time with the device waited for (``timing.timed``: CUDA events, candidates interleaved, median);
 * launches: kernel launches and async copies/fills a step (the CUDA runtime and driver calls in ``torch.profiler``);
@@ -23,7 +23,6 @@ the 16B shape at 4k tokens.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 from typing import Callable
@@ -35,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(__file__))
 from shapes import SHAPES, Shape  # noqa: E402
 from timing import host_us, report, timed  # noqa: E402
-from vs_torchtitan import build_torchtitan, on_backend  # noqa: E402
+from vs_torchtitan import build_torchtitan, on_backend, torchtitan_ready  # noqa: E402
 
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe  # noqa: E402
 
@@ -80,15 +79,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    try:
-        from torchtitan.distributed.spmd_types import set_spmd_meshes
-    except ImportError as exc:
-        print(f"host_cost: torchtitan is not importable ({exc}): `pip install --no-deps .whl/*.whl`. Nothing "
-              "measured.", flush=True)
+    if not torchtitan_ready("host_cost"):
         return
-    if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch 2.11 lacks it; its EP dispatcher calls it
-        torch.compiler._is_non_strict_tracing = lambda: False  # type: ignore[attr-defined]
     from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.spmd_types import set_spmd_meshes
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.smoke:

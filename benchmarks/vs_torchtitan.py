@@ -121,6 +121,20 @@ class Candidate(NamedTuple):
     cache_gib: float = 0.0  # persistent FP8 weight bytes
 
 
+def torchtitan_ready(script: str) -> bool:
+    """Whether torchtitan imports (if not, ``script`` says so: nothing measured); on torch 2.11, which lacks
+    ``torch.compiler._is_non_strict_tracing``, a stand-in for it (torchtitan's EP dispatcher calls it)."""
+    try:
+        import torchtitan.distributed.spmd_types  # noqa: F401
+    except ImportError as exc:
+        print(f"{script}: torchtitan is not importable ({exc}); install the benchmark extra with "
+              "`pip install --no-deps .whl/*.whl`. Nothing measured.", flush=True)
+        return False
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        torch.compiler._is_non_strict_tracing = lambda: False  # type: ignore[attr-defined]
+    return True
+
+
 def build_torchtitan(cfg: MoEConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
                      device: torch.device, ep_mesh: Any, fp8: bool = False) -> torch.nn.Module:
     """torchtitan's MoE with ``state`` (our names) loaded, parameters in ``dtype``, buffers fp32; ``fp8``: its
@@ -435,14 +449,10 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base`, an older spmdmoe renamed "
                     "(benchmarks/base_copy.sh): its bf16 and FP8 layers (eager, compiled) join the rotation")
     args = ap.parse_args()
-    try:
-        from torchtitan.distributed.spmd_types import set_spmd_meshes
-    except ImportError as exc:
-        print(f"vs_torchtitan: torchtitan is not importable ({exc}); install the benchmark extra with "
-              "`pip install --no-deps .whl/*.whl`. Nothing measured.", flush=True)
+    if not torchtitan_ready("vs_torchtitan"):
         return
-    if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch 2.11 lacks it; its EP dispatcher calls it
-        torch.compiler._is_non_strict_tracing = lambda: False  # type: ignore[attr-defined]
+    from torchtitan.distributed.spmd_types import set_spmd_meshes
+
     torch._dynamo.config.capture_scalar_outputs = True  # as torchtitan's trainer sets it
     torch._dynamo.config.cache_size_limit = 64  # several layers of one class compiled in one process
 
