@@ -3,6 +3,7 @@ see the op whole (``torch.compile``, a dispatch mode); eagerly it runs directly.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import torch
@@ -44,7 +45,7 @@ def test_eager_call_skips_the_custom_op():
     assert torch.equal(twice(x), x * 2)
     switches.clear()
     switch(x)
-    switch.op(x)
+    switch.custom_op()(x)
     assert [through for through, _ in switches] == [False, True]
 
 
@@ -53,7 +54,7 @@ def test_eager_call_launches_as_the_op_does():
     higher-order op (slow, and filed in a side table never cleared)."""
     switches.clear()
     switch(torch.arange(4.0))
-    switch.op(torch.arange(4.0))
+    switch.custom_op()(torch.arange(4.0))
     assert [on for _, on in switches] == [False, False]
 
 
@@ -85,13 +86,48 @@ def test_a_dispatch_mode_sees_the_custom_op():
     assert mode.ops == ["spmdmoe_test.twice.default"], mode.ops
 
 
-def test_compile_traces_the_custom_op():
-    graphs = []
+def _graph_targets(f, x: torch.Tensor) -> list[str]:
+    graphs: list[list[str]] = []
 
     def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
         graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
         return gm
 
-    compiled = torch.compile(lambda x: twice(x) + 1, backend=backend, fullgraph=True)
-    assert torch.equal(compiled(torch.arange(4.0)), torch.arange(4.0) * 2 + 1)
-    assert len(graphs) == 1 and any("spmdmoe_test.twice" in t for t in graphs[0]), graphs
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x), f(x))
+    assert len(graphs) == 1, graphs
+    return graphs[0]
+
+
+def test_compile_traces_the_custom_op():
+    twice.custom_op()  # registered at import on CUDA hosts, else at first need
+    targets = _graph_targets(lambda x: twice(x) + 1, torch.arange(4.0))
+    assert any("spmdmoe_test.twice" in t for t in targets), targets
+
+
+def test_compile_before_the_op_exists_traces_the_launcher():
+    """Off CUDA the op is registered at its first need, never inside a trace: Dynamo traces the launcher."""
+
+    @kernel_op("spmdmoe_test::thrice")
+    def thrice(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    targets = _graph_targets(lambda x: thrice(x) + 1, torch.arange(4.0))
+    if torch.cuda.is_available():
+        assert any("spmdmoe_test.thrice" in t for t in targets), targets
+    else:
+        assert not any("thrice" in t for t in targets) and any("mul" in t for t in targets), targets
+
+
+def test_import_on_a_cpu_host_registers_no_kernel_op():
+    """Registering a Triton op imports torch's inductor (Dynamo, sympy: seconds per process, paid by every rank
+    of a torchrun); without CUDA ``import spmdmoe`` registers none and loads neither."""
+    code = ("import sys, torch, spmdmoe; from torch._library.triton import triton_ops_to_kernels as t; "
+            "print(torch.cuda.is_available(), sorted(k for k in t if k.startswith('spmdmoe')), "
+            "'torch._inductor.utils' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    cuda, *_ = out.stdout.split()
+    if cuda == "False":
+        assert out.stdout.split() == ["False", "[]", "False"], out.stdout
+    else:
+        assert "spmdmoe::fan_out" in out.stdout, out.stdout

@@ -42,6 +42,18 @@ def test_scaled_grouped_mm_takes_both_fp8_call_forms():
     assert (out.shape, out.dtype) == ((e, A, B), torch.float32)
 
 
+def test_assume_constant_result_is_one_attribute():
+    """``spmdmoe.moe.experts.gemm`` marks ``_packed_offset`` constant for Dynamo by the attribute that
+    ``torch.compiler.assume_constant_result`` sets (calling it imports Dynamo: a second of ``import spmdmoe``)."""
+    from spmdmoe.moe.experts import gemm
+
+    def f() -> None: ...
+
+    marked = torch.compiler.assume_constant_result(f)
+    assert marked is f and vars(f) == {"_dynamo_marked_constant": True}, vars(f)
+    assert gemm._packed_offset._dynamo_marked_constant is True
+
+
 def test_check_lets_the_tracer_use_the_traced_split_sizes():
     """``torch._check`` as the EP dispatcher uses it under compile (``spmdmoe/moe/transports/dispatch.py``): facts
     about sizes read from a tensor (``.tolist()``) that the tracer cannot see. With them a fullgraph trace

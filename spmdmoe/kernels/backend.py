@@ -92,23 +92,35 @@ def kernel_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[F], F
     autograd formula). Otherwise the launcher runs directly, as the op's own eager kernel runs it (``wrap_triton``
     off): the op's dispatch cost about 10 us of host time a call on a CPU core (13.2 against 3.0 us for a
     launcher that allocates its outputs and launches nothing), paid by every row move of an eager step, whose
-    host time is the step's time at small token counts (issue 42). ``.op`` is the custom op."""
+    host time is the step's time at small token counts (issue 42). ``.custom_op()`` is the custom op.
+
+    The op is registered at import where CUDA is available, else at its first need: registering imports
+    torch's inductor and parses the launcher's source (2 s of a CPU process's 6.5 s ``import spmdmoe``, paid
+    by every rank of a ``torchrun``), and off CUDA only the kernels' own tests launch them. A launcher traced
+    by Dynamo before its op exists (no CUDA) is traced as itself: Dynamo traces a Triton launch directly."""
 
     def wrap(fn: F) -> F:
-        op = triton_op(name, mutates_args=tuple(mutates_args))(fn)
-        if mutates_args or _direct is None:
-            return op  # type: ignore[return-value]
+        box: list[Any] = []
+
+        def custom_op() -> Any:
+            if not box:
+                box.append(triton_op(name, mutates_args=tuple(mutates_args))(fn))
+            return box[0]
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            if torch.compiler.is_compiling():
+                return box[0](*args, **kwargs) if box else fn(*args, **kwargs)
+            if (mutates_args or _direct is None or _get_current_dispatch_mode() is not None
                     or (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
                                                         for a in (*args, *kwargs.values())))):
-                return op(*args, **kwargs)
+                return custom_op()(*args, **kwargs)
             with _direct(False):
                 return fn(*args, **kwargs)
 
-        call.op = op  # type: ignore[attr-defined]
+        call.custom_op = custom_op  # type: ignore[attr-defined]
+        if torch.cuda.is_available():
+            custom_op()
         return call  # type: ignore[return-value]
 
     return wrap

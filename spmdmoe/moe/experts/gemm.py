@@ -107,7 +107,6 @@ def plain_tensor(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
-@torch.compiler.assume_constant_result
 def _packed_offset(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[int]:
     """``w1``'s storage offset when ``w3`` sits right after it in the same storage, else ``None``.
     Under ``torch.compile`` a constant of the trace, read from the real parameters: Dynamo recompiles
@@ -122,6 +121,11 @@ def _packed_offset(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[int]:
             or w3_eFI.storage_offset() != w1_eFI.storage_offset() + F * I):
         return None
     return int(w1_eFI.storage_offset())
+
+
+# torch.compiler.assume_constant_result(_packed_offset), without the import of Dynamo that the call makes (a second
+# of every process's `import spmdmoe`): the mark is this attribute (tests/test_private_apis.py)
+_packed_offset._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def joined(w1_eFI: torch.Tensor, w3_eFI: torch.Tensor) -> Optional[torch.Tensor]:
