@@ -82,6 +82,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 # itself, not through the higher-order op, whose dispatch torch puts at ~1 ms and which files every launch in a
 # side table that is never cleared); absent from a torch: every call takes the custom op
 _direct = getattr(torch._library.triton, "set_wrap_triton_enabled", None)
+# a torch that can run the kernels on a GPU (kernel_op registers their ops at import)
+GPU_BUILD = torch.version.cuda is not None or torch.version.hip is not None
 
 
 def kernel_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[F], F]:
@@ -94,10 +96,12 @@ def kernel_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[F], F
     launcher that allocates its outputs and launches nothing), paid by every row move of an eager step, whose
     host time is the step's time at small token counts (issue 42). ``.custom_op()`` is the custom op.
 
-    The op is registered at import where CUDA is available, else at its first need: registering imports
-    torch's inductor and parses the launcher's source (2 s of a CPU process's 6.5 s ``import spmdmoe``, paid
-    by every rank of a ``torchrun``), and off CUDA only the kernels' own tests launch them. A launcher traced
-    by Dynamo before its op exists (no CUDA) is traced as itself: Dynamo traces a Triton launch directly."""
+    The op is registered at import by a CUDA (or ROCm) build of torch, else at its first need: registering
+    imports torch's inductor and parses the launcher's source (1.7 s of a CPU process's 5.8 s ``import spmdmoe``,
+    paid by every rank of a ``torchrun``), and a CPU build launches the kernels only in their own tests. (The
+    build, not ``torch.cuda.is_available()``, which initialises CUDA: a fork after it cannot use the GPU.) A
+    launcher traced by Dynamo before its op exists (a CPU build) is traced as itself: Dynamo traces a Triton
+    launch directly."""
 
     def wrap(fn: F) -> F:
         box: list[Any] = []
@@ -119,7 +123,7 @@ def kernel_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[F], F
                 return fn(*args, **kwargs)
 
         call.custom_op = custom_op  # type: ignore[attr-defined]
-        if torch.cuda.is_available():
+        if GPU_BUILD:
             custom_op()
         return call  # type: ignore[return-value]
 
