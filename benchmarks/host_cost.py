@@ -6,8 +6,9 @@
 
 Per candidate and token count (T tokens a rank, bf16, the same weights; columns):
 
-* host us: the host time to issue one step (``timing.host_us``: 100 steps back to back, no device wait, max over
-  ranks). When it exceeds the GPU time, the step is host-bound and this is its time;
+* host us: the host time to issue one step (``timing.issued_us``: each step from an idle device, timed to its
+  return; candidates interleaved, median, max over ranks). A step that reads the host waits for the device there,
+  and that wait counts. "host / GPU" near 1: the step is host-bound (the device waits for the launches);
 * GPU ms: the step's time with the device waited for (``timing.timed``: CUDA events, candidates interleaved, median);
 * launches: kernel launches and async copies/fills a step (the CUDA runtime and driver calls in ``torch.profiler``);
 * ops: ATen ops dispatched a step (a ``TorchDispatchMode`` counting every op that reaches the kernels' level,
@@ -17,14 +18,17 @@ Candidates: torchtitan's MoE (its all-to-all dispatcher on an "ep" mesh at N > 1
 EP over the ranks, ``ep_mode`` "sync" and "sync_free" (as a user's first call writes it: no ``max_tokens``); at
 N = 1 also the plain ``MoE`` (no parallel wrapper). The DeepSeek-V3 debug shape (``dsv3-debug``: 256 / 256 / 8 / 3,
 two shared experts' worth of hidden units) is the torchtitan debug model's MoE; ``--shape dsmoe16b --tokens 4096``
-the 16B shape at 4k tokens.
+the 16B shape at 4k tokens. On one GPU also the plain ``MoE`` graphed: ``torch.compile(mode="reduce-overhead")``
+against the same layer eager, with each one's step peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -33,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from shapes import SHAPES, Shape  # noqa: E402
-from timing import host_us, report, timed  # noqa: E402
+from timing import issued_us, report, timed  # noqa: E402
 from vs_torchtitan import build_torchtitan, on_backend, torchtitan_ready  # noqa: E402
 
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe  # noqa: E402
@@ -68,6 +72,79 @@ def launches_per_step(step: Callable[[], None], steps: int = 3) -> float:
             step()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.name in LAUNCHES) / steps
+
+
+STAGES = ("admission.admit", "weights", "rows.gather", "_route", "_dispatch", "experts.forward", "_combine",
+          "_shared", "rows.scatter", "admission.release")
+
+
+def stage_us(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, steps: int = 30) -> dict[str, float]:
+    """Host us a step by stage of our layer's forward (``layer.py``'s ``forward`` / ``_moe``: each stage's method
+    wrapped in a timer for this measurement only; ``_combine`` includes the wait it returns), the whole forward and
+    the backward; each step from an idle device, median over ``steps``."""
+    spent: dict[str, list[float]] = {name: [] for name in (*STAGES, "forward", "backward")}
+    originals = []
+
+    def timer(name: str, fn: Callable) -> Callable:
+        def timed_call(*a: object, **k: object) -> object:
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            if callable(out) and name == "_combine":  # the wait, called later
+                wait = out
+                def out() -> object:  # noqa: E306
+                    t1 = time.perf_counter()
+                    r = wait()
+                    spent[name][-1] += time.perf_counter() - t1
+                    return r
+            spent[name].append(time.perf_counter() - t0)
+            return out
+        return timed_call
+
+    for stage in STAGES:
+        owner_name, _, attr = stage.rpartition(".")
+        owner = getattr(layer, owner_name) if owner_name else layer
+        originals.append((owner, attr))
+        setattr(owner, attr, timer(stage, getattr(owner, attr)))
+    try:
+        for i in range(steps + 3):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            y = layer(x)
+            t1 = time.perf_counter()
+            y.backward(g)
+            t2 = time.perf_counter()
+            spent["forward"].append(t1 - t0)
+            spent["backward"].append(t2 - t1)
+    finally:
+        for owner, attr in originals:
+            delattr(owner, attr) if attr in vars(owner) else None
+    return {name: statistics.median(v[3:]) * 1e6 for name, v in spent.items() if v}
+
+
+def graphed(layer: torch.nn.Module, eager_step: Callable[[], None], x: torch.Tensor, g: torch.Tensor) -> str:
+    """The layer's step under ``torch.compile(layer, mode="reduce-overhead", fullgraph=True)`` (inductor's CUDA
+    graphs: one flag) against the same layer eager, interleaved; and each one's step peak memory (allocated,
+    after warm-up: the graphed step's pool included)."""
+    run = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        run(x).backward(g)
+
+    def peak_gib(fn: Callable[[], None]) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**30
+
+    t = timed({"eager": eager_step, "graphed": step}, iters=5, reps=9)
+    return (f"\nours, plain MoE, torch.compile(mode=\"reduce-overhead\"): {t['graphed']:.3f} ms a step, eager "
+            f"{t['eager']:.3f} ms ({t['eager'] / t['graphed']:.2f}x the graphed step); step peak memory "
+            f"{peak_gib(step):.2f} GiB graphed, {peak_gib(eager_step):.2f} GiB eager")
 
 
 def main() -> None:
@@ -141,14 +218,23 @@ def main() -> None:
             lines += [f"| {name} | {ops[name]} ATen ops |" for name in steps]
             continue
         gpu = timed(steps, iters=5, reps=9)
-        host = {name: host_us(s, calls=100) for name, s in steps.items()}
+        ours = f"ours, EP {world} sync"
+        stages = stage_us(layers[ours], x, g)
+        host = issued_us(steps)
         launches = {name: launches_per_step(s) for name, s in steps.items()}
         base = host["torchtitan MoE"]
-        lines.append("| candidate | host us | GPU ms | host-bound | launches | ATen ops | host vs torchtitan |")
+        lines.append("| candidate | host us | GPU ms | host / GPU | launches | ATen ops | host vs torchtitan |")
         lines.append("|---|---|---|---|---|---|---|")
         for name in steps:
-            lines.append(f"| {name} | {host[name]:.0f} | {gpu[name]:.3f} | {'yes' if host[name] / 1e3 > gpu[name] else 'no'}"
+            lines.append(f"| {name} | {host[name]:.0f} | {gpu[name]:.3f} | {host[name] / 1e3 / gpu[name]:.2f}"
                          f" | {launches[name]:.0f} | {ops[name]} | {host[name] / base:.2f}x |")
+        if world == 1:
+            lines.append(graphed(layers["ours, plain MoE (no parallel wrapper)"], steps["ours, plain MoE (no parallel wrapper)"],
+                                 x, g))
+        lines.append(f"\n{ours}, host us a step by stage (forward stages, then the whole forward and backward):\n")
+        lines.append("| " + " | ".join(stages) + " |")
+        lines.append("|" + "---|" * len(stages))
+        lines.append("| " + " | ".join(f"{v:.0f}" for v in stages.values()) + " |")
     if dist.get_rank() == 0:
         report("\n".join(lines), args.out)
 

@@ -1,5 +1,5 @@
 """Timing shared by the benchmarks: interleaved candidates (median, max over ranks) timed with CUDA events or,
-on the CPU, host wall time; and host time per call."""
+on the CPU, host wall time; and host time per call (back to back, or each from an idle device)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,27 @@ def timed_host(fns: dict[str, Callable[[], object]], iters: int, reps: int) -> d
         return (time.perf_counter() - t0) / iters * 1e3
 
     return _interleaved(fns, reps, run, "cpu")
+
+
+def issued_us(fns: dict[str, Callable[[], object]], calls: int = 20, reps: int = 15) -> dict[str, float]:
+    """Host time to issue one call (us) of each fn, from an idle device: every call starts after a synchronize
+    and is timed up to its return, before the device finishes, so a full launch queue never blocks it (back to
+    back, a call that launches faster than the device runs waits for queue space: its "host time" is then the
+    device's). A call that reads the host waits for the device there: that wait is its host time too. Mean of
+    ``calls`` a rep, median over ``reps`` with the candidates interleaved (:func:`_interleaved`), max over ranks."""
+    _warm(fns)
+
+    def run(fn: Callable[[], object]) -> float:
+        total = 0.0
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            total += time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return total / calls * 1e6
+
+    return _interleaved(fns, reps, run, "cuda")
 
 
 def host_us(fn, calls: int = 200) -> float:

@@ -103,3 +103,32 @@ def test_replays_after_optimizer_steps_use_the_new_weights(precision):
         graph.replay()
         eager.load_state_dict(layer.state_dict())
         _assert_replay_is_eager(i, layer, static_x, static_y, eager, step)
+
+
+def test_reduce_overhead_compile_of_the_layer_replays_with_new_routing():
+    """The one flag: ``torch.compile(layer, mode="reduce-overhead", fullgraph=True)`` runs the forward and backward
+    as CUDA graphs (inductor skips none: no host read, no CPU tensor, static shapes) and follows new routing and
+    new inputs from replay to replay, eager's values within bf16 rounding (inductor fuses the reference ops
+    differently: ``2e-2`` of the largest magnitude, as the other compiled tests)."""
+    from torch._dynamo.utils import counters
+
+    layer, eager, _, static_g = _setup("bf16", 2, num_shared_experts=1)
+    torch._dynamo.reset()
+    counters.clear()
+    run = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    for i, bias in enumerate(_biases()):
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(i))
+        with torch.no_grad():
+            layer.expert_bias.copy_(bias)
+            eager.expert_bias.copy_(bias)
+        got, want = [], []
+        for m, f, out in ((layer, run, got), (eager, eager, want)):
+            m.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            y = f(xi)
+            (y * static_g).sum().backward()
+            out += [y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for _, p in sorted(m.named_parameters())]
+        for k, (a, b) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * max(float(b.abs().max()), 1e-6),
+                                       msg=lambda m: f"replay {i}, item {k}: {m}")
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..agreement import BIT, Problem
+from ..kernels.backend import cast
 from ..sticky import ProblemFlag
 from ..types.checks import checks_enabled
 from ..types.errors import SPMDDtypeError, SPMDShapeError
@@ -111,10 +112,12 @@ class _Layer(nn.Module):
         fp32 by default), so its gradient is made in fp32 and rounded once. The
         routed experts read their own parameters (``GroupedExperts.forward``).
         """
-        return {n: p.to(self.read_dtype(n, p)) for n, p in self.dense_params().items()}
+        return {n: cast(p, self.read_dtype(n, p)) for n, p in self.dense_params().items()}
 
     def dense_params(self) -> dict[str, torch.Tensor]:
-        """The parameters :meth:`weights` reads, by name, uncast."""
+        """The parameters :meth:`weights` reads, by name, uncast: all but the routed experts'. (The walk over
+        every parameter is kept: under torch 2.11's Dynamo it is what guards the experts' strides, so that
+        ``GroupedExperts.unpack`` recompiles: ``tests/test_compile_moe.py``.)"""
         return {n: p for n, p in self.named_parameters() if not n.startswith("experts.")}
 
     def read_dtype(self, name: str, p: torch.Tensor) -> torch.dtype:
