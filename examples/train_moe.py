@@ -25,7 +25,8 @@ shows how closely FP8 training tracks it: the tolerance is then 1e-3 relative
 ``--tolerance`` overrides either.
 
 Only the public API is used: ``spmdmoe.shard``, ``all_gather``, ``with_local``, ``clip_grad_norm_``,
-``spmdmoe.moe.{MoE, MoEConfig, parallelize_moe, replicate_grads}``.
+``spmdmoe.moe.{MoE, MoEConfig, parallelize_moe, replicate_grads, grad_reductions, reduce_grads}`` (the
+data-parallel reduction of the ``--sp 2`` runs: each dp replica's mean loss, averaged).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmdmoe
-from spmdmoe.moe import MoE, MoEConfig, parallelize_moe, replicate_grads
+from spmdmoe.moe import MoE, MoEConfig, grad_reductions, parallelize_moe, reduce_grads, replicate_grads
 
 CORPUS_MODULES = ["argparse", "textwrap", "difflib", "string", "shlex", "fractions", "heapq", "bisect", "calendar", "glob"]
 Activation = Union[spmdmoe.SPMDTensor, torch.Tensor]
@@ -131,14 +132,10 @@ def batches(data: np.ndarray, args: argparse.Namespace) -> list[list[np.ndarray]
             for _ in range(args.steps)]
 
 
-def expert_load(model: nn.Module, extra_groups: list) -> torch.Tensor:
-    """Aux-loss-free bias update of every MoE block; returns the per-expert load summed over blocks."""
-    loads = []
-    for block in model.blocks:
-        for group in extra_groups:  # data-parallel replicas the layer does not span
-            dist.all_reduce(block.moe.tokens_per_expert, group=group)
-        loads.append(block.moe.update_expert_bias())
-    return torch.stack(loads).sum(0)
+def expert_load(model: nn.Module) -> torch.Tensor:
+    """Aux-loss-free bias update of every MoE block (its load summed over every rank that routed tokens: SP, EP
+    and the dp replicas); returns the per-expert load summed over blocks."""
+    return torch.stack([block.moe.update_expert_bias() for block in model.blocks]).sum(0)
 
 
 def train_parallel(args, data, device, log) -> list[float]:
@@ -152,10 +149,13 @@ def train_parallel(args, data, device, log) -> list[float]:
     if ep_mesh is not None and args.ep_mode == "sync_free":  # EP across dp batches: T_max is not the layout's
         ep_options = {"ep_mode": "sync_free"} | ({} if ep_mesh is sp_mesh else
                                                  {"max_tokens": spmdmoe.padded_local_tokens(args.seq_len, args.sp)})
+    replicas = dp_mesh if dp > 1 and ep_mesh is not dp_mesh else None  # batches EP does not already span
     for block in model.blocks:
-        block.moe = parallelize_moe(block.moe, sp_mesh=sp_mesh, ep_mesh=ep_mesh, **ep_options)
+        block.moe = parallelize_moe(block.moe, sp_mesh=sp_mesh, ep_mesh=ep_mesh, dp_mesh=replicas, **ep_options)
     replicate_grads(model, sp_mesh, include=lambda name: ".moe." not in name)
-    experts_span_dp = ep_mesh is dp_mesh
+    # what each gradient still needs across the dp batches: dense ones a mean over every batch, the experts' over
+    # the replicas of their block (none when EP spans the batches); one collective now, kept for every step
+    reductions = grad_reductions(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     b = dp_mesh.get_local_rank()
     log(f"mesh: dp={dp} x sp={args.sp}, EP={args.ep} ({args.ep_mode})"
@@ -163,6 +163,7 @@ def train_parallel(args, data, device, log) -> list[float]:
         f" {args.batch} sequences of {args.seq_len} tokens per step; "
         f"rank {rank} holds {spmdmoe.local_tokens(args.seq_len, args.sp, sp_mesh.get_local_rank())} tokens per sequence")
     losses, total = [], args.batch * args.seq_len
+    mine = total // dp  # this replica's tokens a step: each replica's mean loss, reduce_grads averages them
     for step, windows in enumerate(batches(data, args)):
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
@@ -170,15 +171,13 @@ def train_parallel(args, data, device, log) -> list[float]:
             seq = torch.from_numpy(w).to(device)
             ids, targets = spmdmoe.shard(seq[:-1], sp_mesh), spmdmoe.shard(seq[1:], sp_mesh).local
             ce = F.cross_entropy(model(ids), targets, reduction="sum")
-            (ce / total).backward()
+            (ce / mine).backward()
             loss_sum += ce.detach()
-        for name, p in model.named_parameters():  # the DP wrapper's job: sum over the dp replicas
-            if dp > 1 and not (experts_span_dp and ".experts." in name):
-                dist.all_reduce(p.grad, group=dp_mesh.get_group())
+        reduce_grads(model, reductions)  # the data-parallel reduction (or spmdmoe.moe.ddp / fully_shard_moe)
         norm = spmdmoe.clip_grad_norm_(model, args.max_grad_norm) if args.max_grad_norm > 0 else None
         opt.step()
         opt.zero_grad(set_to_none=False)
-        load = expert_load(model, [dp_mesh.get_group()] if dp > 1 and not experts_span_dp else [])
+        load = expert_load(model)
         dist.all_reduce(loss_sum)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -205,7 +204,7 @@ def train_single(args, data, device) -> list[float]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=False)
-        expert_load(model, [])
+        expert_load(model)
         losses.append(loss_sum / total)
     return losses
 

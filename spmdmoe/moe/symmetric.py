@@ -1,5 +1,5 @@
 """The public home of the symmetric EP transport's selective-checkpointing policy, ``spmdmoe.moe.symmetric``
-(README): under ``torch.compile`` with activation checkpointing, it saves the transport's moves. Its code, with the
+(docs/guide.md, public API): under ``torch.compile`` with activation checkpointing, it saves the transport's moves. Its code, with the
 transport, is ``transports/symmetric.py``.
 
 >>> from spmdmoe.moe.symmetric import checkpoint_policy

@@ -149,7 +149,7 @@ def test_fp8_training_under_ddp_and_fsdp2(device, plan, monkeypatch):
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_fp8_cache_follows_fsdp2_regathers(world, device, reshard):
-    """FSDP2 set up by hand, the README's route (your own ``fully_shard`` + ``register_spmd_hooks``): the
+    """FSDP2 set up by hand, the user guide's route (docs/guide.md) (your own ``fully_shard`` + ``register_spmd_hooks``): the
     weight cache stays on, and after every optimizer step the next forward computes with the weights FSDP2
     gathers again (into storage the cache's old version/pointer key could not tell from the last step's),
     bitwise equal to a layer built from the gathered weights; the weights are quantized once per step."""
