@@ -177,7 +177,8 @@ class LocalTransport(Dispatching):
         """The copies of this rank's rows (:meth:`Transport.launch_dispatch`), made now: nothing travels."""
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
-        routed = routed_copies(x_TD, ids_TK, weights_TK, self.num_experts, ids_TK.numel(), fp8_rows=fp8_rows)
+        routed = routed_copies(x_TD, ids_TK, weights_TK, self.num_experts, ids_TK.numel(), fp8_rows=fp8_rows,
+                               all_here=True)
         routed = dataclasses.replace(routed, handle=routed.copies_TK)
         return lambda: routed
 
