@@ -137,7 +137,8 @@ class _SumCopies(torch.autograd.Function):
 _sum_copies = differentiable(_SumCopies, lambda y_RD, pos_TK: gather_sum(y_RD, pos_TK))
 
 
-def spread_weights(weights_TK: torch.Tensor, pos_TK: torch.Tensor, rows: int, every_row: bool = False) -> torch.Tensor:
+def spread_weights(weights_TK: torch.Tensor, pos_TK: torch.Tensor, rows: int, every_row: bool = False
+                   ) -> torch.Tensor:
     """``w_R[pos[t, k]] = weights[t, k]``: each routed copy's weight at its row (a position ``-1``: none;
     rows no position names: zero); differentiable (its backward gathers the rows' gradients back).
     ``every_row``: ``pos_TK`` is a permutation of ``range(rows)`` (no ``-1``; the caller knows): one scatter."""

@@ -110,8 +110,8 @@ def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torc
         q = (q_RD, s_R)
     else:
         x_RD = scatter_rows(x_MD, pos_MJ, rows)
-    return RoutedTokens(x_RD, offsets, rows, group_sizes, handle, weights_R=spread_weights(weights_MJ, pos_MJ, rows, every_row=all_here),
-                        fp8_rows=q, copies_TK=pos_MJ)
+    weights_R = spread_weights(weights_MJ, pos_MJ, rows, every_row=all_here)
+    return RoutedTokens(x_RD, offsets, rows, group_sizes, handle, weights_R=weights_R, fp8_rows=q, copies_TK=pos_MJ)
 
 
 class Dispatching(torch.nn.Module, ABC):
