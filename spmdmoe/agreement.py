@@ -219,8 +219,9 @@ class Problem:
         self.details.append(detail)
 
     def add_device(self, bits: torch.Tensor) -> None:
-        """OR device-side bits (an int64 scalar) in, with no host read."""
-        self.bits = self.bits | bits
+        """OR device-side bits (an int64 scalar) in, with no host read (onto no host bits: the bits themselves,
+        no kernel)."""
+        self.bits = bits if isinstance(self.bits, int) and self.bits == 0 else self.bits | bits
 
     def record(self, bits: Union[int, torch.Tensor], device: torch.device) -> None:
         """Keep ``bits`` (this problem's, or the share of them an exchange left to this rank) in :attr:`flag`."""

@@ -199,7 +199,7 @@ class _Layer(nn.Module):
             finite_TE = torch.isfinite(r.logits_TE)
             if own_T is not None:
                 finite_TE = finite_TE | ~own_T.unsqueeze(1)
-            problem.add_device((~finite_TE.all()).to(torch.int64) * BIT["nonfinite"])
+            problem.add_device(torch.where(finite_TE.all(), 0, BIT["nonfinite"]))  # int64, one kernel
         return r.ids_TK, weights_TK
 
     def _dispatch(self, h_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, a: Admitted
