@@ -83,7 +83,7 @@ def stage_us(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, steps: in
     wrapped in a timer for this measurement only; ``_combine`` includes the wait it returns), the whole forward and
     the backward; each step from an idle device, median over ``steps``."""
     spent: dict[str, list[float]] = {name: [] for name in (*STAGES, "forward", "backward")}
-    originals = []
+    wrapped = []
 
     def timer(name: str, fn: Callable) -> Callable:
         def timed_call(*a: object, **k: object) -> object:
@@ -103,10 +103,10 @@ def stage_us(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, steps: in
     for stage in STAGES:
         owner_name, _, attr = stage.rpartition(".")
         owner = getattr(layer, owner_name) if owner_name else layer
-        originals.append((owner, attr))
+        wrapped.append((owner, attr))
         setattr(owner, attr, timer(stage, getattr(owner, attr)))
     try:
-        for i in range(steps + 3):
+        for _ in range(steps + 3):
             layer.zero_grad(set_to_none=True)
             x.grad = None
             torch.cuda.synchronize()
@@ -118,8 +118,8 @@ def stage_us(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, steps: in
             spent["forward"].append(t1 - t0)
             spent["backward"].append(t2 - t1)
     finally:
-        for owner, attr in originals:
-            delattr(owner, attr) if attr in vars(owner) else None
+        for owner, attr in wrapped:  # the instance attribute set above: the class's method again
+            delattr(owner, attr)
     return {name: statistics.median(v[3:]) * 1e6 for name, v in spent.items() if v}
 
 
@@ -183,13 +183,14 @@ def main() -> None:
         m.load_state_dict(state)
         return parallelize_moe(m, ep_mesh=dist.group.WORLD, **options) if ep else m
 
+    sync, plain = f"ours, EP {world} sync", "ours, plain MoE (no parallel wrapper)"
     layers: dict[str, torch.nn.Module] = {
         "torchtitan MoE": build_torchtitan(cfg, state, dtype, device, mesh if world > 1 else None),
-        f"ours, EP {world} sync": ours(),
+        sync: ours(),
         f"ours, EP {world} sync_free (no max_tokens)": ours(ep_mode="sync_free"),
     }
     if world == 1:
-        layers["ours, plain MoE (no parallel wrapper)"] = ours(ep=False)
+        layers[plain] = ours(ep=False)
     lines = [f"host cost of one layer step (forward + backward, eager), {shape.D} / {shape.F} / {shape.E} / "
              f"{shape.K}, {shared} shared, {world} rank(s), {dtype}, torch {torch.__version__}, "
              f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}"]
@@ -218,8 +219,7 @@ def main() -> None:
             lines += [f"| {name} | {ops[name]} ATen ops |" for name in steps]
             continue
         gpu = timed(steps, iters=5, reps=9)
-        ours = f"ours, EP {world} sync"
-        stages = stage_us(layers[ours], x, g)
+        stages = stage_us(layers[sync], x, g)
         host = issued_us(steps)
         launches = {name: launches_per_step(s) for name, s in steps.items()}
         base = host["torchtitan MoE"]
@@ -229,9 +229,8 @@ def main() -> None:
             lines.append(f"| {name} | {host[name]:.0f} | {gpu[name]:.3f} | {host[name] / 1e3 / gpu[name]:.2f}"
                          f" | {launches[name]:.0f} | {ops[name]} | {host[name] / base:.2f}x |")
         if world == 1:
-            lines.append(graphed(layers["ours, plain MoE (no parallel wrapper)"], steps["ours, plain MoE (no parallel wrapper)"],
-                                 x, g))
-        lines.append(f"\n{ours}, host us a step by stage (forward stages, then the whole forward and backward):\n")
+            lines.append(graphed(layers[plain], steps[plain], x, g))
+        lines.append(f"\n{sync}, host us a step by stage (forward stages, then the whole forward and backward):\n")
         lines.append("| " + " | ".join(stages) + " |")
         lines.append("|" + "---|" * len(stages))
         lines.append("| " + " | ".join(f"{v:.0f}" for v in stages.values()) + " |")
