@@ -277,6 +277,7 @@ _TAG = 0x5350_4D44 << 24  # "SPMD": a tag is _TAG + the op's index in OPS (count
 OPS: tuple[str, ...] = (
     "from_local", "parallelize_moe", "load_state_dict", "init_mesh", "exchange_counts", "all_to_all",
     "sync_grads", "spmdmoe.testing check", "expert layout", "mesh grid", "MoE dispatch", "check_errors",
+    "sequence_parallel",
 )
 
 

@@ -215,3 +215,37 @@ def test_swap_on_meta_then_materialise(nan_empty):
     assert block.tokens_per_expert_E.eq(0).all() and all(b.eq(0).all() for b in block.layer._buffers.values())
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
     assert _close(ref(input_ids=ids).logits, model(input_ids=ids).logits, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_aux_loss_free_bias_update(name, nan_empty):
+    """``swap_moe(load_balance_coeff=c)``: before each optimizer step every block's bias moves by ``c`` against
+    its load (``sign(mean - load)``, centred), and the counts restart. DeepSeek-V3 updates its own
+    ``e_score_correction_bias``; Qwen3-MoE gets one, fp32 zeros (also after ``to_empty`` from meta), saved in the
+    state dict, which steers the choice of experts."""
+    ref, ours = _pair(name, load_balance_coeff=0.1)
+    block = ours.model.layers[-1].mlp
+    before = block.gate.e_score_correction_bias.clone()
+    if name == "qwen3_moe":
+        assert before.dtype == torch.float32 and before.eq(0).all()
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in ours.state_dict()
+        with torch.device("meta"):
+            meta = type(ref)(ref.config)
+        swap_moe(meta, load_balance_coeff=0.1)
+        meta.to_empty(device="cpu")
+        assert meta.model.layers[-1].mlp.gate.e_score_correction_bias.eq(0).all()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    ours(input_ids=ids, labels=ids).loss.backward()
+    load = block.tokens_per_expert_E.clone().float()
+    assert load.sum() == 2 * 9 * 2  # every token's top 2
+    torch.optim.SGD(ours.parameters(), lr=0.0).step()
+    delta = 0.1 * torch.sign(load.mean() - load)
+    assert torch.allclose(block.gate.e_score_correction_bias - before, delta - delta.mean())
+    assert block.tokens_per_expert_E.eq(0).all()
+    if name == "qwen3_moe":  # the bias now steers: an expert pushed far down is chosen by no token
+        with torch.no_grad():
+            block.gate.e_score_correction_bias[0] = -100.0
+        seen = []
+        block.gate.register_forward_hook(lambda gate, args, out: seen.append(out[2]))
+        ours(input_ids=ids)
+        assert seen and not (seen[-1] == 0).any()

@@ -53,7 +53,10 @@ of the flattened ``B * L`` tokens), the gate's and shared experts' gradients are
 layer, and the rest of the model must run sequence-parallel too: ``transformers_sp.sequence_parallel(model,
 sp_mesh)`` does it for transformers' decoders (attention, positions, dense gradients; ``docs/porting.md``). Only local SP (``sp_mode="local"``): gather mode would shard the
 hidden dim of ``gate_up_proj``, which packs two matrices. Under ``sp_mesh`` or ``ep_mesh`` the router
-logits a rank records, and so the model's ``aux_loss``, are its own rows'.
+logits a rank records are its own rows'; so is the model's ``aux_loss`` (each data-parallel rank's own batch's,
+as in transformers), except under ``sequence_parallel``, which computes it over the whole batch.
+Load balancing: that aux loss (``output_router_logits``), or the aux-loss-free bias update
+(``load_balance_coeff``, :func:`swap_moe`).
 
 Deferred errors (a non-finite router logit, a bad input on one rank) are raised on every rank by
 :func:`spmdmoe.check_errors`, which ``swap_moe`` registers as a global optimizer step pre-hook, as the
@@ -180,7 +183,7 @@ def _expert_checks(experts: nn.Module, act: Optional[str]) -> list[Check]:
     ]
 
 
-def _config(name: str, block: nn.Module, family: _Family, precision: str) -> MoEConfig:
+def _config(name: str, block: nn.Module, family: _Family, precision: str, coeff: Optional[float]) -> MoEConfig:
     """The :class:`MoEConfig` of transformers block ``block``, or ``MoEConfigError`` for what it cannot express."""
     experts = block.experts
     for bad, problem, fix in _expert_checks(experts, _act(experts) or _act(block)) + family.checks(block):
@@ -194,7 +197,7 @@ def _config(name: str, block: nn.Module, family: _Family, precision: str) -> MoE
             f"{tuple(experts.gate_up_proj.shape)}; only transformers' own layout is mapped")
     return MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=int(block.gate.top_k),
                      expert_precision=precision,  # type: ignore[arg-type]
-                     **family.options(block))
+                     load_balance_coeff=coeff, **family.options(block))
 
 
 class SwappedMoeBlock(Adapter):
@@ -221,6 +224,10 @@ class SwappedMoeBlock(Adapter):
                 shared = SharedExperts(config.dim, mlp.gate_proj.weight.shape[0])
             shared.w1, shared.w2, shared.w3 = mlp.gate_proj, mlp.down_proj, mlp.up_proj
         device = self.gate.weight.device
+        self._own_bias = bool(config.load_balance_coeff) and getattr(self.gate, "e_score_correction_bias", None) is None
+        if self._own_bias:  # the aux-loss-free update asked of a family without a bias: one, saved beside the gate's
+            self.gate.register_buffer("e_score_correction_bias",
+                                      torch.zeros(config.num_experts, dtype=torch.float32, device=device))
         self.register_buffer("tokens_per_expert_E", torch.zeros(config.num_experts, dtype=torch.int64, device=device),
                              persistent=False)
         with torch.device("meta"):
@@ -236,9 +243,17 @@ class SwappedMoeBlock(Adapter):
     def _apply(self, fn: Any, recurse: bool = True) -> Any:  # type: ignore[override]
         was_meta = self.tokens_per_expert_E.is_meta
         out = super()._apply(fn, recurse)
-        if was_meta and not self.tokens_per_expert_E.is_meta:  # to_empty: counts start at zero
+        if was_meta and not self.tokens_per_expert_E.is_meta:  # to_empty: counts (and a bias of ours) start at zero
             self.tokens_per_expert_E.zero_()
+            if self._own_bias:
+                self.gate.e_score_correction_bias.zero_()
         return out
+
+    def before_step(self) -> None:
+        """With ``load_balance_coeff``: the aux-loss-free bias update, before each optimizer step, from the
+        step's counts summed over the layer's SP, EP and data axes (``update_expert_bias``: a collective)."""
+        if self.layer.config.load_balance_coeff:
+            self.layer.update_expert_bias()
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the layer computes in: the experts' (DeepSeek-V3 keeps its gate in fp32)."""
@@ -262,6 +277,7 @@ def swap_moe(
     ep_mode: Literal["sync", "sync_free"] = "sync",
     expert_precision: Optional[Literal["bf16", "fp8_rowwise"]] = None,
     agree_over: Optional[MeshLike] = None,
+    load_balance_coeff: Optional[float] = None,
 ) -> list[str]:
     """Replace every MoE block of transformers model ``model`` (module docstring: which ones) by a
     :class:`SwappedMoeBlock`, in place; returns their module names. Call it on every rank, after the weights
@@ -273,6 +289,12 @@ def swap_moe(
     ``sp_mesh``, ``ep_mesh``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe` (which runs
     here, a collective over ``agree_over``), local SP only (module docstring). ``expert_precision``:
     ``"bf16"`` (default: the experts compute in their parameters' dtype) or ``"fp8_rowwise"``.
+    ``load_balance_coeff``: the aux-loss-free load balancing (DeepSeek-V3's), off by default: before each
+    optimizer step every block's bias moves by this step against its load (the counts summed over SP, EP and
+    data axes), steering the choice of experts (not their weights). DeepSeek-V3 updates its own
+    ``e_score_correction_bias``; Qwen3-MoE and Mixtral, which have none, get one (``mlp.gate.e_score_correction_bias``,
+    fp32 zeros, saved: a key the unswapped model does not load). Their own load balancing is the aux loss
+    (``output_router_logits``), which works as in transformers (under ``sequence_parallel``, over the whole batch).
 
     Raises ``MoEConfigError`` for what cannot be mapped exactly (module docstring), and for a model with no
     MoE block.
@@ -302,7 +324,8 @@ def swap_moe(
     if hooked:
         raise MoEConfigError(f"swap_moe: {', '.join(hooked)}: dispatched by accelerate (device_map / offload hooks); "
                              "swap before dispatching, or load without device_map")
-    configs = [_config(name, block, families[type(block)], precision) for name, block in targets]  # all, before any swap
+    configs = [_config(name, block, families[type(block)], precision, load_balance_coeff)  # all, before any swap
+               for name, block in targets]
     for (name, block), config in zip(targets, configs):
         with torch.device("meta"):
             layer: _Layer = MoE(config)

@@ -165,32 +165,60 @@ def _sp_model(name: str, sp, ep, device):  # type: ignore[no-untyped-def]
     return ref, sequence_parallel(ours, sp)
 
 
-@pytest.mark.parametrize("name,plan", [(name, plan) for name in sorted(MODELS) for plan in ("sp_ep", "sp_x_ep")]
-                         + [("qwen3_moe", "sp_ep, checkpointed")])
-def test_whole_model_sequence_parallel(name, plan, world, request, device):
-    """Each rank its chunk of a 37-token sequence (``sp_batch``); the sum of the ranks' losses is the one-process
-    loss, the logits are its rows, every gradient its gradient (dense: summed over SP inside; experts: every
-    batch's, their rows). ``sp_x_ep``: two sequences, one per EP index, each split over SP; ``checkpointed``:
-    transformers' activation checkpointing of the decoder layers (the recompute gathers again)."""
+def _batch(kind: str, seed: int, device):  # type: ignore[no-untyped-def]
+    """``(transformers' keywords, sp_batch's keywords)`` of one batch: ``one`` a 37-token sequence; ``masked pair``
+    2 rows of 13 tokens (odd: the stream of 26 splits unevenly), left padding in the first, right in the second,
+    with the padding's labels ignored; ``packed`` 3 documents in one row (positions restart; transformers packs
+    them only without a cache)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one":
+        ids = torch.randint(0, VOCAB, (1, 37), generator=g).to(device)
+        return dict(input_ids=ids, labels=ids), dict(input_ids_BS=ids)
+    if kind == "masked pair":
+        ids = torch.randint(0, VOCAB, (2, 13), generator=g).to(device)
+        mask = torch.ones(2, 13, dtype=torch.long, device=device)
+        mask[0, :3] = mask[1, -4:] = 0
+        return (dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)),
+                dict(input_ids_BS=ids, attention_mask=mask))
+    ids = torch.randint(0, VOCAB, (1, 19), generator=g).to(device)
+    positions = torch.tensor([[*range(7), *range(5), *range(7)]], device=device)
+    return (dict(input_ids=ids, labels=ids, position_ids=positions, use_cache=False),
+            dict(input_ids_BS=ids, position_ids=positions))
+
+
+@pytest.mark.parametrize("name,plan,kind", [(name, plan, "one") for name in sorted(MODELS)
+                                            for plan in ("sp_ep", "sp_x_ep")]
+                         + [("qwen3_moe", "sp_ep, checkpointed", "one")]
+                         + [(name, "sp_x_ep" + (", checkpointed" if name == "qwen3_moe" else ""), "masked pair")
+                            for name in sorted(MODELS)]
+                         + [("qwen3_moe", "sp_ep", "packed")])
+def test_whole_model_sequence_parallel(name, plan, kind, world, request, device):
+    """Each rank its chunk of a batch (``sp_batch``, the rows end to end); the sum of the ranks' losses is the
+    one-process loss (with Qwen3-MoE's and Mixtral's load-balancing loss, whose ranks' shares sum to the one-process
+    ``aux_loss``), the logits are its rows, every gradient its gradient (dense: summed over SP inside; experts:
+    every batch's, their rows). ``sp_x_ep``: two batches, one per EP index, each split over SP;
+    ``checkpointed``: transformers' activation checkpointing of the decoder layers (the recompute gathers again)."""
     ep, sp, batches, mine = _plan(plan, world, request)
     ref, ours = _sp_model(name, sp, ep, device)
     if plan.endswith("checkpointed"):
         ours.activation_checkpointing_enable()
-    seqs = [torch.randint(0, VOCAB, (1, 37), generator=torch.Generator().manual_seed(30 + i)).to(device)
-            for i in range(batches)]
+    balance = {"output_router_logits": True} if name != "deepseek_v3" else {}
+    calls = [_batch(kind, 30 + i, device) for i in range(batches)]
     ref_grads, ref_out = [], []
-    for ids in seqs:
+    for call, _ in calls:
         ref.zero_grad()
-        out = ref(input_ids=ids, labels=ids)
+        out = ref(**call, **balance)
         out.loss.backward()
         ref_out.append(out)
         ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
-    out = ours(**sp_batch(seqs[mine], sp))
+    out = ours(**sp_batch(sp_mesh=sp, **calls[mine][1]), **balance)
     out.loss.backward()
-    total = out.loss.detach().clone()
-    dist.all_reduce(total, group=sp.get_group())
-    assert _close(ref_out[mine].loss, total, 1e-5)
-    assert _close(spmdmoe.shard(ref_out[mine].logits, sp, dim=1).local, out.logits, 1e-5)
+    for got, want in [(out.loss, ref_out[mine].loss)] + ([(out.aux_loss, ref_out[mine].aux_loss)] if balance else []):
+        total = got.detach().clone()
+        dist.all_reduce(total, group=sp.get_group())
+        assert _close(want, total, 1e-5)
+    logits = ref_out[mine].logits
+    assert _close(spmdmoe.shard(logits.reshape(1, -1, logits.shape[-1]), sp, dim=1).local, out.logits, 1e-5)
     for pname, q in ours.named_parameters():
         if isinstance(q, DTensor):
             assert _close(_expert_rows(sum(g[pname] for g in ref_grads), q), q.grad.to_local(), 1e-4), pname
@@ -198,23 +226,76 @@ def test_whole_model_sequence_parallel(name, plan, world, request, device):
             assert _close(ref_grads[mine][pname], q.grad, 1e-4), pname
 
 
+def _imbalance(model: torch.nn.Module) -> float:
+    """``E * sum_e share_e ** 2`` of the routed copies in the model's last forward (every layer, summed over the
+    ranks; from the ids each gate's hooks see): 1 when every expert takes as many, ``E / K`` when ``K`` take all."""
+    counts = torch.stack([m.gate._spmdmoe_seen for m in model.modules() if isinstance(m, SwappedMoeBlock)]).sum(0)
+    dist.all_reduce(counts)
+    share = counts / counts.sum()
+    return float((share * share).sum() * share.numel())
+
+
+def test_load_balancing_balances_training_under_sp_x_ep(world, request, device):
+    """Qwen3-MoE swapped with SP x EP (2x2 on 4 ranks), trained 50 steps (Adam at 1e-3) on batches of 2 rows of odd
+    length with an attention mask, its router skewed at the start (experts 0 and 1's gate rows scaled by 8): with
+    the load-balancing loss (``output_router_logits``, coefficient 10), or with the aux-loss-free bias update
+    (``swap_moe(load_balance_coeff=5e-3)``), the load's imbalance on a fixed evaluation batch per EP index
+    (:func:`_imbalance`) falls from 1.48 to under 1.1 (measured 1.02) or 1.15 (1.05); the same steps with neither
+    leave it above 1.2 (1.31). That the loss covers the
+    whole batch is ``test_whole_model_sequence_parallel``'s; here it must act."""
+    ep, sp, _, mine = _plan("sp_x_ep", world, request)
+    probe = torch.randint(0, VOCAB, (4, 31), generator=torch.Generator().manual_seed(7 + mine)).to(device)
+    seen: dict[str, list[float]] = {}  # the imbalance at the start and after 50 steps
+    for mode in ("aux loss", "bias update", "neither"):
+        model = copy.deepcopy(MODELS["qwen3_moe"](0)).to(device)
+        model.router_aux_loss_coef = 10.0
+        swap_moe(model, sp_mesh=sp, ep_mesh=ep, load_balance_coeff=5e-3 if mode == "bias update" else None)
+        sequence_parallel(model, sp)
+        for m in model.modules():
+            if isinstance(m, SwappedMoeBlock):
+                with torch.no_grad():
+                    m.gate.weight[:2] *= 8
+                m.gate.register_forward_hook(lambda gate, args, out: setattr(
+                    gate, "_spmdmoe_seen", torch.bincount(out[2].reshape(-1), minlength=8).float()))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        seen[mode] = []
+        for step in range(51):
+            if step in (0, 50):
+                with torch.no_grad():
+                    model(**sp_batch(probe, sp))
+                seen[mode].append(_imbalance(model))
+            if step == 50:
+                break
+            out = model(**sp_batch(sp_mesh=sp, **_batch("masked pair", 100 * mine + step, device)[1]),
+                        output_router_logits=mode == "aux loss")
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert seen["aux loss"][0] == seen["bias update"][0] == seen["neither"][0] > 1.4, seen  # the same skewed start
+    assert seen["aux loss"][1] < 1.1 and seen["bias update"][1] < 1.15 and seen["neither"][1] > 1.2, seen
+
+
 @pytest.mark.one_rank_bad
 def test_sequence_parallel_bad_input_on_one_rank_raises_everywhere(world, device):
-    """One rank passes an attention mask, or a chunk one token too long: every rank raises, none hangs."""
+    """One rank passes an attention mask to the model, a chunk one token too long, the load-balancing loss its
+    peers do not ask for, a KV cache, or its chunk without sp_batch's keywords: every rank raises, none hangs."""
     _, ours = _sp_model("qwen3_moe", world, world, device)
     ids = torch.randint(0, VOCAB, (1, 37), generator=torch.Generator().manual_seed(40)).to(device)
     batch = sp_batch(ids, world)
     masked = dict(batch, attention_mask=torch.ones_like(batch["input_ids"])) if dist.get_rank() == 1 else batch
     caught = assert_raises_everywhere(MoEConfigError, lambda: ours(**masked), match="rank 1")  # who found it
-    assert dist.get_rank() != 1 or "drop it" in str(caught), caught  # and there, what and the fix
+    assert dist.get_rank() != 1 or "sp_batch(..., attention_mask=...)" in str(caught), caught  # and the fix
     longer = ids[:, :batch["input_ids"].shape[1] + 1]
     wrong = dict(batch, input_ids=longer, labels=longer) if dist.get_rank() == 0 else batch
-    assert_raises_everywhere(SPMDLayoutError, lambda: ours(**wrong))
+    assert_raises_everywhere(SPMDLayoutError, lambda: ours(**wrong), match="rank 0")
     last = dist.get_world_size() - 1
-    for bad in ({"position_ids": torch.arange(batch["input_ids"].shape[1])[None]}, {"output_router_logits": True}):
-        call = dict(batch, **bad) if dist.get_rank() == last else batch
+    asks = {"output_router_logits": dist.get_rank() == last}
+    assert_raises_everywhere(MoEConfigError, lambda: ours(**batch, **asks), match="load-balancing loss")
+    bare = {k: v for k, v in batch.items() if k != "spmdmoe_batch"}
+    for bad, words in (({"use_cache": True}, "use_cache=False"), ({}, "sp_batch")):
+        call = dict(bare if not bad else batch, **bad) if dist.get_rank() == last else batch
         caught = assert_raises_everywhere(MoEConfigError, lambda: ours(**call), match=f"rank {last}")
-        assert dist.get_rank() != last or next(iter(bad)) in str(caught), caught
+        assert dist.get_rank() != last or words in str(caught), caught
 
 
 def test_sequence_parallel_refusals(world, device):
