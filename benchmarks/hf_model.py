@@ -12,7 +12,7 @@ they match by name): the loss within 2 % (fp32 smoke: 1e-5), each parameter's gr
 rounding and tokens near a tie choose other experts, ``GRAD_TOLERANCE``) or 1e-4 (fp32 smoke); a missing
 gradient counts as zeros, so a model that skipped weight-gradient work is off by 1 and stops the run.
 
-    python benchmarks/hf_model.py                 # GPU: prints a table (append it to RESULTS.md)
+    python benchmarks/hf_model.py                 # GPU: prints a table (append it to benchmarks/ARCHIVE.md)
     python benchmarks/hf_model.py --smoke         # CPU, tiny, fp32: the loss check only
 
 On the GPU host (no network) transformers comes from git-ignored wheels: ``bash benchmarks/hf_wheels.sh``

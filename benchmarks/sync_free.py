@@ -6,7 +6,7 @@
 bf16, a shape of ``benchmarks/shapes.py`` (default DeepSeek-MoE-16B: D=2048, F=1408, E=64, K=6), EP = N (each rank its own T tokens; ``max_tokens = T``), a stack of
 ``--layers`` MoE layers on a residual stream (``h = h + layer(h)``: without it the activations shrank about a
 thousandfold a layer at the default init, and the fourth layer's router saw ties, every token on the same six
-experts, one rank doing all the expert work: RESULTS, issue 42, tenth session; ``--no-residual`` runs that stack
+experts, one rank doing all the expert work: `benchmarks/ARCHIVE.md`, issue 42, the 12:55 UTC run of 2026-11-27; ``--no-residual`` runs that stack
 again). Candidates, interleaved
 (``timing.timed``), median, max over ranks:
 
@@ -38,7 +38,7 @@ weight-gradient work is not timed. The weight gradients are not held to bits: th
 the sums' order, differ between the transports. With two graphs of the stack
 alive at once and replayed by turns, the lossless one ran 1.2-1.9x slower than eager in five runs of six
 (every kernel that touches the experts' rows, GEMMs included; cause not found), alone at eager speed or faster
-(RESULTS, issue 42, tenth session); ``--graphs-together`` keeps them all alive and times them in one rotation,
+(`benchmarks/ARCHIVE.md`, issue 42, the 12:55 UTC run of 2026-11-27); ``--graphs-together`` keeps them all alive and times them in one rotation,
 as this benchmark did before.
 
 Also: per layer, the smallest capacity factor that would have dropped nothing on this routing
@@ -276,7 +276,7 @@ def row_moves(stacks: dict[str, torch.nn.ModuleList], x: torch.Tensor, T: int, n
     first = stacks["sync eager"][0]
     ids_TK = first.router(x.detach(), first.expert_bias, first.router.gate.weight).ids_TK
     # one size on every rank (an even exchange of sizes that differ by rank is not a valid all-to-all: the runs
-    # before issue 44's fourteenth session passed each rank its own): the busiest rank's rows, whose moves set the
+    # before issue 44's fix passed each rank its own): the busiest rank's rows, whose moves set the
     # symmetric ops' time too (timed: max over ranks)
     sent_ = torch.tensor([int(destinations(ids_TK, E // n, n).sum())], device=device)
     dist.all_reduce(sent_, op=dist.ReduceOp.MAX)
@@ -284,7 +284,7 @@ def row_moves(stacks: dict[str, torch.nn.ModuleList], x: torch.Tensor, T: int, n
     rows_even = torch.randn(sent, D, device=device, dtype=dtype)
     out_even = torch.empty_like(rows_even)
     # e4m3 + an fp32 scale, padded to 16 bytes: D + 16 bytes a row (rows of D + 4 bytes, 4-byte aligned, took
-    # NCCL 0.553 ms against 0.584 for bf16's 2D: RESULTS, issue 42, twelfth session)
+    # NCCL 0.553 ms against 0.584 for bf16's 2D: `benchmarks/ARCHIVE.md`, issue 42, the 19:41 UTC run of 2026-11-27)
     rows_fp8 = torch.randn(sent, D // 2 + 8, device=device, dtype=dtype)
     out_fp8 = torch.empty_like(rows_fp8)
     moves = {

@@ -39,7 +39,7 @@ values each one holds. After such an error the process group is not usable.
 Eager only: the exchange reads the host, so under ``torch.compile`` or CUDA
 graph capture the mode raises and says so. Cost: one store round trip per call
 plus a device-to-host copy of a ``Replicate`` input (``benchmarks/check_modes.py``,
-``benchmarks/RESULTS.md``). Off by default.
+``benchmarks/ARCHIVE.md``). Off by default.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def reduce_scatter(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTen
     (``reduce_scatter_tensor``). Otherwise: the list form of ``reduce_scatter``
     on row views of the input, one per rank's chunk (NCCL runs it as grouped
     reduces; measured on 2x H200 as fast as the padded tensor collective, see
-    ``benchmarks/RESULTS.md``). The choice depends on ``T`` and the axis size
+    ``benchmarks/ARCHIVE.md``). The choice depends on ``T`` and the axis size
     only, the same on every rank.
 
     Padding: none is ever copied. The result is backed by a ``p``-row block

@@ -15,12 +15,12 @@ Every rank of a group holds one buffer of the same size; :class:`PeerRows` is th
 The caller orders the accesses (a barrier after the peers staged, another before anyone stages again); the
 kernels only read peers' memory and write this rank's ``out``. Each is the other's backward.
 
-Measured (``benchmarks/sync_free.py``'s row moves, RESULTS, issue 42, twelfth session, H100, 16k tokens a rank of
-2048 bf16): the EP dispatch (stage, every rank's ids, the rows, two barriers; graphed) moves the rows that cross at
-179 GB/s at EP 2 (66 MB a direction; the copy engines' ``copy_`` from the peer: 360 GB/s) and 232 GB/s at EP 4
-(168 MB; an even NCCL all-to-all of the same rows: 288 GB/s; the copy engines from one peer: 368 GB/s). At EP 4
-each rank reading its sources from its next peer on is what makes 232: in program order (every rank reading rank
-0's buffer first, three readers on one rank's links) the same op moved 140 GB/s (eleventh session).
+Measured (``benchmarks/sync_free.py``'s row moves, ``benchmarks/ARCHIVE.md``, issue 42, the 19:41 UTC run of
+2026-11-27, H100, 16k tokens a rank of 2048 bf16): the EP dispatch (stage, every rank's ids, the rows, two barriers;
+graphed) moves the rows that cross at 179 GB/s at EP 2 (66 MB a direction; the copy engines' ``copy_`` from the
+peer: 360 GB/s) and 232 GB/s at EP 4 (168 MB; an even NCCL all-to-all of the same rows: 288 GB/s; the copy engines
+from one peer: 368 GB/s). At EP 4 each rank reading its sources from its next peer on is what makes 232: in program order (every rank reading rank
+0's buffer first, three readers on one rank's links) the same op moved 140 GB/s (the 16:10 UTC run).
 """
 
 from __future__ import annotations

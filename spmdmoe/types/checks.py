@@ -20,13 +20,13 @@ what                                cost when on                                
 collectives (``"collectives"``      one exchange of a small record through the     -
 mode only)                          process group's store per call, and a host
                                     copy of a ``Replicate`` input (measured:
-                                    ``benchmarks/RESULTS.md``)
+                                    ``benchmarks/ARCHIVE.md``)
 ==================================  =============================================  =====================
 
 ``from_local`` always exchanges (one check exchange of 8 int64 per rank and one
 device-to-host copy of them, a sync on CUDA), in every mode. Collectives never
 re-check: they trust the type. (Measured figures are in
-``benchmarks/RESULTS.md``.)
+``benchmarks/ARCHIVE.md``.)
 """
 
 from __future__ import annotations

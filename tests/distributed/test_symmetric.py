@@ -308,8 +308,8 @@ def test_overflow_drops_by_the_rule_and_raises_everywhere(world, device, request
 
 
 # (tokens per source, capacity factor, dims, dtype): a tiny CPU case, and on CUDA the benchmark's that turned
-# NaN (D, F, E, K = 256, 128, 64, 6 in bf16 at 4k tokens a rank, capacity_factor 1.25: RESULTS, issue 42,
-# tenth session)
+# NaN (D, F, E, K = 256, 128, 64, 6 in bf16 at 4k tokens a rank, capacity_factor 1.25: `benchmarks/ARCHIVE.md`,
+# issue 42, the 12:55 UTC run of 2026-11-27)
 _OVERFLOWS = [(41, 0.1, (D, F, E, 2), torch.float32), (41, 0.4, (D, F, E, 2), torch.float32),
               (4096, 1.25, (256, 128, 64, 6), torch.bfloat16)]
 

@@ -16,7 +16,7 @@ shape presets, H200: the eager step peak 3-13 % below the bf16 layer's; compiled
 at or below it at three, 2.4 % above at Qwen3-30B-A3B and 64k tokens, where
 ``dh13``'s or ``dy``'s e4m3 sits beside a weight gradient's output; at small
 token counts the eager peak can exceed the bf16 layer's by a few percent;
-``benchmarks/RESULTS.md``, issue 23):
+``benchmarks/ARCHIVE.md``, issue 23):
 
 * forward: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by every
   transport's dispatch in its fan-out pass, once per (received) token:
@@ -57,7 +57,7 @@ torch's grouped GEMM takes the bf16 operands as they are.
 The per-(group, column) quantizers read every operand twice (1.5 TB/s counted)
 and the 2-D x 2-D scaled GEMM gains only 1.08-1.13x over bf16 at 1-2k rows per
 expert, so at small ``D F / (2 D + 3 F)`` the unquantized wgrad is faster (H200,
-``benchmarks/RESULTS.md``, issue 23); ``"auto"`` decides from ``D`` and ``F`` only
+``benchmarks/ARCHIVE.md``, issue 23); ``"auto"`` decides from ``D`` and ``F`` only
 (:data:`WGRAD_FP8_MIN`), never from the token count (one graph, no host sync).
 
 Fast accumulation (:data:`FAST_ACCUM`) is on in all three GEMMs, as in torchao
@@ -96,11 +96,11 @@ __all__ = ["FAST_ACCUM", "WGRAD_FP8_MIN", "Fp8Weights", "fp8_native", "fp8_wgrad
 _scaled = getattr(torch, "_scaled_grouped_mm", None)
 # ``use_fast_accum`` of the scaled GEMMs, per kind: Hopper's FP8 tensor cores accumulate in reduced precision unless
 # the GEMM promotes partial sums to fp32 (``False``: slower). Chosen by measurement (module docstring;
-# ``benchmarks/fp8_numerics.py``, figures in ``benchmarks/RESULTS.md``).
+# ``benchmarks/fp8_numerics.py``, figures in ``benchmarks/ARCHIVE.md``).
 FAST_ACCUM: dict[str, bool] = {"forward": True, "dgrad": True, "wgrad": True}
 # ``fp8_wgrad="auto"``: the weight gradients run in FP8 where ``D F / (2 D + 3 F)`` (GEMM work per byte the
 # wgrad quantizers move) reaches this; below it the unquantized wgrad GEMMs are faster than FP8 GEMMs plus the
-# per-(group, column) quantizers (measured at every shape preset: module docstring, ``benchmarks/RESULTS.md``).
+# per-(group, column) quantizers (measured at every shape preset: module docstring, ``benchmarks/ARCHIVE.md``).
 WGRAD_FP8_MIN = 600.0
 _grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _warned: list[bool] = [False]

@@ -21,7 +21,7 @@ The same code runs eagerly, inside a compiled graph and inside a captured CUDA g
 gated writes are one custom op (``spmdmoe::fp8_refresh_weights``), opaque to ``torch.compile``. So the cache
 follows every way weights change, and the weights are quantized at most once per change, in every mode.
 
-Cost (measured on an H200, ``benchmarks/RESULTS.md``, issue 22): the fingerprint reads the bf16 weights once
+Cost (measured on an H200, ``benchmarks/ARCHIVE.md``, issue 22): the fingerprint reads the bf16 weights once
 per forward, 0.35 ms for DeepSeek-MoE-16B's 1.1 GB of expert weights (3.2 TB/s; a whole use with unchanged
 weights 0.42 ms), about 1.5 ms for Qwen3-235B's 4.8 GB; the quantization when they changed, 1.3 ms at 16B
 (5.4 ms at 235B; issue 23). Where the weights change before every forward anyway (no gradient accumulation,

@@ -189,7 +189,7 @@ def grouped_mm_pair(
 
     On torch's grouped GEMM (bf16 under compile) one GEMM on ``[w1 | w3]`` (a view when the two are
     adjacent, else a copy); measured on H200 at T=16k, K=6: 5.5 ms fwd+bwd for the pair against 6.3 ms
-    as two GEMMs (``benchmarks/RESULTS.md``). Otherwise two :func:`grouped_mm` concatenated.
+    as two GEMMs (``benchmarks/ARCHIVE.md``). Otherwise two :func:`grouped_mm` concatenated.
     ``later`` (``wgrad_later.LaterWgrad``, made earlier in the forward by the caller): the weights' gradients
     come from its anchor, after whatever autograd runs between the two (torch's grouped GEMM, eager, only;
     otherwise its anchor gets no gradient and never runs).
