@@ -23,8 +23,9 @@ section 4). :func:`sequence_parallel` does that for transformers' decoder models
   rank, raises on every rank), builds the attention mask once, and passes it down as a keyword of the call
   (:data:`KWARG`), so activation checkpointing's recompute sees its own forward's.
 * **Dense gradients**: every parameter outside the swapped MoE blocks gets its gradient summed over SP
-  (``spmdmoe.moe.replicate_grads``); the blocks sum their gate's and shared experts' themselves. So after the
-  backward every rank holds the one-process gradients: keep the SP axis out of your data parallelism.
+  (``spmdmoe.moe.replicate_grads``; a tied parameter, ``tie_word_embeddings``, once over its uses); the blocks sum
+  their gate's and shared experts' themselves. So after the backward every rank holds the one-process gradients:
+  keep the SP axis out of your data parallelism.
 * **Loss**: :func:`sp_batch` gives each token the next token of its row as its label (``shift_labels``, crossing
   the chunk boundary; ``labels``' or ``input_ids``') and the whole batch's target count (``num_items_in_batch``),
   so each rank's loss is its share of the one-process mean: their sum is that mean.
@@ -37,7 +38,7 @@ section 4). :func:`sequence_parallel` does that for transformers' decoder models
   is not returned under SP.
 
 Refused (``MoEConfigError``; a call's arguments on every rank when one rank passes them): MoE blocks not swapped
-over this SP mesh, tied parameters (``tie_word_embeddings``), a call without :func:`sp_batch`'s keywords, an
+over this SP mesh, a call without :func:`sp_batch`'s keywords, an
 ``attention_mask`` passed to the model (give it to :func:`sp_batch`), a KV cache, ``output_router_logits`` on a
 model without a load-balancing loss (a bare decoder, DeepSeek-V3), ``return_dict=False`` with it, and attention
 that asks for a sliding window, a soft cap, sinks or a position bias. Eager (the pre-hook's exchange is a host
@@ -277,11 +278,6 @@ def sequence_parallel(model: nn.Module, sp_mesh: MeshLike) -> nn.Module:
                              "sp_mesh=...) first")
     if model.__dict__.get("_spmdmoe_replicated") is not None:
         raise MoEConfigError("sequence_parallel was already applied to this model (or replicate_grads was)")
-    shared = {id(p) for _, p in model.named_parameters()}
-    if len(shared) != sum(1 for _ in model.named_parameters(remove_duplicate=False)):
-        raise MoEConfigError("sequence_parallel: the model ties parameters (e.g. tie_word_embeddings: lm_head and "
-                             "embed_tokens are one tensor), whose gradient replicate_grads would sum over SP for "
-                             "one use only; untie them (config.tie_word_embeddings=False) before loading")
     AttentionInterface.register(IMPLEMENTATION, _attention)
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:

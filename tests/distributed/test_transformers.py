@@ -158,8 +158,10 @@ def test_model_under_sp_x_ep_whole_samples(name, request, device):
         assert _close(ref_grads[b][pname], got, 1e-4), pname
 
 
-def _sp_model(name: str, sp, ep, device):  # type: ignore[no-untyped-def]
+def _sp_model(name: str, sp, ep, device, tied: bool = False):  # type: ignore[no-untyped-def]
     ref = MODELS[name](0).to(device)
+    if tied:  # tie_word_embeddings: the output head is the embedding table
+        ref.lm_head.weight = ref.model.embed_tokens.weight
     ours = copy.deepcopy(ref)
     swap_moe(ours, sp_mesh=sp, ep_mesh=ep)
     return ref, sequence_parallel(ours, sp)
@@ -191,15 +193,17 @@ def _batch(kind: str, seed: int, device):  # type: ignore[no-untyped-def]
                          + [("qwen3_moe", "sp_ep, checkpointed", "one")]
                          + [(name, "sp_x_ep" + (", checkpointed" if name == "qwen3_moe" else ""), "masked pair")
                             for name in sorted(MODELS)]
-                         + [("qwen3_moe", "sp_ep", "packed")])
+                         + [("qwen3_moe", "sp_ep", "packed"), ("qwen3_moe", "sp_ep, tied", "masked pair")])
 def test_whole_model_sequence_parallel(name, plan, kind, world, request, device):
     """Each rank its chunk of a batch (``sp_batch``, the rows end to end); the sum of the ranks' losses is the
     one-process loss (with Qwen3-MoE's and Mixtral's load-balancing loss, whose ranks' shares sum to the one-process
     ``aux_loss``), the logits are its rows, every gradient its gradient (dense: summed over SP inside; experts:
     every batch's, their rows). ``sp_x_ep``: two batches, one per EP index, each split over SP;
-    ``checkpointed``: transformers' activation checkpointing of the decoder layers (the recompute gathers again)."""
+    ``checkpointed``: transformers' activation checkpointing of the decoder layers (the recompute gathers again);
+    ``tied``: the output head tied to the embeddings (one gradient sum over SP for both uses)."""
     ep, sp, batches, mine = _plan(plan, world, request)
-    ref, ours = _sp_model(name, sp, ep, device)
+    ref, ours = _sp_model(name, sp, ep, device, tied=plan.endswith("tied"))
+    assert not plan.endswith("tied") or ours.lm_head.weight is ours.model.embed_tokens.weight
     if plan.endswith("checkpointed"):
         ours.activation_checkpointing_enable()
     balance = {"output_router_logits": True} if name != "deepseek_v3" else {}
@@ -299,13 +303,7 @@ def test_sequence_parallel_bad_input_on_one_rank_raises_everywhere(world, device
 
 
 def test_sequence_parallel_refusals(world, device):
-    """Tied parameters (their SP sum would cover one use only) and a second application are refused."""
-    ref = MODELS["qwen3_moe"](0).to(device)
-    tied = copy.deepcopy(ref)
-    tied.lm_head.weight = tied.model.embed_tokens.weight
-    swap_moe(tied, sp_mesh=world)
-    with pytest.raises(MoEConfigError, match="ties parameters"):
-        sequence_parallel(tied, world)
+    """A second application is refused (it would sum the dense gradients twice)."""
     _, ours = _sp_model("qwen3_moe", world, world, device)
     with pytest.raises(MoEConfigError, match="already applied"):
         sequence_parallel(ours, world)

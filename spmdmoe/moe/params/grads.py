@@ -223,7 +223,11 @@ def replicate_grads(
         )
     names = [n for n, p in module.named_parameters() if p.requires_grad and (include is None or include(n))]
     agreed = agree_grad_set([module.get_parameter(n) for n in names], axis)  # one rank's frozen parameter: raised
-    object.__setattr__(module, "_spmdmoe_replicated", (axis, names, overlap, agreed))
+    paths: dict[int, list[str]] = {}  # a tied parameter (e.g. embeddings and output head) sits under several names
+    for n, p in module.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(n)
+    aliases = tuple(tuple(paths[id(module.get_parameter(n))]) for n in names)
+    object.__setattr__(module, "_spmdmoe_replicated", (axis, names, overlap, agreed, aliases))
     object.__setattr__(module, "_spmdmoe_replicate_inner", module.forward)
     object.__setattr__(module, "forward", types.MethodType(_replicated_forward, module))
     object.__setattr__(module, "_spmdmoe_sync_params", types.MethodType(_replicated_params, module))
@@ -235,33 +239,37 @@ def leave_replicated_sums(module: nn.Module, axis: MeshAxis) -> None:
     that spans ``axis`` makes them in its reduce-scatter; ``fully_shard_moe`` calls it). Else nothing."""
     replicated = module.__dict__.get("_spmdmoe_replicated")
     if replicated is not None and replicated[0] == axis:
-        object.__setattr__(module, "_spmdmoe_replicated", (axis, [], replicated[2], ()))
+        object.__setattr__(module, "_spmdmoe_replicated", (axis, [], replicated[2], (), ()))
 
 
 def _replicated_params(self: nn.Module) -> list[torch.Tensor]:
     """The parameters a joined call defers the sums of (``overlap.sync_params``): none with
     ``overlap=False`` or a 1-rank axis."""
-    axis, names, overlap, _ = self._spmdmoe_replicated
+    axis, names, overlap, _, _ = self._spmdmoe_replicated
     return [self.get_parameter(n) for n in names] if axis.size > 1 and overlap else []
 
 
 def _replicated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``replicate_grads``' forward: a method bound to the module (``deepcopy`` rebinds it to the copy)."""
-    axis, names, overlap, agreed = self._spmdmoe_replicated
+    axis, names, overlap, agreed, aliases = self._spmdmoe_replicated
     if not names:  # nothing to sum (leave_replicated_sums)
         return self._spmdmoe_replicate_inner(*args, **kwargs)
-    entries = [(self.get_submodule(owner), leaf) for owner, _, leaf in (n.rpartition(".") for n in names)]
+    # every name a parameter sits under takes its one view: a tied parameter's uses add up before the one sum
+    entries = [[(self.get_submodule(owner), leaf) for owner, _, leaf in (n.rpartition(".") for n in group)]
+               for group in aliases]
 
     def body(*args: Any, **kwargs: Any) -> Any:
-        params = [owner._parameters[leaf] for owner, leaf in entries]
+        params = [places[0][0]._parameters[places[0][1]] for places in entries]
         views = sync_grads(params, axis, agreed=agreed)  # type: ignore[arg-type]
-        for (owner, leaf), view in zip(entries, views):
-            owner._parameters[leaf] = view  # type: ignore[assignment]
+        for places, view in zip(entries, views):
+            for owner, leaf in places:
+                owner._parameters[leaf] = view  # type: ignore[assignment]
         try:
             return self._spmdmoe_replicate_inner(*args, **kwargs)
         finally:
-            for (owner, leaf), p in zip(entries, params):
-                owner._parameters[leaf] = p
+            for places, p in zip(entries, params):
+                for owner, leaf in places:
+                    owner._parameters[leaf] = p
 
     return call_joined(body, args, kwargs, self._spmdmoe_sync_params) if overlap else body(*args, **kwargs)
 
