@@ -235,8 +235,17 @@ def _subclass(model):
     model.layers["1"].moe.__class__ = OwnMoE
 
 
+def _converted_linear(model):  # what Float8 / MXFP8 linear converters and LoRA do to the gate and shared experts
+    from torchtitan.models.common.linear import Linear
+
+    class ConvertedLinear(Linear):
+        pass
+    model.layers["1"].moe.shared_experts.w2.__class__ = ConvertedLinear
+
+
 @pytest.mark.parametrize("change,words", [
     (_gate_bias, "router gate has a bias"),
+    (_converted_linear, "shared experts' w2 is a test_torchtitan.ConvertedLinear"),
     (_force_balance, "_debug_force_load_balance"),
     (_converted_experts, "expert_precision='fp8_rowwise'"),
     (_dispatcher, "comm_backend='standard'"),
@@ -289,6 +298,39 @@ def test_swapped_model_spec_swaps_before_torchtitans_parallelize():
         swapped_model_spec(spec, ep_mesh=None)
 
 
+def test_swapped_model_spec_refuses_tensor_parallelism_and_passes_a_stage_without_moe(monkeypatch):
+    """Under torchtitan's tensor parallelism (its default ``spmd_types`` backend shards the gate's and shared
+    experts' weights as plain tensors) the swapped MoE would compute on shards: the spec refuses TP on every rank,
+    and the layer refuses weights sharded behind its back at its first forward. A pipeline stage without MoE
+    layers (DeepSeek-V3's first stage) is parallelized unswapped, and its process still runs the step's check
+    (a collective its peers' stages run)."""
+    import dataclasses
+
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    from spmdmoe.integrations import _bound
+    from spmdmoe.integrations.torchtitan import swapped_model_spec
+
+    spec = swapped_model_spec(dataclasses.replace(model_registry("debugmodel"), parallelize_fn=lambda m, **kw: m))
+    tp = type("TP2", (NoParallelism,), {"tp": 2})()
+    with pytest.raises(MoEConfigError, match="tensor_parallel_degree=2"):
+        spec.parallelize_fn(_meta_model(), parallel_dims=tp)
+    model = build(debug_config(), swap_moe, 0)
+    shared = model.layers["1"].moe.shared_experts
+    shared.w1.weight = torch.nn.Parameter(shared.w1.weight.detach()[: shared.w1.weight.shape[0] // 2])
+    with pytest.raises(MoEConfigError, match="tensor_parallel_degree=1"):
+        model(torch.randint(0, 64, (1, 8)))
+    checks = []
+    monkeypatch.setattr(_bound, "check_errors", lambda: checks.append(1))
+    monkeypatch.setattr(_bound, "_SWAPPED", [])
+    monkeypatch.setattr(_bound, "_STEPPER", [])
+    monkeypatch.setattr(_bound, "_JOINED", [])
+    stage = torch.nn.Sequential(torch.nn.Linear(4, 4))  # no MoE: nothing swapped, nothing refused
+    assert spec.parallelize_fn(stage, parallel_dims=NoParallelism()) is stage
+    torch.optim.SGD(stage.parameters(), lr=0.1).step()
+    assert checks == [1]
+
+
 def test_torch_compat_gives_torchtitan_what_it_takes_from_torch_2_13():
     """``spmdmoe/integrations/_torch_compat.py`` (applied by importing the integration): on torch 2.11 the names
     torchtitan 0.3.0 uses exist and take its keywords (``fully_shard(dp_mesh_dims=None)`` shards as without it,
@@ -310,3 +352,30 @@ def test_torch_compat_gives_torchtitan_what_it_takes_from_torch_2_13():
     mask = flex.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cpu",
                                   separate_full_blocks=False)
     assert mask.shape[-2:] == (128, 128)
+
+
+def test_counts_doubled_where_torchtitan_checkpoints_and_halves():
+    """torchtitan's load-balancing hook halves a checkpointed block's counts (its own MoE counts the recompute
+    too): through ``swapped_model_spec``, a swapped layer in a block torchtitan's parallelize wrapped with
+    non-reentrant checkpointing doubles its counts before the hook, so the hook reads the true ones; the others
+    keep theirs."""
+    import dataclasses
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    from spmdmoe.integrations.torchtitan import swapped_model_spec
+
+    def parallelize(model, **kwargs):  # as torchtitan's apply_ac wraps a block
+        model.layers["1"] = checkpoint_wrapper(model.layers["1"], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        return model
+
+    spec = swapped_model_spec(dataclasses.replace(model_registry("debugmodel"), parallelize_fn=parallelize))
+    model = spec.parallelize_fn(_meta_model(), parallel_dims=NoParallelism())
+    moes = [m for m in model.modules() if isinstance(m, SwappedMoE)]
+    assert [m.recomputed for m in moes] == [True] + [False] * (len(moes) - 1)
+    for m in moes:
+        m.tokens_per_expert_E = torch.arange(m.tokens_per_expert_E.numel())
+        m.before_step()
+    assert moes[0].tokens_per_expert_E.tolist() == [2 * i for i in range(moes[0].tokens_per_expert_E.numel())]
+    assert all(m.tokens_per_expert_E.tolist() == list(range(m.tokens_per_expert_E.numel())) for m in moes[1:])

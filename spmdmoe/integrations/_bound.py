@@ -32,7 +32,7 @@ from ..moe.parallel.layer import ParallelMoE
 from ..sticky import check_errors
 from ..types.tensor import SPMDTensor
 
-__all__ = ["Adapter", "bind", "local", "shard_experts", "track"]
+__all__ = ["Adapter", "bind", "join_step_checks", "local", "shard_experts", "track"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -163,12 +163,22 @@ def shard_experts(experts: nn.Module, layer: _Layer, names: dict[str, str]) -> N
 _HOOK: list[Any] = []
 _STEPPER: list["weakref.ref[Any]"] = []  # the optimizer whose step runs the check (the first seen holding ours)
 _SWAPPED: list["weakref.ref[Adapter]"] = []
+_JOINED: list[bool] = []  # join_step_checks was called (a process without swapped layers runs the check too)
 
 
 def track(adapter: Adapter) -> None:
     """Register ``adapter`` with the step hook, which is registered once per process as a global optimizer
     step pre-hook (torch runs global pre-hooks before an optimizer's own)."""
     _SWAPPED.append(weakref.ref(adapter))
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def join_step_checks() -> None:
+    """Have this process run the step hook's :func:`spmdmoe.check_errors` (a collective) though it holds no
+    swapped layer: a pipeline stage without MoE layers, whose peers' stages have some (their check would wait
+    for it). The first optimizer stepped is then the one whose step runs it."""
+    _JOINED[:] = [True]
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
@@ -181,8 +191,10 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     are untouched."""
     stepper = _STEPPER[0]() if _STEPPER else None
     if stepper is None:
-        ours = {id(p) for m in _live() for p in m.parameters()}
-        if not any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
+        live = _live()
+        ours = {id(p) for m in live for p in m.parameters()}
+        holds = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
+        if not holds and (live or not _JOINED):  # with no swapped layer here, a joined process takes the first
             return
         _STEPPER[:] = [weakref.ref(optimizer)]
     elif stepper is not optimizer:

@@ -58,6 +58,7 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 from torch.distributed.tensor import DTensor
 
 from ._torch_compat import shim_torch
@@ -65,6 +66,7 @@ from ._torch_compat import shim_torch
 shim_torch()  # torch 2.11: the names torchtitan 0.3.0 imports, before it is imported
 try:
     from torchtitan.models.common.feed_forward import FeedForward as _TTFeedForward
+    from torchtitan.models.common.linear import Linear as _TTLinear
     from torchtitan.models.common.moe import GroupedExperts as _TTGroupedExperts
     from torchtitan.models.common.moe import MoE as _TTMoE
     from torchtitan.models.common.moe import TokenChoiceTopKRouter as _TTRouter
@@ -81,12 +83,13 @@ from ..moe.experts.grouped import SharedExperts
 from ..moe.layer import _Layer
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshLike
-from ._bound import Adapter, bind, local, shard_experts, track
+from ._bound import Adapter, bind, join_step_checks, local, shard_experts, track
 from .torchtitan_modules import Experts, _Router, _SharedExperts
 
 __all__ = ["swap_moe", "swapped_model_spec", "SwappedMoE", "Experts"]
 
 _DISPATCHERS = (LocalTokenDispatcher, AllToAllTokenDispatcher)  # the "standard" comm backend's
+_LINEARS = (nn.Linear, _TTLinear)  # a gate or shared linear spmdmoe reads the weight of: exactly these classes
 
 
 class SwappedMoE(Adapter, _TTMoE):
@@ -121,6 +124,15 @@ class SwappedMoE(Adapter, _TTMoE):
         self.training = source.training
         bind(layer, self, self.router, self.routed_experts.inner_experts, self.shared_experts)
         self._place_layer_buffers()
+        self._dense_shapes = self._local_dense_shapes()  # whole, as built: tensor parallelism would shard them
+        self.recomputed = False  # in a block torchtitan's activation checkpointing wraps (swapped_model_spec)
+
+    def _local_dense_shapes(self) -> list[tuple[int, ...]]:
+        """This rank's shapes of the gate's and the shared experts' weights (plain tensors under torchtitan's
+        default ``spmd_types`` backend, DTensors under the others)."""
+        linears = [self.router.gate] + ([] if self.shared_experts is None else
+                                        [self.shared_experts.w1, self.shared_experts.w2, self.shared_experts.w3])
+        return [tuple(local(lin.weight).shape) for lin in linears]
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the layer computes in: its gate's, as torchtitan's MoE."""
@@ -128,21 +140,29 @@ class SwappedMoE(Adapter, _TTMoE):
 
     def before_step(self) -> None:
         """Sum the token counts over the layer's SP axis, which torchtitan's loss mesh does not include, so
-        that every SP rank's load-balancing hook updates the same bias."""
+        that every SP rank's load-balancing hook updates the same bias; in a block torchtitan checkpoints
+        (``recomputed``, set by :func:`swapped_model_spec`), double them, since its hook halves them (it
+        assumes its own MoE counted the recompute too; spmdmoe counts once)."""
+        counts = local(self.tokens_per_expert_E)
         sp = getattr(self.layer, "sp", None)
         if sp is not None and sp.size > 1:
-            all_reduce(local(self.tokens_per_expert_E), group=sp.group)
+            all_reduce(counts, group=sp.group)
+        if self.recomputed:
+            counts.mul_(2)
 
     def _init_self_buffers(self, *, buffer_device: Optional[torch.device] = None) -> None:
         super()._init_self_buffers(buffer_device=buffer_device)
         self.layer.reset_buffers()
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if isinstance(x_BLD, DTensor):
+        if isinstance(x_BLD, DTensor) or self._local_dense_shapes() != self._dense_shapes:
+            found = (f"a DTensor input ({x_BLD.placements})" if isinstance(x_BLD, DTensor) else
+                     f"its gate's and shared experts' weights sharded to {self._local_dense_shapes()} of "
+                     f"{self._dense_shapes}")
             raise MoEConfigError(
-                f"the swapped MoE takes this rank's plain (batch, seq, dim) tensor, found a DTensor "
-                f"({x_BLD.placements}); torchtitan's tensor parallelism of the MoE is not supported: pass its "
-                "sequence axis as swap_moe(sp_mesh=...) instead")
+                f"the swapped MoE takes this rank's plain (batch, seq, dim) tensor and whole dense weights, found "
+                f"{found}: torchtitan's tensor parallelism (or its full_dtensor backend) is not supported for "
+                "the MoE; set tensor_parallel_degree=1 and shard the sequence with swap_moe(sp_mesh=...) instead")
         return self.run_layer(x_BLD)
 
 
@@ -168,6 +188,13 @@ def _config(name: str, moe: _TTMoE, expert_precision: str) -> MoEConfig:
          "only comm_backend='standard' is swapped (spmdmoe moves the tokens itself)"),
     ]
     shared = moe.shared_experts
+    linears = [("router gate", router.gate)]
+    if type(shared) is _TTFeedForward:
+        linears += [(f"shared experts' {n}", getattr(shared, n)) for n in ("w1", "w2", "w3")]
+    checks += [(type(lin) not in _LINEARS, f"its {what} is a {type(lin).__module__}.{type(lin).__name__}",
+                "spmdmoe computes with the weight alone, so a converted linear's forward (Float8 / MXFP8 "
+                "linears, LoRA) would never run: leave the MoE's gate and shared experts out of the converter")
+               for what, lin in linears]
     if shared is not None:
         checks += [
             (type(shared) is not _TTFeedForward, f"its shared experts are a {type(shared).__name__}",
@@ -267,6 +294,20 @@ def swapped_model_spec(model_spec: Any, **options: Any) -> Any:
     parallelize = model_spec.parallelize_fn
 
     def parallelize_fn(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
-        swap_moe(model, ep_mesh=parallel_dims.get_mesh("ep") if parallel_dims.ep_enabled else None, **options)
-        return parallelize(model, parallel_dims=parallel_dims, **kwargs)
+        if getattr(parallel_dims, "tp", 1) > 1:  # the same config on every rank: every rank raises
+            raise MoEConfigError(
+                f"swapped_model_spec: tensor_parallel_degree={parallel_dims.tp}: torchtitan's tensor parallelism "
+                "of the MoE (its gate, shared and routed experts) is not swapped; set tensor_parallel_degree=1 "
+                "and shard the sequence with swap_moe(sp_mesh=...), or keep torchtitan's own MoE")
+        if any(type(m) is _TTMoE for m in model.modules()):
+            swap_moe(model, ep_mesh=parallel_dims.get_mesh("ep") if parallel_dims.ep_enabled else None, **options)
+        else:  # a pipeline stage without MoE layers: nothing to swap, but its ranks join the step's check
+            join_step_checks()
+        model = parallelize(model, parallel_dims=parallel_dims, **kwargs)
+        for block in model.modules():  # what torchtitan's load-balancing hook halves the counts of
+            if getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT:
+                for m in block.modules():
+                    if isinstance(m, SwappedMoE):
+                        m.recomputed = True
+        return model
     return dataclasses.replace(model_spec, parallelize_fn=parallelize_fn)
