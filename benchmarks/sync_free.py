@@ -6,8 +6,8 @@
 bf16, a shape of ``benchmarks/shapes.py`` (default DeepSeek-MoE-16B: D=2048, F=1408, E=64, K=6), EP = N (each rank its own T tokens; ``max_tokens = T``), a stack of
 ``--layers`` MoE layers on a residual stream (``h = h + layer(h)``: without it the activations shrank about a
 thousandfold a layer at the default init, and the fourth layer's router saw ties, every token on the same six
-experts, one rank doing all the expert work: `benchmarks/ARCHIVE.md`, issue 42, the 12:55 UTC run of 2026-11-27; ``--no-residual`` runs that stack
-again). Candidates, interleaved
+experts, one rank doing all the expert work: `benchmarks/ARCHIVE.md`, issue 42, the 12:55 UTC run of
+2026-11-27; ``--no-residual`` runs that stack again). Candidates, interleaved
 (``timing.timed``), median, max over ranks:
 
 * ``sync eager``: ``ep_mode="sync"``, one host read of the split sizes per layer forward;
@@ -38,8 +38,8 @@ weight-gradient work is not timed. The weight gradients are not held to bits: th
 the sums' order, differ between the transports. With two graphs of the stack
 alive at once and replayed by turns, the lossless one ran 1.2-1.9x slower than eager in five runs of six
 (every kernel that touches the experts' rows, GEMMs included; cause not found), alone at eager speed or faster
-(`benchmarks/ARCHIVE.md`, issue 42, the 12:55 UTC run of 2026-11-27); ``--graphs-together`` keeps them all alive and times them in one rotation,
-as this benchmark did before.
+(`benchmarks/ARCHIVE.md`, issue 42, the 12:55 UTC run of 2026-11-27); ``--graphs-together`` keeps them all
+alive and times them in one rotation, as this benchmark did before.
 
 Also: per layer, the smallest capacity factor that would have dropped nothing on this routing
 (:func:`needed_factors`), peak memory of one step per candidate, and the row moves alone, the first layer's

@@ -19,8 +19,9 @@ Measured (``benchmarks/sync_free.py``'s row moves, ``benchmarks/ARCHIVE.md``, is
 2026-11-27, H100, 16k tokens a rank of 2048 bf16): the EP dispatch (stage, every rank's ids, the rows, two barriers;
 graphed) moves the rows that cross at 179 GB/s at EP 2 (66 MB a direction; the copy engines' ``copy_`` from the
 peer: 360 GB/s) and 232 GB/s at EP 4 (168 MB; an even NCCL all-to-all of the same rows: 288 GB/s; the copy engines
-from one peer: 368 GB/s). At EP 4 each rank reading its sources from its next peer on is what makes 232: in program order (every rank reading rank
-0's buffer first, three readers on one rank's links) the same op moved 140 GB/s (the 16:10 UTC run).
+from one peer: 368 GB/s). At EP 4 each rank reading its sources from its next peer on is what makes 232: in
+program order (every rank reading rank 0's buffer first, three readers on one rank's links) the same op moved
+140 GB/s (the 16:10 UTC run).
 """
 
 from __future__ import annotations
