@@ -372,6 +372,9 @@ def main() -> None:
     ap.add_argument("--shape", default="dsmoe16b", choices=sorted(SHAPES),
                     help="D, F, E, K of this model (benchmarks/shapes.py); the tokens per GPU are --tokens")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--max-tokens-factor", type=float, default=1.0,
+                    help="the sync-free layers' max_tokens over the tokens a rank routes (1: sized exactly, the best "
+                         "case for static buffers; 1.25: a batch that varies by up to a quarter)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
@@ -417,7 +420,8 @@ def main() -> None:
     g = torch.randn(T, D, device=device, dtype=torch.float32, generator=gen)
 
     def sync_free(c: Optional[float]) -> torch.nn.ModuleList:
-        return build(cfg, L, dtype, device, T, ep_mode="sync_free", max_tokens=T, capacity_factor=c)
+        return build(cfg, L, dtype, device, T, ep_mode="sync_free", max_tokens=int(args.max_tokens_factor * T),
+                     capacity_factor=c)
 
     stacks = {"sync eager": build(cfg, L, dtype, device, T), "sync-free eager": sync_free(None)}
     with mock.patch.dict(os.environ, {"SPMDMOE_EP_SYMMETRIC": "0"}):
