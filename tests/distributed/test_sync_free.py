@@ -192,6 +192,29 @@ def test_max_tokens_exceeded_on_one_rank(world, device):
     assert_raises_everywhere(SPMDCapacityError, step, match=rf"rank {world.size() - 1}: more rows than the sync-free EP buffers hold")
 
 
+def test_without_max_tokens_the_first_forward_sizes_the_buffers(world, device):
+    """``ep_mode="sync_free"`` without ``max_tokens``: the first forward agrees ``T_max`` over EP (the most rows a
+    rank routes: one host all-reduce), later forwards route any count up to it, bitwise equal to the sync layer;
+    one rank routing more later stands in zero rows, and every rank raises ``SPMDCapacityError`` at the step
+    boundary, naming the ``max_tokens`` that would have held it."""
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+    ours = parallelize_moe(reference_moe(cfg, 0, device), ep_mesh=world, ep_mode="sync_free")
+    sync = parallelize_moe(reference_moe(cfg, 0, device), ep_mesh=world)
+    rank, last = world.get_local_rank(), world.size() - 1
+    for step, rows in enumerate((7 - rank % 2, 3 + rank % 3)):  # the first forward's most: 7
+        x = reference_tensor((rows, D), 20 + step + rank, device=device)
+        assert torch.equal(ours(x), sync(x)), step
+        assert ours.admission.learned == 7
+    x = torch.randn(9 if rank == last else 5, D, device=device, requires_grad=True)
+
+    def step():
+        ours(x).sum().backward()
+        spmdmoe.check_errors()
+
+    assert_raises_everywhere(SPMDCapacityError, step, match=rf"rank {last}: more rows than the sync-free EP buffers "
+                             r"hold \(the fix: a larger max_tokens")
+
+
 def test_plans_that_differ_or_cannot_work(world, device):
     moe = reference_moe(MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2), 0, device)
     last = world.get_local_rank() == world.size() - 1

@@ -15,9 +15,9 @@ bits on the host. In order, ``admit``:
    forward's ``Problem``, never raised alone, unless this process is the whole job.
 4. Tokens in (``token_exchange.py``, one all-gather over SP, which the ride's columns join): gather mode's
    agreed ``T``; sync-free EP's ``T_max`` (EP on the SP axis: the SP input's padded local count; otherwise
-   ``max_tokens``, or one host all-reduce over EP: in gather mode it now runs before the rows' all-gather over
-   SP, where it ran after it before the admission existed; the same order on every rank); the ride alone for an
-   SP layer without EP.
+   ``max_tokens``, or without it the first forward's, agreed by one host all-reduce over EP, then kept: in gather
+   mode it runs before the rows' all-gather over SP; the same order on every rank); the ride alone for an SP
+   layer without EP.
 5. A rank whose input was bad stands in zero rows (gather mode: its chunk of zeros at the agreed ``T``), so
    that it issues every collective its peers issue.
 
@@ -62,12 +62,17 @@ class Admission:
         flag: the layer's sticky flag: the sink of every forward's ``Problem``.
         ride: the layer's ride (``ride.py``), or ``None`` when its SP axis is not the whole job.
         max_tokens: ``parallelize_moe``'s ``max_tokens`` (sync-free EP off the SP axis), or ``None``.
+
+    Attributes:
+        learned: without ``max_tokens``, the ``T_max`` the first forward that routed any rows agreed over EP (one
+            host all-reduce), which sizes every later forward's buffers as ``max_tokens`` would; ``None`` before.
     """
 
     def __init__(self, sp: Optional[MeshAxis], ep: Optional[MeshAxis], gather: bool, dim: int, flag: ProblemFlag,
                  ride: Optional[Ride], max_tokens: Optional[int]):
         self.sp, self.ep, self.gather, self.dim = sp, ep, gather, dim
         self.flag, self.ride, self.max_tokens = flag, ride, max_tokens
+        self.learned: Optional[int] = None
 
     def admit(self, x: Any, transport: Union[Transport, SizedTransport], dtype: torch.dtype, device: torch.device,
               training: bool) -> Admitted:
@@ -114,19 +119,27 @@ class Admission:
     def _t_max(self, x: Any, rows: int, problem: Problem, sized: bool) -> Optional[int]:
         """``T_max`` of a sized transport (``None`` for the others): with EP on the SP axis the SP input's padded
         local count, from the token exchange (no host read on a rank whose input is good); otherwise
-        ``max_tokens`` (more ``rows`` here: a problem added), or, when that is ``None``, one host all-reduce (MAX)
-        of the routed rows over EP: the documented sync of that case."""
+        ``max_tokens``, or without it the first forward's agreed count (:attr:`learned`: one host all-reduce (MAX)
+        of the routed rows over EP, the documented read of that case, then none). More ``rows`` here than that
+        bound: a problem added (this rank stands in zero rows; every rank raises at the step boundary)."""
         ep = self.ep
         if not sized or ep is None:
             return None
         if self.sp is not None and self.sp == ep:
             return layout.padded_local_tokens(max(exchange_tokens(x, problem, self.sp, self.ride), 0), ep.size)
-        if self.max_tokens is not None:
-            if rows > self.max_tokens:
-                problem.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than max_tokens="
-                                        f"{self.max_tokens}, which sizes the sync-free EP buffers; split the batch "
-                                        "or pass a larger max_tokens to parallelize_moe")
-            return int(self.max_tokens)
-        most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
-        all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
-        return int(to_host(most)[0])
+        bound = self.max_tokens if self.max_tokens is not None else self.learned
+        if bound is None:
+            most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
+            all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
+            agreed = int(to_host(most)[0])
+            if agreed > 0:  # a forward with no rows anywhere sizes nothing: the next one agrees again
+                self.learned = agreed
+            return agreed
+        if rows > bound:
+            fix = ("split the batch or pass a larger max_tokens to parallelize_moe" if self.max_tokens is not None
+                   else f"the layer sized them on its first forward, which routed at most {bound} a rank; pass "
+                        f"max_tokens={rows} (or the most any rank will route) to parallelize_moe")
+            problem.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than "
+                                    f"{'max_tokens=' if self.max_tokens is not None else ''}{bound}, which sizes "
+                                    f"the sync-free EP buffers; {fix}")
+        return int(bound)
