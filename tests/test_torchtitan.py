@@ -323,7 +323,6 @@ def test_swapped_model_spec_refuses_tensor_parallelism_and_passes_a_stage_withou
     checks = []
     monkeypatch.setattr(_bound, "check_errors", lambda: checks.append(1))
     monkeypatch.setattr(_bound, "_SWAPPED", [])
-    monkeypatch.setattr(_bound, "_STEPPER", [])
     monkeypatch.setattr(_bound, "_JOINED", [])
     stage = torch.nn.Sequential(torch.nn.Linear(4, 4))  # no MoE: nothing swapped, nothing refused
     assert spec.parallelize_fn(stage, parallel_dims=NoParallelism()) is stage

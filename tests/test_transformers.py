@@ -249,3 +249,30 @@ def test_aux_loss_free_bias_update(name, nan_empty):
         block.gate.register_forward_hook(lambda gate, args, out: seen.append(out[2]))
         ours(input_ids=ids)
         assert seen and not (seen[-1] == 0).any()
+
+
+def test_step_hook_runs_each_layer_once_for_its_own_optimizer():
+    """The step hook runs a swapped layer's ``before_step`` (here the bias update) at the step of the first
+    optimizer that held its parameters, once a step: another live model's optimizer leaves it alone (two models
+    in one process), and a second optimizer over the same model (dense and expert parameters apart) does not
+    run it again."""
+    a, b = (copy.deepcopy(MODELS["qwen3_moe"](0)) for _ in range(2))
+    for model in (a, b):
+        swap_moe(model, load_balance_coeff=0.1)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    bias = lambda m: m.model.layers[-1].mlp.gate.e_score_correction_bias.clone()  # noqa: E731
+    experts = [p for n, p in b.named_parameters() if ".experts." in n]
+    dense = [p for n, p in b.named_parameters() if ".experts." not in n]
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.0)
+    opt_b = [torch.optim.SGD(experts, lr=0.0), torch.optim.SGD(dense, lr=0.0)]
+    for model in (a, b):
+        model(input_ids=ids, labels=ids).loss.backward()
+    before_a, before_b = bias(a), bias(b)
+    load = b.model.layers[-1].mlp.tokens_per_expert_E.float()
+    delta = 0.1 * torch.sign(load.mean() - load)
+    for opt in opt_b:
+        opt.step()
+    assert torch.allclose(bias(b) - before_b, delta - delta.mean())  # once, not once per optimizer
+    assert torch.equal(bias(a), before_a)  # another model's layers are not b's step's
+    opt_a.step()
+    assert not torch.equal(bias(a), before_a)

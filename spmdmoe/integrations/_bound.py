@@ -161,9 +161,11 @@ def shard_experts(experts: nn.Module, layer: _Layer, names: dict[str, str]) -> N
 
 
 _HOOK: list[Any] = []
-_STEPPER: list["weakref.ref[Any]"] = []  # the optimizer whose step runs the check (the first seen holding ours)
 _SWAPPED: list["weakref.ref[Adapter]"] = []
-_JOINED: list[bool] = []  # join_step_checks was called (a process without swapped layers runs the check too)
+# each adapter's stepper: the first optimizer stepped that held its parameters (kept apart from the adapter, so
+# that a deepcopy of it is claimed afresh)
+_STEPPERS: "weakref.WeakKeyDictionary[Adapter, weakref.ref[Any]]" = weakref.WeakKeyDictionary()
+_JOINED: list[Optional["weakref.ref[Any]"]] = []  # join_step_checks: [the stepper of this process's check]
 
 
 def track(adapter: Adapter) -> None:
@@ -178,29 +180,38 @@ def join_step_checks() -> None:
     """Have this process run the step hook's :func:`spmdmoe.check_errors` (a collective) though it holds no
     swapped layer: a pipeline stage without MoE layers, whose peers' stages have some (their check would wait
     for it). The first optimizer stepped is then the one whose step runs it."""
-    _JOINED[:] = [True]
+    _JOINED[:] = [None]
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
+def _free_or_mine(optimizer: Any, stepper: Optional["weakref.ref[Any]"]) -> bool:
+    """Whether ``optimizer`` may claim what ``stepper`` (a weakref, or ``None``) names: nobody's yet, its
+    optimizer gone, or ``optimizer`` itself."""
+    owner = None if stepper is None else stepper()
+    return owner is None or owner is optimizer
+
+
 def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Once per step, before the step of the first optimizer found holding a swapped layer's parameters
-    (torchtitan's ``OptimizersContainer``, whose step runs its inner optimizers' after; a plain optimizer):
-    raise deferred problems on every rank (:func:`spmdmoe.check_errors`), then each adapter's
-    :meth:`Adapter.before_step`. No Python state changes in the forward, so compiled and checkpointed blocks
-    are untouched."""
-    stepper = _STEPPER[0]() if _STEPPER else None
-    if stepper is None:
-        live = _live()
-        ours = {id(p) for m in live for p in m.parameters()}
-        holds = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
-        if not holds and (live or not _JOINED):  # with no swapped layer here, a joined process takes the first
-            return
-        _STEPPER[:] = [weakref.ref(optimizer)]
-    elif stepper is not optimizer:
+    """Before an optimizer's step, for the swapped layers whose parameters it holds and that no optimizer
+    stepped before it claimed (torchtitan's ``OptimizersContainer`` steps first, then its inner optimizers,
+    which find theirs claimed; a layer two optimizers hold runs once a step; another model's layers in the
+    same process are not this step's): raise deferred problems on every rank (:func:`spmdmoe.check_errors`),
+    then those layers' :meth:`Adapter.before_step`. A process without swapped layers that joined
+    (:func:`join_step_checks`) runs the check at its first optimizer's steps. No Python state changes in the
+    forward, so compiled and checkpointed blocks are untouched."""
+    live = _live()
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    mine = [a for a in live if _free_or_mine(optimizer, _STEPPERS.get(a)) and any(id(p) in ids for p in a.parameters())]
+    joined = not live and bool(_JOINED) and _free_or_mine(optimizer, _JOINED[0])
+    if not (mine or joined):
         return
+    for adapter in mine:
+        _STEPPERS[adapter] = weakref.ref(optimizer)
+    if joined:
+        _JOINED[0] = weakref.ref(optimizer)
     check_errors()
-    for adapter in _live():
+    for adapter in mine:
         adapter.before_step()
 
 
