@@ -64,7 +64,7 @@ from ..collectives import all_gather
 from ..construct import shard
 from ..moe import replicate_grads
 from ..types.errors import MoEConfigError
-from ..types.layout import chunk_counts, chunk_offset
+from ..types.layout import chunk_offset, local_tokens
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Shard
 from ..types.tensor import SPMDTensor
@@ -231,10 +231,10 @@ def _before_forward(axis: MeshAxis, balance: _Balance) -> Any:
         T = batch.tokens if batch is not None else -1
         if fix is not None:
             found.add("config", f"rank {axis.rank}: sequence_parallel: {fix}")
-        elif tuple(rows.shape[:2]) != (1, chunk_counts(T, axis.size)[axis.rank]):
+        elif tuple(rows.shape[:2]) != (expected := (1, local_tokens(T, axis.size, axis.rank))):
             found.add("input_layout", f"rank {axis.rank}: sequence_parallel: expected this rank's chunk of the "
-                                      f"{T}-token stream, (1, {chunk_counts(T, axis.size)[axis.rank]}) tokens, "
-                                      f"found {tuple(rows.shape[:2])}; feed the model sp_batch(...)'s dict")
+                                      f"{T}-token stream, {expected} tokens, found {tuple(rows.shape[:2])}; feed "
+                                      "the model sp_batch(...)'s dict")
         # this rank's problem rides the exchange: every rank raises it together (never one alone: peers would wait)
         agree("sequence_parallel", axis, found, [(_STREAM, T), (_AUX, int(wanted))])
         first, L = chunk_offset(T, axis.size, axis.rank), rows.shape[1]
