@@ -10,20 +10,29 @@ NPROC  ?= 4
 TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 # The newest supported torch, for `make test-torch-new` (CI's second leg): PyPI's build (CUDA, about 3 GB
-# with its dependencies; it runs on CPU).
+# with its dependencies; it runs on CPU). It runs the single-process files where torch versions differ most: its
+# private APIs, its compiler, custom ops and autograd Functions, FP8, the transformers swap, the processes' exit. The
+# rest (the README's blocks, the examples' 4-process runs, the kernels' numerics) is the same code on the same public
+# APIs: `make test` runs it on 2.13, the GPU run on 2.11.
 TORCH_NEW ?= torch==2.15.0
 VENV_NEW  ?= .venv-torch-new
+NEW_SINGLE ?= tests/test_private_apis.py tests/test_public_api.py tests/test_kernel_op.py tests/test_compile.py \
+	tests/test_compile_moe.py tests/test_fp8.py tests/test_fp8_two_forwards.py tests/test_moe.py tests/test_tensor.py \
+	tests/test_agreement.py tests/test_host_reads.py tests/test_clip.py tests/test_transformers.py tests/test_shutdown.py
 # The oldest supported torch, the GPU hosts' (`make test-torch-old`, CI's third leg): PyPI's build (CUDA, about 3 GB
 # with its dependencies; it runs on CPU), with torchtitan; it runs the tests that trace (compile, single and
-# 4-process) and the torchtitan tests, where torch versions differ most.
+# 4-process), the torchtitan and transformers tests, where torch versions differ most, and the benchmarks' smoke runs
+# (the GPU hosts run the benchmarks on this torch). Of the 4-process compile matrix (`make test-compile`: 8 minutes
+# here) it takes the cases whose paths the default pair does not cover: EP on the SP axis sync-free, gather x EP,
+# torch's default dynamic shapes, and the symmetric transport.
 TORCH_OLD ?= torch==2.11.0
 VENV_OLD  ?= .venv-torch-old
 OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchtitan.py tests/test_docs_torchtitan.py \
-	tests/test_transformers.py tests/test_docs_porting.py \
-	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_benchmark_smoke \
-	tests/test_benchmark_smoke.py::test_torchtitan_parallelize_compiled_blocks_benchmark_smoke
-OLD_DIST   ?= tests/distributed/test_compile_moe.py tests/distributed/test_compile_ep.py tests/distributed/test_grad_overlap.py \
-	tests/distributed/test_symmetric.py::test_compiled_matches_eager \
+	tests/test_transformers.py tests/test_docs_porting.py
+COMPILED_LAYER := tests/distributed/test_compile_moe.py::test_compiled_layer_matches_eager_with_one_graph
+OLD_DIST   ?= $(COMPILED_LAYER)[sp_x_ep] $(COMPILED_LAYER)[ep-sync_free] $(COMPILED_LAYER)[sp_ep-sync_free] \
+	$(COMPILED_LAYER)[gather_ep] tests/distributed/test_compile_ep.py::test_compiled_ep_with_torchs_default_shapes[sync] \
+	tests/distributed/test_symmetric.py::test_compiled_matches_eager[ep] tests/distributed/test_grad_overlap.py \
 	tests/distributed/test_torchtitan.py tests/distributed/test_transformers.py
 # torchtitan for the swap tests (tests/test_torchtitan.py; Python >= 3.11), without its training-only dependencies
 TORCHTITAN ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.0
@@ -61,8 +70,8 @@ test-single: $(VENV)/.installed
 test-dist: $(VENV)/.installed
 	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) tests/distributed
 
-# The benchmarks' --smoke runs (marker bench: whole benchmarks in subprocesses, minutes on 2 cores), which plain
-# pytest deselects; CI runs them once, on this venv's torch.
+# The benchmarks' --smoke runs (marker bench: whole benchmarks in subprocesses, minutes on 2 cores, one at a time),
+# which plain pytest deselects; CI runs them once, in the torch-2.11 leg (the GPU hosts' torch).
 test-bench: $(VENV)/.installed
 	$(PY) $(PYTEST) -m bench tests/test_benchmark_smoke.py
 
@@ -72,15 +81,18 @@ test-compile: $(VENV)/.installed
 	$(PY) $(PYTEST) -m compile_matrix tests/test_compile_moe.py
 	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) -m compile_matrix tests/distributed
 
-# The single-process suite (the examples' clean exit included) on the newest supported torch, in its own venv.
+# The single-process files where torch versions differ most (NEW_SINGLE) on the newest supported torch, in its own venv.
 test-torch-new:
-	$(MAKE) test-single VENV=$(VENV_NEW) TORCH="$(TORCH_NEW)" TORCHTITAN=
+	$(MAKE) $(VENV_NEW)/.installed VENV=$(VENV_NEW) TORCH="$(TORCH_NEW)" TORCHTITAN=
+	$(VENV_NEW)/bin/python $(PYTEST) -n $(JOBS) --dist worksteal $(NEW_SINGLE)
 
-# The tests that trace, and the torchtitan tests, on the oldest supported torch, in its own venv.
+# The tests that trace, the torchtitan and transformers tests and the benchmarks' smoke runs on the oldest supported
+# torch, in its own venv.
 test-torch-old:
 	$(MAKE) $(VENV_OLD)/.installed VENV=$(VENV_OLD) TORCH="$(TORCH_OLD)"
 	$(VENV_OLD)/bin/python $(PYTEST) -n $(JOBS) -m "" $(OLD_SINGLE)
 	$(VENV_OLD)/bin/torchrun --nproc-per-node 4 $(PYTEST) -m "not bench" $(OLD_DIST)
+	$(MAKE) test-bench VENV=$(VENV_OLD)
 
 clean:
 	rm -rf $(VENV) $(VENV_NEW) $(VENV_OLD) build *.egg-info

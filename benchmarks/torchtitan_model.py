@@ -104,11 +104,13 @@ def grad_error(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> t
     return (0.0, "") if worst is None else (rel[worst], names[worst])
 
 
-def compile_blocks(model: torch.nn.Module) -> None:
-    """Every block compiled as torchtitan 0.3.0 compiles it."""
+def compile_blocks(model: torch.nn.Module, device: str) -> None:
+    """Every block compiled as torchtitan 0.3.0 compiles it; on CPU (the smoke run) with ``aot_eager``: the same
+    Dynamo graphs and autograd, without inductor's C++ builds (over half of the smoke's minutes on 2 cores), whose
+    CPU code is not what a GPU runs."""
     torch._dynamo.config.capture_scalar_outputs = True
     for block in model.layers.values():
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
 
 
 class Trainer:
@@ -169,7 +171,7 @@ def track(config: Any, steps: int, data: list[torch.Tensor], device: str, lr: fl
     losses, grads = [], []
     for model in pair(config, device).values():
         if compiled:
-            compile_blocks(model)
+            compile_blocks(model, device)
         trainer = Trainer(model, lr, flex)
         grads.append({})
         losses.append(torch.stack([trainer.step(data[i % len(data)], grads[-1] if i == 0 else None)
@@ -238,7 +240,7 @@ def part_bench(args: argparse.Namespace, device: str) -> bool:
     data = batches(config.vocab_size, args.batch, 32 if args.smoke else args.seq, 4, device)
     trainers = {key: Trainer(model, 3e-4, False) for key, model in pair(config, device).items()}
     for trainer in trainers.values():
-        compile_blocks(trainer.model)
+        compile_blocks(trainer.model, device)
     tokens = data[0][:, 1:].numel()
     grads: dict[str, dict[str, torch.Tensor]] = {key: {} for key in trainers}
     first = {key: trainer.step(data[0], grads[key]).item() for key, trainer in trainers.items()}  # compiles

@@ -15,7 +15,7 @@ and checks the two losses agree. ``benchmarks/host_cost.py --smoke`` counts each
 
 Each is a whole benchmark in subprocesses (minutes on a 2-core CPU, most of the single-process suite's time), so
 they are marked ``bench`` and left out of a plain ``pytest`` / ``make test`` (``addopts`` deselects the marker);
-``make test-bench`` runs them, and CI runs it once, on torch 2.13 (``.ci/run``).
+``make test-bench`` runs them, and CI runs it once, in its torch-2.11 leg (``make test-torch-old``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ With FP8 experts (emulated on CPU) the parallel loss curve must track the full-p
 one within 1e-3 relative (5.4e-6 measured over 6 steps on CPU). Launched wrongly (no torchrun; ``--device cuda``
 where no GPU is visible) it says what is wrong instead of failing inside torch."""
 
-import os
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -26,25 +26,39 @@ def test_train_moe_example_matches_single_process(plan, torchrun_job):
     assert out.count("step ") >= int(plan[1])
 
 
-def test_train_moe_example_explains_how_to_launch():
-    env = {k: v for k, v in os.environ.items() if k != "RANK"}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py")], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "torchrun --nproc-per-node 4" in proc.stderr
+def _example_main(monkeypatch, *argv: str, **env: str) -> int:
+    """``examples/train_moe.py``'s ``main()`` in this process with ``argv`` and launch variables ``env`` (its
+    checks of how it was launched come before any process group: no processes need starting for them)."""
+    spec = importlib.util.spec_from_file_location("train_moe_example", ROOT / "examples" / "train_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["train_moe.py", *argv])
+    return module.main()
 
 
-@pytest.mark.timeout(180)
-def test_train_moe_example_without_a_gpu_says_so(torchrun_job):
-    """``--device cuda`` where no GPU is visible: one clear error naming the flag, every rank exits before any
-    process group is made (no NCCL init, no hang, no raw ``torch._C`` AttributeError). 2 processes (the
-    example's NCCL launch line): what the ranks do is the same on 4."""
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA GPU is visible: the GPU-less path is not taken")
-    returncode, out, err = torchrun_job("examples/train_moe.py", "--device", "cuda", "--steps", "1", timeout=150,
-                                        nproc=2)
-    assert returncode != 0, out[-3000:] + err[-3000:]
-    assert err.count("error: --device cuda needs one CUDA GPU per process (2 on this node), but no CUDA GPU is visible") == 1, err[-3000:]
-    assert "AttributeError" not in err and 'train_moe.py", line' not in err, err[-3000:]  # no rank's traceback
-    assert "step " not in out, out[-3000:]
+def test_train_moe_example_explains_how_to_launch(monkeypatch, capsys):
+    assert _example_main(monkeypatch) == 2 and "torchrun --nproc-per-node 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_train_moe_example_without_a_gpu_says_so(monkeypatch, capsys, local_rank):
+    """``--device cuda`` where no GPU is visible, as each of 2 processes of the example's NCCL launch line: one
+    clear error naming the flag (from local rank 0; the others leave quietly, so torchrun cannot cut it short), and
+    every rank returns before any process group is made (no NCCL init, no hang, no raw ``torch._C``
+    AttributeError)."""
+    groups = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: groups.append((a, k)))
+    code = _example_main(monkeypatch, "--device", "cuda", "--steps", "1", RANK=local_rank, WORLD_SIZE="2",
+                         LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE="2")
+    err = capsys.readouterr().err
+    assert groups == []
+    message = "error: --device cuda needs one CUDA GPU per process (2 on this node), but no CUDA GPU is visible"
+    assert (code, err.count(message)) == ((2, 1) if local_rank == "0" else (0, 0)), err
 
 
 @pytest.mark.timeout(300)

@@ -45,8 +45,8 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
+from ..._dist import is_dtensor
 from ...agreement import Field, Problem, agree, dtype_code, dtype_name, global_rank
 from ...host import to_host
 from ...types.checks import checks_enabled
@@ -108,7 +108,7 @@ def weights_fingerprint(module: nn.Module) -> int:
     or is a DTensor (its shards differ by rank).
     """
     tensors = [p for _, p in sorted(module.named_parameters())] + [b for n, b in module.named_buffers() if n == "expert_bias"]
-    if not tensors or any(t.is_meta or isinstance(t, DTensor) for t in tensors):
+    if not tensors or any(t.is_meta or is_dtensor(t) for t in tensors):
         return -1
     device = tensors[0].device
     acc = torch.zeros(2, dtype=torch.int64, device=device)

@@ -49,9 +49,8 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor import Shard as DShard
 
+from ..._dist import is_dtensor
 from ...agreement import Field, Problem, agree, exchange_rows, verdict, world_axis
 from ...types import layout
 from ...types.errors import SPMDLayoutError
@@ -85,12 +84,14 @@ class ExpertLayout:
         self.mesh, self.ep_dim, self.tp_dim = mesh, ep_dim, tp_dim
 
     def placements(self, name: str) -> list[Any]:
+        from torch.distributed.tensor import Shard  # not at import: DTensor costs every process about 1 s
+
         assert self.mesh is not None
         out: list[Any] = [None] * self.mesh.ndim
         if self.ep_dim is not None:
-            out[self.ep_dim] = DShard(0)
+            out[self.ep_dim] = Shard(0)
         if self.tp_dim is not None:
-            out[self.tp_dim] = DShard(HIDDEN_DIM[name])
+            out[self.tp_dim] = Shard(HIDDEN_DIM[name])
         return out
 
     def global_shape(self, name: str, local: torch.Tensor) -> torch.Size:
@@ -228,11 +229,13 @@ def install_hooks(module: Checkpointed, layout: Optional[ExpertLayout], agree_ov
 
 def _save_hook(layout: ExpertLayout) -> Any:
     def hook(module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
         for name in HIDDEN_DIM:
             key = prefix + name
             if key in state_dict:
                 local = state_dict[key]
-                if isinstance(local, DTensor):  # FSDP2 shards this rank's experts over its DP group
+                if is_dtensor(local):  # FSDP2 shards this rank's experts over its DP group
                     local = local.full_tensor()
                 shape = layout.global_shape(name, local)
                 state_dict[key] = DTensor.from_local(
@@ -262,7 +265,9 @@ def _load_hook(module: Checkpointed, layout: Optional[ExpertLayout], agree_over:
             if key in state_dict:
                 local = _local_value(name, state_dict[key], layout, module.config)
                 param = module.get_parameter(name)
-                if isinstance(param, DTensor):  # FSDP2: hand it this rank's shard of the slice
+                if is_dtensor(param):  # FSDP2: hand it this rank's shard of the slice
+                    from torch.distributed.tensor import distribute_tensor
+
                     local = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
                 elif _same_elements(local, param):  # the layer's own state dict (or DCP loaded in place): with one
                     local = param.detach()  # expert a rank its view has other strides, a "partial overlap" to copy_
@@ -284,7 +289,7 @@ def _dtensor_axis(state_dict: dict[str, Any], prefix: str) -> Optional[MeshAxis]
     """A single-device layer: the axis to agree over before gathering the expert DTensors of ``state_dict`` whose
     mesh holds other ranks (``None``: no such DTensor, nothing to agree on): the mesh of the first one when it
     is 1-D and holds the others' ranks, else the world."""
-    meshes = [v.device_mesh for n in HIDDEN_DIM if isinstance(v := state_dict.get(prefix + n), DTensor)]
+    meshes = [v.device_mesh for n in HIDDEN_DIM if is_dtensor(v := state_dict.get(prefix + n))]
     ranks = {r for m in meshes for r in m.mesh.flatten().tolist()}
     if not dist.is_initialized() or not ranks - {dist.get_rank()}:
         return None
@@ -312,10 +317,10 @@ def _agree_on_entries(module: Checkpointed, state_dict: dict[str, Any], prefix: 
         value = state_dict.get(prefix + name)
         if name in HIDDEN_DIM:
             own = _in_layout(name, value, layout)
-            if isinstance(value, DTensor) and not own:  # loading it gathers or redistributes over its mesh
+            if is_dtensor(value) and not own:  # loading it gathers or redistributes over its mesh
                 reach |= set(value.device_mesh.mesh.flatten().tolist())
             kinds.append((Field(f"kind of entry {prefix + name}", show=lambda v: _KIND[v]),
-                          0 if value is None else 2 if own else 3 if isinstance(value, DTensor) else 1))
+                          0 if value is None else 2 if own else 3 if is_dtensor(value) else 1))
             want: Any = _global_shape(name, module.config)
         else:
             want = tuple(param.shape)
@@ -341,7 +346,7 @@ def _agree_on_entries(module: Checkpointed, state_dict: dict[str, Any], prefix: 
 
 def _in_layout(name: str, value: Any, layout: Optional[ExpertLayout]) -> bool:
     """Whether ``value`` is a DTensor in this layer's own layout (loading it is a local copy, no collective)."""
-    return isinstance(value, DTensor) and layout is not None and layout.mesh is not None \
+    return is_dtensor(value) and layout is not None and layout.mesh is not None \
         and value.device_mesh == layout.mesh and list(value.placements) == layout.placements(name)
 
 
@@ -364,7 +369,9 @@ def _shape_problem(name: str, found: tuple[int, ...], want: Any) -> str:
 
 def _local_value(name: str, value: Any, layout: Optional[ExpertLayout], config: MoEConfig) -> torch.Tensor:
     """This rank's slice of a saved expert weight (DTensor of any layout, or a full tensor)."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
+        from torch.distributed.tensor import Replicate
+
         if layout is not None and layout.mesh is not None and value.device_mesh == layout.mesh:
             # the same mesh: this layout's shards by redistribution (all-to-alls, no full tensor anywhere)
             want = [p if p is not None else Replicate() for p in layout.placements(name)]

@@ -40,13 +40,13 @@ then computes one): whether a call joins must not differ between ranks.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import types
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 
 from ..._dist import all_reduce
 from ...types.tensor import SPMDTensor
@@ -170,8 +170,10 @@ def sync_params(module: nn.Module) -> list[torch.Tensor]:
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
-    """Whether ``fully_shard`` made ``module`` an FSDP2 unit."""
-    return isinstance(module, FSDPModule)
+    """Whether ``fully_shard`` made ``module`` an FSDP2 unit (no FSDP2 unit exists before FSDP2 is imported: this
+    imports nothing)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def inside_fsdp_unit(root: nn.Module, name: str) -> bool:

@@ -30,9 +30,8 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate
 
-from ..._dist import all_reduce
+from ..._dist import all_reduce, is_dtensor
 from ...agreement import alone
 from ...collective_check import check_collective
 from ...host import to_host
@@ -99,7 +98,7 @@ def _clip(module_or_params: Parameters, max_norm: float, norm_type: float, error
         params = list(module_or_params.parameters())
     else:
         params = [module_or_params] if isinstance(module_or_params, torch.Tensor) else list(module_or_params)
-        if model is None and not alone() and not all(isinstance(q, DTensor) for q in params):
+        if model is None and not alone() and not all(is_dtensor(q) for q in params):
             raise TypeError(
                 f"rank {dist.get_rank()}: clip_grad_norm_ got parameters without the model that holds them, on "
                 f"{dist.get_world_size()} ranks: expected the model (its spmdmoe layers say which parameters are "
@@ -154,11 +153,11 @@ def _scale(params: list[torch.Tensor], max_norm: float, total: torch.Tensor, for
     """Every gradient times ``clamp(max_norm / (total + 1e-6), max=1)``: torch's
     ``clip_grads_with_norm_`` for plain gradients, the same coefficient on a DTensor gradient's local tensor
     (DTensor's multiply refuses a plain tensor beside DTensors in one ``foreach`` call)."""
-    plain = [q for q in params if q.grad is not None and not isinstance(q.grad, DTensor)]
+    plain = [q for q in params if q.grad is not None and not is_dtensor(q.grad)]
     torch.nn.utils.clip_grads_with_norm_(plain, max_norm, total, foreach)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch computes it
     for q in params:
-        if isinstance(q.grad, DTensor):
+        if is_dtensor(q.grad):
             local = q.grad.to_local()  # under no_grad: the DTensor's own local tensor
             local.mul_(coef.to(local.device))
 
@@ -182,7 +181,7 @@ class _Layout:
             if replicated is not None:
                 self._add(replicated[0])
         for q in params:
-            self.grads.append(self._dtensor(q) if isinstance(q, DTensor) else q.grad)
+            self.grads.append(self._dtensor(q) if is_dtensor(q) else q.grad)
         self.primitive, self.parts = _decompose(list(self.axes.items()))
 
     def _add(self, axis: Optional[MeshAxis]) -> Optional[Key]:
@@ -192,7 +191,7 @@ class _Layout:
         self.axes.setdefault(key, axis)
         return key
 
-    def _dtensor(self, q: DTensor) -> Optional[torch.Tensor]:
+    def _dtensor(self, q: torch.Tensor) -> Optional[torch.Tensor]:
         """A DTensor's mesh dims as axes, the ``Shard`` ones as the parameter's; its local gradient (a
         ``Partial`` dim reduced first, by DTensor, as its own norm would)."""
         mesh, g = q.device_mesh, q.grad
@@ -203,9 +202,11 @@ class _Layout:
                 self.sharded.setdefault(id(q), set()).add(key)
         if g is None:
             return None
-        if not isinstance(g, DTensor):
+        if not is_dtensor(g):
             return g
         if any(pl.is_partial() for pl in g.placements):
+            from torch.distributed.tensor import Replicate  # a DTensor exists: DTensor is imported
+
             g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
         return g.to_local()
 
