@@ -222,12 +222,12 @@ def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monk
         assert over[valid:].isnan().all(), f"in place {impl}: rows past valid written"
 
 
-# (e, A, C, dtype): the small shapes in both dtypes; the larger ones, where the CPU interpreter spends its time,
-# in one dtype each (the dtype changes the loads, not the loops)
+# (e, A, C, dtype): the small shapes (several experts among them) in both dtypes; the larger ones, where the CPU
+# interpreter spends its time, in one dtype each (the dtype changes the loads, not the loops): many rows, wide rows
 WEIGHT_PAIRS = ([(3, 33, 20), (2, 16, 70), (0, 4, 4), (1, 5, 1)]
                 + ([(4, 2816, 2048), (3, 2048, 1408)] if DEVICE == "cuda" else []))
 WEIGHT_PAIRS = ([s + (d,) for s in WEIGHT_PAIRS for d in DTYPES]
-                + [(2, 300, 9, torch.bfloat16), (2, 40, 700, torch.float32), (1, 290, 3, torch.bfloat16)])
+                + [(2, 40, 700, torch.float32), (1, 290, 3, torch.bfloat16)])
 
 
 @pytest.mark.parametrize("e,A,C,dtype", WEIGHT_PAIRS)

@@ -11,7 +11,8 @@ own beyond its flags. :class:`Adapter` is the mixin of the module that takes the
 moves the engine's own buffers (problem flags; its transport's capacity counters) with itself, keeps its training
 mode and runs the engine on a rank's rows (:meth:`Adapter.run_layer`). :func:`shard_experts` gives the other library's expert
 parameters the layout the engine computes on (DTensors under EP); :func:`track` registers an adapter with the
-process's optimizer step pre-hook (deferred problems raised on every rank, then each adapter's ``before_step``).
+process's optimizer step pre-hook (deferred problems raised on every rank, then each adapter's ``before_step``);
+:func:`refuse_first` raises the first of a drop-in's refusals (a swap is never approximated).
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from ..moe.params.grads import agree_grad_set
 from ..moe.layer import _Layer
 from ..moe.parallel.layer import ParallelMoE
 from ..sticky import check_errors
+from ..types.errors import MoEConfigError
 from ..types.tensor import SPMDTensor
 
-__all__ = ["Adapter", "bind", "join_step_checks", "local", "shard_experts", "track"]
+__all__ = ["Adapter", "Check", "bind", "join_step_checks", "local", "refuse_first", "shard_experts", "track"]
+
+Check = tuple[bool, str, str]  # (refused, what was found, the fix)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -220,3 +224,11 @@ def _live() -> list[Adapter]:
     live = [m for m in (ref() for ref in _SWAPPED) if m is not None]
     _SWAPPED[:] = [weakref.ref(m) for m in live]
     return live
+
+
+def refuse_first(name: str, checks: list[Check]) -> None:
+    """A drop-in's swap of module ``name``: ``MoEConfigError`` for the first of ``checks`` that holds, naming what was
+    found and the fix (a swap is refused, never approximated)."""
+    for bad, problem, fix in checks:
+        if bad:
+            raise MoEConfigError(f"swap_moe: {name}: {problem}; {fix}")

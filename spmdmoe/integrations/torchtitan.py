@@ -83,7 +83,7 @@ from ..moe.experts.grouped import SharedExperts
 from ..moe.layer import _Layer
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshLike
-from ._bound import Adapter, bind, join_step_checks, local, shard_experts, track
+from ._bound import Adapter, bind, join_step_checks, local, refuse_first, shard_experts, track
 from .torchtitan_modules import Experts, _Router, _SharedExperts
 
 __all__ = ["swap_moe", "swapped_model_spec", "SwappedMoE", "Experts"]
@@ -166,10 +166,6 @@ class SwappedMoE(Adapter, _TTMoE):
         return self.run_layer(x_BLD)
 
 
-def _refuse(name: str, problem: str, fix: str) -> MoEConfigError:
-    return MoEConfigError(f"swap_moe: {name}: {problem}; {fix}")
-
-
 def _config(name: str, moe: _TTMoE, expert_precision: str) -> MoEConfig:
     """The :class:`MoEConfig` of torchtitan MoE ``moe``, or ``MoEConfigError`` for what it cannot express."""
     router, experts = moe.router, moe.routed_experts.inner_experts
@@ -202,9 +198,7 @@ def _config(name: str, moe: _TTMoE, expert_precision: str) -> MoEConfig:
             (any(getattr(lin, "bias", None) is not None for lin in (shared.w1, shared.w2, shared.w3)),
              "its shared experts' linears have a bias", "build them with bias=False"),
         ]
-    for bad, problem, fix in checks:
-        if bad:
-            raise _refuse(name, problem, fix)
+    refuse_first(name, checks)
     E, F, D = experts.w1_EFD.shape
     return MoEConfig(
         dim=D, hidden_dim=F, num_experts=E, top_k=router.top_k,

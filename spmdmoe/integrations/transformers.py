@@ -84,12 +84,11 @@ from ..moe.experts.grouped import SharedExperts
 from ..moe.layer import _Layer
 from ..types.errors import MoEConfigError
 from ..types.mesh import MeshLike
-from ._bound import Adapter, bind, local, shard_experts, track
+from ._bound import Adapter, Check, bind, local, refuse_first, shard_experts, track
 from .transformers_modules import FusedExperts, HFRouter, fused_experts, keep_attributes
 
 __all__ = ["swap_moe", "SwappedMoeBlock"]
 
-Check = tuple[bool, str, str]  # (refused, what was found, the fix)
 _SILU = ("silu", "swish")  # transformers' ACT2FN names of SiLU
 
 
@@ -186,9 +185,7 @@ def _expert_checks(experts: nn.Module, act: Optional[str]) -> list[Check]:
 def _config(name: str, block: nn.Module, family: _Family, precision: str, coeff: Optional[float]) -> MoEConfig:
     """The :class:`MoEConfig` of transformers block ``block``, or ``MoEConfigError`` for what it cannot express."""
     experts = block.experts
-    for bad, problem, fix in _expert_checks(experts, _act(experts) or _act(block)) + family.checks(block):
-        if bad:
-            raise MoEConfigError(f"swap_moe: {name}: {problem}; {fix}")
+    refuse_first(name, _expert_checks(experts, _act(experts) or _act(block)) + family.checks(block))
     E, D, F = experts.down_proj.shape
     if tuple(experts.gate_up_proj.shape) != (E, 2 * F, D) or tuple(block.gate.weight.shape) != (E, D):
         raise MoEConfigError(
