@@ -11,7 +11,8 @@ gloo processes and checks that the three real ones give the same gradients. ``be
 --smoke`` runs its layer study (every fast-accumulation setting against fp64) at a tiny shape.
 ``benchmarks/vs_torchtitan.py --smoke --shared 1`` builds and steps every candidate at EP 2 (2 gloo processes)
 against torchtitan's layer. ``benchmarks/hf_model.py --smoke`` builds a tiny transformers Qwen3-MoE model, swaps a copy
-and checks the two losses agree. ``benchmarks/host_cost.py --smoke`` counts each EP layer's ATen ops a step.
+and checks the two losses agree. ``benchmarks/host_cost.py --smoke`` counts each EP layer's ATen ops a step. ``examples/train_hf_moe.py``, the
+transformers example a GPU run quotes, trains 3 steps on 2 gloo processes.
 
 Each is a whole benchmark in subprocesses (minutes on a 2-core CPU, most of the single-process suite's time), so
 they are marked ``bench`` and left out of a plain ``pytest`` / ``make test`` (``addopts`` deselects the marker);
@@ -141,3 +142,16 @@ def test_hf_model_benchmark_smoke():
                          cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "OK: smoke, the swapped model's loss matches" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.timeout(200)
+def test_train_hf_moe_example_smoke(torchrun_job):
+    """``examples/train_hf_moe.py`` (the transformers example: a Qwen3-MoE model with ``swap_moe``,
+    ``sequence_parallel`` and ``sp_batch``, SP x EP over the processes) trains 3 steps on 2 gloo processes at a
+    length the processes do not divide, and ends with its throughput line. Its parity with one process is
+    ``tests/distributed/test_transformers.py``'s."""
+    pytest.importorskip("transformers", reason="transformers is an optional extra: pip install '.[transformers]'")
+    returncode, out, err = torchrun_job("examples/train_hf_moe.py", "--steps", "3", "--seq-len", "61", timeout=180,
+                                        nproc=2)
+    assert returncode == 0, (out + err)[-3000:]
+    assert out.count("step ") == 3 and re.search(r"^tokens/s: [0-9,]+ \([0-9,]+ per process\)$", out, re.M), out[-2000:]
