@@ -26,4 +26,3 @@ def is_dtensor(value: Any) -> bool:
     """``isinstance(value, DTensor)``, False without importing ``torch.distributed.tensor`` when nothing has."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)
-
