@@ -48,7 +48,8 @@ PY       := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 PYTEST   := -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-single test-dist test-bench test-compile test-torch-new test-torch-old clean
+.PHONY: demo test test-single test-dist test-bench test-compile venv-torch-new venv-torch-old test-torch-new \
+	test-torch-old clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -81,15 +82,20 @@ test-compile: $(VENV)/.installed
 	$(PY) $(PYTEST) -m compile_matrix tests/test_compile_moe.py
 	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) -m compile_matrix tests/distributed
 
-# The single-process files where torch versions differ most (NEW_SINGLE) on the newest supported torch, in its own venv.
-test-torch-new:
+# The venvs of the newest and the oldest supported torch (CI builds them while `make test` runs: they are downloads)
+venv-torch-new:
 	$(MAKE) $(VENV_NEW)/.installed VENV=$(VENV_NEW) TORCH="$(TORCH_NEW)" TORCHTITAN=
+
+venv-torch-old:
+	$(MAKE) $(VENV_OLD)/.installed VENV=$(VENV_OLD) TORCH="$(TORCH_OLD)"
+
+# The single-process files where torch versions differ most (NEW_SINGLE) on the newest supported torch, in its own venv.
+test-torch-new: venv-torch-new
 	$(VENV_NEW)/bin/python $(PYTEST) -n $(JOBS) --dist worksteal $(NEW_SINGLE)
 
 # The tests that trace, the torchtitan and transformers tests and the benchmarks' smoke runs on the oldest supported
 # torch, in its own venv.
-test-torch-old:
-	$(MAKE) $(VENV_OLD)/.installed VENV=$(VENV_OLD) TORCH="$(TORCH_OLD)"
+test-torch-old: venv-torch-old
 	$(VENV_OLD)/bin/python $(PYTEST) -n $(JOBS) -m "" $(OLD_SINGLE)
 	$(VENV_OLD)/bin/torchrun --nproc-per-node 4 $(PYTEST) -m "not bench" $(OLD_DIST)
 	$(MAKE) test-bench VENV=$(VENV_OLD)

@@ -258,7 +258,7 @@ if [ "$PART" = titan ] || [ "$PART" = all ]; then
   # only: torchtitan_model.py says why); PEER_EPS: vs_torchtitan's EP degrees (`LAYOUTS="2 2" PEER_EPS=2
   # gpu_session.sh titan` on GPUs 0,1 beside another part on 2,3); PEER_ARGS: more vs_torchtitan options
   # (`--precision bf16`); PEER_PROFILE=1: each spmdmoe candidate's top CUDA ops (eager against compiled)
-  compiled=$(python3 -c 'import sys; sys.path.insert(0, "tests"); from torchtitan_models import fsdp_meshes_per_parameter
+  compiled=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from titan_expert_fsdp import fsdp_meshes_per_parameter
 print(",4 4 --compile" if fsdp_meshes_per_parameter() else "")')  # the benchmark's own test of that torch
   IFS=, read -ra layouts <<< "${LAYOUTS:-2 2,4 4,4 2$compiled}"
   for layout in "${layouts[@]}"; do

@@ -24,11 +24,18 @@ import sys
 from typing import Any
 
 
+def fsdp_meshes_per_parameter() -> bool:
+    """Whether FSDP2 takes a mesh per parameter (torch 2.13's ``ShardPlacementResult``), which torchtitan 0.3.0's
+    EP with FSDP needs (``torchtitan.distributed.fsdp``); torch 2.11's has none."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return hasattr(_fsdp_common, "ShardPlacementResult")
+
+
 def nested_expert_fsdp() -> bool:
     """Patch torchtitan's ``apply_fsdp_to_decoder`` (in every module that bound it) where this torch lacks
     per-parameter FSDP meshes: True if patched (call before ``parallelize_fn``)."""
     import torchtitan.distributed.fsdp as titan_fsdp
-    from torchtitan_models import fsdp_meshes_per_parameter  # tests/, on the path of torchtitan_model.py
 
     if fsdp_meshes_per_parameter():
         return False

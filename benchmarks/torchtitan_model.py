@@ -6,6 +6,8 @@
     python benchmarks/torchtitan_model.py --part bench  [--out FILE]   # the same model: tokens/s, peak memory
     python benchmarks/torchtitan_model.py --smoke                       # CPU, tiny: every part, no timing
     torchrun --nproc-per-node 4 benchmarks/torchtitan_model.py --part ep [--ep 4]   # NCCL: torchtitan's parallelize
+    torchrun --nproc-per-node 4 benchmarks/torchtitan_model.py --part ep --flavor 16B --layers 8 --seq 4096 \
+        --batch 2 --ac full --lr 3e-4                                                # a whole-model table
 
 Training is torchtitan's one-device setup in a plain loop (its Trainer imports datasets): fp32
 parameters, the forward and the loss under ``torch.autocast(bfloat16)`` (torchtitan's
@@ -34,7 +36,9 @@ models are built on meta from one config, one of them swapped, and initialised b
   difference| <= 1 % of torchtitan's loss at every step and the first step's gradients within 50 % (each
   parameter, norms over all ranks' shards; gross errors only: with bf16 parameters torchtitan's gate GEMM runs in
   bf16 and ours in fp32, so near-tie tokens choose other experts, ``GRAD_TOLERANCE_BF16_PARAMS``); then, only if
-  both hold, tokens/s of both, steps timed interleaved.
+  both hold, the whole-model table (``whole_model_table``), steps timed interleaved: tokens/s per GPU, MFU by
+  torchtitan's own count, step peak memory, kernel launches a step. ``--flavor 16B --layers N`` is the
+  DeepSeek-MoE-16B model cut to N blocks; ``--ac`` torchtitan's activation checkpointing; ``--ep-mode`` ours.
 * ``bench``: that model, every block compiled as torchtitan does, both models resident; the first (compiling)
   step's loss within 1 % and every parameter's gradient within 5 % of torchtitan's, else nothing is timed; a training step
   (forward, backward, AdamW step) of each timed interleaved (``timing.timed``: rotated order, median);
@@ -295,13 +299,14 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.deepseek_v3 import model_registry
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
-    from torchtitan_models import debug_config, fsdp_meshes_per_parameter
+    from torchtitan_models import debug_config
 
     from spmdmoe.integrations.torchtitan import swapped_model_spec
-    from titan_expert_fsdp import nested_expert_fsdp
+    from titan_expert_fsdp import fsdp_meshes_per_parameter, nested_expert_fsdp
 
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = args.ep or world
@@ -318,7 +323,9 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     parallelism = ParallelismConfig(expert_parallel_degree=ep, data_parallel_shard_degree=world, spmd_backend=backend)
     layers = 2 if args.smoke else args.layers
     config = debug_config(layers=layers, flavor=args.flavor)
-    specs = {"torchtitan": model_registry(args.flavor), "spmdmoe": swapped_model_spec(model_registry(args.flavor))}
+    specs = {"torchtitan": model_registry(args.flavor),
+             "spmdmoe": swapped_model_spec(model_registry(args.flavor), ep_mode=args.ep_mode)}
+    ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[args.ac]
     # torch < 2.13: torchtitan's EP FSDP branch cannot run; the experts get a nested unit (titan_expert_fsdp.py)
     nested = ep > 1 and nested_expert_fsdp()
     if nested and args.compile:  # tried: Dynamo cannot trace FSDP2's hooks on 2.11 (skip_fsdp_hooks=False)
@@ -334,8 +341,9 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
         set_deepseek_v3_sharding_config(cfg, enable_sp=False, enable_ep=ep > 1)
         with torch.device("meta"):
             model = cfg.build()
+        flops_per_token = cfg.get_nparams_and_flops(model, args.seq)[1]  # torchtitan's count (both: the same)
         model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                                    compile_config=CompileConfig(enable=args.compile), ac_config=None, dump_folder="")
+                                    compile_config=CompileConfig(enable=args.compile), ac_config=ac, dump_folder="")
         if device == "cpu":  # gloo lacks FSDP2's PREMUL_SUM / AVG
             for m in model.modules():
                 if isinstance(m, FSDPModule):
@@ -384,7 +392,8 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     del grads
     name = (f"torchtitan DeepSeek-V3 {args.flavor}, {layers} blocks, SDPA, {world} processes: FSDP over {world}, "
             f"EP {ep}{f' (dp {world // ep} x ep {ep} for the experts)' if 1 < ep < world else ''}, "
-            f"{backend} backend{', blocks compiled' if args.compile else ''}"
+            f"{backend} backend{', blocks compiled' if args.compile else ''}, activation checkpointing {args.ac}, "
+            f"our ep_mode {args.ep_mode}"
             f"{', routed experts a nested FSDP unit (torch < 2.13: titan_expert_fsdp.py)' if nested else ''}; "
             f"{args.batch} x {seq} tokens a rank "
             f"a step, AdamW lr {args.lr}; weights bitwise equal after init: {'yes' if same else 'no (copied)'}")
@@ -393,13 +402,39 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
                               GRAD_TOLERANCE_BF16_PARAMS)
     if not args.smoke and ok:  # timed only when both models train alike, gradients included
         it = iter(range(steps, 1 << 30))
-        ms = timed({key: (lambda k=key: step(k, data[next(it) % len(data)])) for key in models}, args.iters, args.reps)
-        text += ("\n\n| MoE | step ms | tokens/s (all ranks) | speedup |\n|---|---|---|---|\n"
-                 + "\n".join(f"| {key} | {t:.2f} | {step_tokens / t * 1e3:,.0f} | {ms['torchtitan'] / t:.3f} |"
-                             for key, t in ms.items()))
+        steps_of = {key: (lambda k=key: step(k, data[next(it) % len(data)])) for key in models}
+        ms = timed(steps_of, args.iters, args.reps)
+        text += "\n\n" + whole_model_table(ms, steps_of, step_tokens / world, flops_per_token)
     if rank == 0:
         report(text, args.out)
     return ok
+
+
+def whole_model_table(ms: dict[str, float], steps: dict[str, Callable[[], Any]], tokens_per_gpu: float,
+                      flops_per_token: float) -> str:
+    """Per candidate: step ms, tokens/s per GPU, speedup over torchtitan's, MFU (``flops_per_token``: torchtitan's
+    ``get_nparams_and_flops``, 6 x active non-embedding parameters plus attention, against 989.5 TFLOP/s dense
+    bf16), the step's peak memory above what is resident (max over ranks) and kernel launches a step
+    (``host_cost.launches_per_step``)."""
+    import torch.distributed as dist
+    from host_cost import launches_per_step
+
+    lines = ["| MoE | step ms | tokens/s per GPU | speedup | MFU | step peak GiB above resident (max over ranks) "
+             "| launches a step |",
+             "|---|---|---|---|---|---|---|"]
+    for key, t in ms.items():
+        torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated()  # both models' weights and optimizer states
+        torch.cuda.reset_peak_memory_stats()
+        steps[key]()
+        torch.cuda.synchronize()
+        peak = torch.tensor((torch.cuda.max_memory_allocated() - resident) / 2**30, device="cuda")
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        launches = launches_per_step(steps[key], steps=1)
+        rate = tokens_per_gpu / t * 1e3
+        lines.append(f"| {key} | {t:.2f} | {rate:,.0f} | {ms['torchtitan'] / t:.3f} | "
+                     f"{rate * flops_per_token / 989.5e12:.1%} | {peak.item():.1f} | {launches:.0f} |")
+    return "\n".join(lines)
 
 
 PARTS: dict[str, Callable[[argparse.Namespace, str], bool]] = {
@@ -423,6 +458,9 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=8e-4, help="ep part: AdamW's learning rate")
     p.add_argument("--compile", action="store_true", help="ep part: torchtitan compiles each block")
     p.add_argument("--spmd-backend", default=None, help="ep part: torchtitan's SPMD backend (default its own)")
+    p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
+                   help="ep part: torchtitan's activation checkpointing")
+    p.add_argument("--ep-mode", choices=["sync", "sync_free"], default="sync", help="ep part: ours")
     args = p.parse_args()
     shim_torch()
     try:

@@ -155,3 +155,17 @@ def test_train_hf_moe_example_smoke(torchrun_job):
                                         nproc=2)
     assert returncode == 0, (out + err)[-3000:]
     assert out.count("step ") == 3 and re.search(r"^tokens/s: [0-9,]+ \([0-9,]+ per process\)$", out, re.M), out[-2000:]
+
+
+@pytest.mark.timeout(200)
+def test_train_titan_moe_example_smoke(torchrun_job):
+    """``examples/train_titan_moe.py`` (the torchtitan example: DeepSeek-V3 through ``swapped_model_spec`` and
+    torchtitan's own ``parallelize``) trains 3 steps on 2 gloo processes with FSDP and EP 2 (on torch < 2.13 the
+    experts' nested FSDP unit), and ends with its throughput line. Its parity with torchtitan's MoE is
+    ``test_torchtitan_parallelize_benchmark_smoke``'s."""
+    pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
+    returncode, out, err = torchrun_job("examples/train_titan_moe.py", "--layers", "2", "--seq", "32", "--steps", "3",
+                                        timeout=180, nproc=2)
+    assert returncode == 0, (out + err)[-3000:]
+    assert "FSDP 2, EP 2" in out and out.count("step ") == 3, out[-2000:]
+    assert re.search(r"^tokens/s per process: [0-9,]+$", out, re.M), out[-2000:]

@@ -11,6 +11,8 @@ torchtitan's models are imported.
 from __future__ import annotations
 
 import copy
+import pathlib
+import sys
 from typing import Any, Callable, Optional
 
 import pytest
@@ -24,13 +26,8 @@ shim_torch()  # torch 2.11: the names torchtitan imports (spmdmoe.integrations.t
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.deepseek_v3 import model_registry  # noqa: E402
 
-
-def fsdp_meshes_per_parameter() -> bool:
-    """Whether FSDP2 takes a mesh per parameter (torch 2.13's ``ShardPlacementResult``), which torchtitan 0.3.0's
-    EP with FSDP needs (``torchtitan.distributed.fsdp``); torch 2.11's has none."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_common
-
-    return hasattr(_fsdp_common, "ShardPlacementResult")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from titan_expert_fsdp import fsdp_meshes_per_parameter  # noqa: E402,F401  (the tests' skip conditions)
 
 
 def debug_config(layers: int = 3, flavor: str = "debugmodel", sdpa: bool = True, **moe: Any) -> Any:
