@@ -198,7 +198,7 @@ if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then
 fi
 if [ -n "${SINGLE:-}" ] && [ "${CPU_CASE_RUN:-1}" = 1 ]; then
   wait "$SINGLE"
-  timeout --foreground -k 10 300 python3 -m pytest -v --timeout=280 -p no:cacheprovider "$CPU_CASE" > "$OUT/tests_single_cpu_inductor.txt" 2>&1 &
+  timeout --foreground -k 10 300 python3 -m pytest -v -m "" --timeout=280 -p no:cacheprovider "$CPU_CASE" > "$OUT/tests_single_cpu_inductor.txt" 2>&1 &
   CPU_RUN=$!
 fi
 if [ "$PART" = tests ] || [ "$PART" = dist ] || [ "$PART" = all ]; then

@@ -38,7 +38,8 @@ models are built on meta from one config, one of them swapped, and initialised b
   bf16 and ours in fp32, so near-tie tokens choose other experts, ``GRAD_TOLERANCE_BF16_PARAMS``); then, only if
   both hold, the whole-model table (``whole_model_table``), steps timed interleaved: tokens/s per GPU, MFU by
   torchtitan's own count, step peak memory, kernel launches a step. ``--flavor 16B --layers N`` is the
-  DeepSeek-MoE-16B model cut to N blocks; ``--ac`` torchtitan's activation checkpointing; ``--ep-mode`` ours.
+  DeepSeek-MoE-16B model cut to N blocks; ``--ac`` torchtitan's activation checkpointing; ``--ep-mode`` and
+  ``--expert-precision`` ours (FP8: the loss gate holds, the gradient gate is the bf16-parameter one).
 * ``bench``: that model, every block compiled as torchtitan does, both models resident; the first (compiling)
   step's loss within 1 % and every parameter's gradient within 5 % of torchtitan's, else nothing is timed; a training step
   (forward, backward, AdamW step) of each timed interleaved (``timing.timed``: rotated order, median);
@@ -324,7 +325,8 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     layers = 2 if args.smoke else args.layers
     config = debug_config(layers=layers, flavor=args.flavor)
     specs = {"torchtitan": model_registry(args.flavor),
-             "spmdmoe": swapped_model_spec(model_registry(args.flavor), ep_mode=args.ep_mode)}
+             "spmdmoe": swapped_model_spec(model_registry(args.flavor), ep_mode=args.ep_mode,
+                                           expert_precision=args.expert_precision)}
     ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[args.ac]
     # torch < 2.13: torchtitan's EP FSDP branch cannot run; the experts get a nested unit (titan_expert_fsdp.py)
     nested = ep > 1 and nested_expert_fsdp()
@@ -393,7 +395,7 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     name = (f"torchtitan DeepSeek-V3 {args.flavor}, {layers} blocks, SDPA, {world} processes: FSDP over {world}, "
             f"EP {ep}{f' (dp {world // ep} x ep {ep} for the experts)' if 1 < ep < world else ''}, "
             f"{backend} backend{', blocks compiled' if args.compile else ''}, activation checkpointing {args.ac}, "
-            f"our ep_mode {args.ep_mode}"
+            f"our ep_mode {args.ep_mode}, our experts {args.expert_precision}"
             f"{', routed experts a nested FSDP unit (torch < 2.13: titan_expert_fsdp.py)' if nested else ''}; "
             f"{args.batch} x {seq} tokens a rank "
             f"a step, AdamW lr {args.lr}; weights bitwise equal after init: {'yes' if same else 'no (copied)'}")
@@ -461,6 +463,8 @@ def main() -> int:
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
                    help="ep part: torchtitan's activation checkpointing")
     p.add_argument("--ep-mode", choices=["sync", "sync_free"], default="sync", help="ep part: ours")
+    p.add_argument("--expert-precision", choices=["bf16", "fp8_rowwise"], default="bf16",
+                   help="ep part: our routed experts (fp8_rowwise: the weight cache on, FSDP re-gathers into it)")
     args = p.parse_args()
     shim_torch()
     try:

@@ -1,34 +1,15 @@
 """Every rank agrees: the one mechanism behind every check whose verdict can differ between ranks.
 
-A check that passes on one rank and fails on another must never raise on one
-rank alone: the others would wait in their next collective until the
-process-group timeout. So a rank never raises such a finding directly. It sets
-a *problem bit* (one per kind, the table below) and keeps its own detail
-message; the bits and any *fields* that must be equal everywhere (dtype, width,
-declared token count, a fingerprint of a layer's config) form a small row of
-int64; the rows are exchanged; and every rank derives the same verdict from the
-same table and raises the same error, naming the offending ranks, with its own
-detail where it has one. The rows travel in one of three ways:
-
-==========  ==============================================  ==========================================
-mode        how the row travels                             used by
-==========  ==============================================  ==========================================
-(a) ride    as extra columns of a collective that runs      the EP count exchange (``exchange_with_codes``:
-            anyway and is read on the host anyway: no       input problems and non-finite router logits
-            extra collective, no extra sync                 of an MoE layer), ``exchange_counts``
-(b) agree   :func:`agree`: one check exchange of the    ``from_local``, ``product_axis``,
-            rows and one host read: once per layer for what ``parallelize_moe`` (config, plan, weights),
-            does not change from step to step (a plan, a    ``load_state_dict`` of parallel layers,
-            state dict; each forward compares its input     ``exchange_counts``' width, host count lists,
-            with the agreed layer, locally, free), or per   ``spmdmoe.testing`` (``check_layout`` ...)
-            call where the call syncs anyway
-(c) sticky  ``sticky.ProblemFlag`` (one per MoE layer)  MoE layers without an exchange that spans
-            records this rank's bits on the device (no      them (single device, SP modes, EP with dp):
-            sync); the flag rides the layer's bias-update   input problems, non-finite logits
-            count all-reduce, or ``sticky.check_errors``
-            exchanges every flag (one check exchange and
-            one host read); both raise on every rank
-==========  ==============================================  ==========================================
+A check that passes on one rank and fails on another must never raise on one rank alone: the others would wait in
+their next collective until the process-group timeout. So a rank sets a *problem bit* (one per kind, :data:`KINDS`)
+and keeps its own detail message; the bits and any *fields* that must be equal everywhere (dtype, width, declared
+token count, a fingerprint of a layer's config) form a small row of int64; the rows are exchanged; and every rank
+derives the same verdict from the same table and raises the same error, naming the offending ranks, with its own
+detail where it has one. The rows travel (a) riding a collective that runs and is read anyway (the EP count
+exchange, ``exchange_counts``), (b) in :func:`agree`'s one check exchange and host read (once per layer for what
+does not change from step to step, or per call where the call syncs anyway), or (c) recorded on the device in a
+layer's ``sticky.ProblemFlag`` and raised on every rank at the step boundary. Which check takes which way, the
+ways of one MoE forward's problem, their cost: ``docs/design.md`` §6.
 
 Ranks in different exchanges. Modes (a) and (b) and ``check_errors`` share one collective, the *check
 exchange* (:func:`check_payload`, :func:`check_exchange`): one ``all_to_all_single`` of ``CHECK_WORDS`` int64 per
@@ -55,45 +36,6 @@ any two of: ``from_local``, ``parallelize_moe``,         a rank that skips a dat
 
 In the collective-checking mode each agreement also posts its record through the store first
 (``spmdmoe.collective_check``), so a rank in another check or collective there meets it by name.
-
-One forward of an MoE layer: every way its :class:`Problem` reaches the other ranks, and when each applies
-(the problem is one object from where it is found, the layer's admission (``moe/parallel/admission.py``) and
-its router, to where it is raised):
-
-==============================  ==============================================================================
-way                             when
-==============================  ==============================================================================
-raised at once                  the process is the whole job (nobody can be left waiting), or a single-device
-                                ``MoE``'s own shape checks
-the stand-in                    always, for a bad input on this rank: it routes zero rows and returns
-                                ``spmdmoe.stand_in``'s zeros, so it issues every collective (forward and
-                                backward) its peers issue, whatever way the bits then take
-(a) the EP count exchange       sync EP (``AllToAllTransport``): every rank raises there when the EP axis spans
-                                every rank the layer talks to (no other SP axis, no ``dp_mesh``); otherwise each
-                                rank records its own share, (c)
-(c) the sticky flag             every other case (no EP, sync-free EP, EP beside other axes, and any layer under
-                                ``torch.compile``): the transport records the bits (the problem's sink, the
-                                layer's flag), raised on every rank by ``update_expert_bias`` /
-                                ``check_errors`` at the step boundary, before the optimizer step
-the ride                        besides (c), an SP layer whose SP axis is the whole job (no ``dp_mesh``; no EP,
-                                or sync-free EP on the SP axis): its token exchange carries the bits and the
-                                grad mode (``moe/parallel/ride.py``), raised at the layer's next forward on every
-                                rank, and a grad mode that differed also in this forward's backward (before its
-                                collectives); eager only
-the collective-checking mode    ``checks_mode() == "collectives"``: each forward first checks that every rank
-                                calls the layer alike (train mode; ``spmdmoe.collective_check``)
-==============================  ==============================================================================
-
-Cost of (c): nothing per forward but a few tiny device ops; the read costs one
-host sync, once per ``check_errors`` call and once per
-``update_expert_bias`` call. With checks off (:func:`spmdmoe.set_checks`), the
-layers record nothing, but every exchange above still runs with the same
-payload (its problem slots zero): a rank-local setting never decides whether a
-collective runs or how large it is.
-
-Rank numbers in messages: the axis' own ranks for exchanges over one axis
-(``from_local``, ``exchange_counts``, ``all_to_all``); global ranks for the MoE
-layer, ``parallelize_moe``, ``load_state_dict`` and the sticky flags.
 """
 
 from __future__ import annotations

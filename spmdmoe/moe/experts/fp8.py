@@ -6,73 +6,18 @@ wgrad layout (:func:`spmdmoe.kernels.fp8_cols.padded_rows`), ``M`` rows of a GEM
 projection's input (reduced) and output width (as in ``gemm.py``), ``A`` / ``B`` the widths of a weight
 gradient's two operands.
 
-The experts' forward and input-gradient GEMMs run in e4m3 with fp32 scales
-(``torch._scaled_grouped_mm``, fast accumulation, bf16 out), their weight-gradient
-GEMMs in FP8 or unquantized (:func:`fp8_wgrad`); everything else (router, shared
-experts, combine, master weights and their gradients) stays in the activations'
-precision. One autograd node whose backward frees each activation as soon as it
-has read it, so none lives longer than in the bf16 layer (measured at the five
-shape presets, H200: the eager step peak 3-13 % below the bf16 layer's; compiled,
-at or below it at three, 2.4 % above at Qwen3-30B-A3B and 64k tokens, where
-``dh13``'s or ``dy``'s e4m3 sits beside a weight gradient's output; at small
-token counts the eager peak can exceed the bf16 layer's by a few percent;
-``benchmarks/ARCHIVE.md``, issue 23):
-
-* forward: ``h13 = x @ [w1 | w3]^T`` on ``x``'s rowwise e4m3 (made by every
-  transport's dispatch in its fan-out pass, once per (received) token:
-  ``RoutedTokens.fp8_rows``; without it: quantized here,
-  :func:`spmdmoe.kernels.quantize_rows`), an op of its own
-  before the autograd node, so ``x``'s e4m3 is dead before the down projection
-  allocates; ``h = w * silu(h1) * h3`` (``w`` the routing weight when the dispatch folded it in) and ``h``'s
-  rowwise e4m3 from the same registers (:func:`spmdmoe.kernels.swiglu_quant_forward`);
-  ``y = h @ w2^T`` on that e4m3, and with the weights folded (``RoutedTokens.copies_TK``,
-  every transport) each (received) token's copies summed. Kept for the
-  backward: the bf16 ``x``, ``h13`` and ``h``.
-* backward, weight gradients before input gradients: ``dy`` fanned out to each
-  token's copies with its rowwise e4m3, quantized once per token in the same pass
-  (:func:`spmdmoe.kernels.fan_out_fp8`; with FP8 weight gradients the e4m3 only after
-  ``dw2``, so it never coexists with the column-quantized operands; per row without
-  ``copies_TK``); ``dw2``, drop the copies and ``h``; ``dh = dy @ w2`` on the e4m3; the SwiGLU backward writes ``dh13``
-  and its rowwise e4m3 (over ``dh``'s bytes) in one pass, its row dot giving the routing
-  weight's gradient (:func:`spmdmoe.kernels.swiglu_quant_backward_`), drop ``h13``; ``dw1``,
-  ``dw3``, drop ``dh13`` and ``x``; ``dx = dh13 @ [w1 | w3]`` on the e4m3 (a compiled graph may run it
-  before ``dw1 | dw3``).
-
-The activations are kept in a box on the node, not saved, so the backward can drop
-them as it goes: a second backward through the same forward (``retain_graph=True``)
-raises and says so.
-
-The weights enter per output column (forward) and per input column (dgrad):
-both layouts are quantized when the weights change and kept by the weight
-cache (:mod:`spmdmoe.moe.experts.fp8_cache`: checked on the device before every use, so
-never stale); the forward's quantized weights are what its backward uses.
-Forward and dgrad take any group size, no padding.
-
-Weight gradients (:func:`fp8_wgrad`, ``MoEConfig.fp8_wgrad``): in FP8 both operands of
-``dw2[g] = dy[g]^T h[g]`` and ``dw1|dw3[g] = dh13[g]^T x[g]`` are quantized per
-(group, column) into a 16-row-aligned transposed layout (a hot expert split across programs) with
-zero pad rows (:func:`spmdmoe.kernels.quantize_cols_pair`, the only padding of
-the path), and the bf16 operands are dropped before the GEMM; unquantized,
-torch's grouped GEMM takes the bf16 operands as they are.
-The per-(group, column) quantizers read every operand twice (1.5 TB/s counted)
-and the 2-D x 2-D scaled GEMM gains only 1.08-1.13x over bf16 at 1-2k rows per
-expert, so at small ``D F / (2 D + 3 F)`` the unquantized wgrad is faster (H200,
-``benchmarks/ARCHIVE.md``, issue 23); ``"auto"`` decides from ``D`` and ``F`` only
-(:data:`WGRAD_FP8_MIN`), never from the token count (one graph, no host sync).
-
-Fast accumulation (:data:`FAST_ACCUM`) is on in all three GEMMs, as in torchao
-0.18. Measured on an H200 (``benchmarks/fp8_numerics.py``): it lowers each
-GEMM's own accumulation SQNR from 55.5 dB to 48-55 dB (48 at 16k rows per
-expert in wgrad), noise 20 dB weaker than the e4m3 operands' (28.5 dB), so
-each GEMM's total SQNR moves by at most 0.04 dB and the layer's gates keep the
-same 1.5 dB margin (T = 300 and 16k, 1.5k and 4k rows per expert); precise
-accumulation costs 6-33 % more GEMM time.
-
-On CPU, on GPUs
-without sm90 and for dims that are not multiples of 16 the same path runs
-emulated: the same quantizers (their references on CPU), the same alignment,
-then dequantize and an ordinary GEMM (bf16 for a bf16 layer on CUDA, fp32
-elsewhere); a CUDA device takes that route with a one-time warning.
+The experts' forward and input-gradient GEMMs run in e4m3 with fp32 scales (``torch._scaled_grouped_mm``, fast
+accumulation: :data:`FAST_ACCUM`, bf16 out), their weight-gradient GEMMs in FP8 or unquantized (:func:`fp8_wgrad`);
+everything else (router, shared experts, combine, master weights and their gradients) stays in the activations'
+precision. One autograd node whose backward frees each activation as soon as it has read it, so none lives longer
+than in the bf16 layer (H200, the five shape presets: the eager step peak 3-13 % below the bf16 layer's; compiled, at
+or below it at three, 2.4 % above at Qwen3-30B-A3B and 64k tokens). The activations are kept in a box on the node, not
+saved: a second backward through one forward (``retain_graph=True``) raises and says so. The weights enter in two
+layouts (per output column, per input column), kept by the weight cache (:mod:`spmdmoe.moe.experts.fp8_cache`).
+On CPU, on GPUs without sm90 and for dims that are not multiples of 16 the same path runs emulated: the same
+quantizers and alignment, then dequantize and an ordinary GEMM (a CUDA device takes that route with a one-time
+warning). The order of the backward, the weight-gradient rule and the fast-accumulation measurements:
+``docs/design.md`` §7.1.
 
 This module holds the GEMMs (native or emulated) and the weights' layouts; the autograd node, the
 custom ops around them and their fake implementations, with the entry :func:`fp8_swiglu`, are in
@@ -95,12 +40,12 @@ __all__ = ["FAST_ACCUM", "WGRAD_FP8_MIN", "Fp8Weights", "fp8_native", "fp8_wgrad
 
 _scaled = getattr(torch, "_scaled_grouped_mm", None)
 # ``use_fast_accum`` of the scaled GEMMs, per kind: Hopper's FP8 tensor cores accumulate in reduced precision unless
-# the GEMM promotes partial sums to fp32 (``False``: slower). Chosen by measurement (module docstring;
+# the GEMM promotes partial sums to fp32 (``False``: slower). Chosen by measurement (``docs/design.md`` §7.1;
 # ``benchmarks/fp8_numerics.py``, figures in ``benchmarks/ARCHIVE.md``).
 FAST_ACCUM: dict[str, bool] = {"forward": True, "dgrad": True, "wgrad": True}
 # ``fp8_wgrad="auto"``: the weight gradients run in FP8 where ``D F / (2 D + 3 F)`` (GEMM work per byte the
 # wgrad quantizers move) reaches this; below it the unquantized wgrad GEMMs are faster than FP8 GEMMs plus the
-# per-(group, column) quantizers (measured at every shape preset: module docstring, ``benchmarks/ARCHIVE.md``).
+# per-(group, column) quantizers (measured at every shape preset: ``docs/design.md`` §7.1, ``benchmarks/ARCHIVE.md``).
 WGRAD_FP8_MIN = 600.0
 _grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _warned: list[bool] = [False]

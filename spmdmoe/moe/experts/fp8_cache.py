@@ -3,52 +3,23 @@
 Legend: ``e`` local experts, ``D`` model dim, ``F`` expert hidden dim.
 
 The FP8 experts (:mod:`spmdmoe.moe.experts.fp8`) need each weight in two e4m3 layouts (:class:`Fp8Weights`).
-Quantizing them costs two reads of the bf16 weights (1.3 ms for DeepSeek-MoE-16B's experts on an
-H200), so they are kept between forwards: micro-batches under gradient accumulation, activation-checkpoint
-recomputes and evaluation reuse them. The hard part is knowing when they are stale. A parameter's version
-counter and data pointer miss an optimizer that writes through ``p.data``, a user's ``w.data.mul_(2)``, an
-FSDP2 all-gather into the same storage, and every CUDA-graph replay (no Python runs there); ``torch.compile``
-runs no Python cache logic at all. So the cache compares the bytes:
+Quantizing them costs two reads of the bf16 weights (1.3 ms for DeepSeek-MoE-16B's experts on an H200), so they
+are kept between forwards: micro-batches under gradient accumulation, activation-checkpoint recomputes and
+evaluation reuse them. Version counters and data pointers miss ``p.data`` writes, FSDP2 all-gathers into the same
+storage and CUDA-graph replays, so the cache compares the bytes: before every use one custom op
+(``spmdmoe::fp8_refresh_weights``, opaque to ``torch.compile``) fingerprints the master weights on the device
+(:mod:`spmdmoe.kernels.fingerprint`), compares with the fingerprint of what the cache holds, and runs the quantizers
+gated by that verdict (:func:`spmdmoe.kernels.quantize_weight_pair_into`), with no host read: the same code runs
+eagerly, compiled and in a captured CUDA graph, and the weights are quantized at most once per change. The op
+declares no writes (it returns an empty ``ready`` tensor the experts' forward takes, which orders them), so a
+pending backward's saved tensors keep their versions: two forwards in flight back-propagate bit for bit
+(``tests/test_fp8_two_forwards.py``). Its cost (0.35 ms a forward at 16B), ``fp8_cache = None`` (quantize every
+call, no fingerprint; ``fully_shard_moe`` sets it) and what a backward sees when weights change in place:
+``docs/design.md`` §7.1, "The weight cache". Memory: two e4m3 layouts of every weight (as many bytes as the bf16
+weights), fp32 scales and 64 bytes of state.
 
-* before every use, one launch per weight fingerprints the master weights on the device
-  (:mod:`spmdmoe.kernels.fingerprint`: two 64-bit sums of mixed 32-bit words; one changed word always
-  changes them) and compares the result with the fingerprint of the weights the cache holds, all on the
-  device, with no host read;
-* the quantizers run gated by that verdict (:func:`spmdmoe.kernels.quantize_weight_pair_into`, both layouts
-  of a weight from two reads): they write only when the weights changed.
-
-The same code runs eagerly, inside a compiled graph and inside a captured CUDA graph: the check and the
-gated writes are one custom op (``spmdmoe::fp8_refresh_weights``), opaque to ``torch.compile``. So the cache
-follows every way weights change, and the weights are quantized at most once per change, in every mode.
-
-Cost (measured on an H200, ``benchmarks/ARCHIVE.md``, issue 22): the fingerprint reads the bf16 weights once
-per forward, 0.35 ms for DeepSeek-MoE-16B's 1.1 GB of expert weights (3.2 TB/s; a whole use with unchanged
-weights 0.42 ms), about 1.5 ms for Qwen3-235B's 4.8 GB; the quantization when they changed, 1.3 ms at 16B
-(5.4 ms at 235B; issue 23). Where the weights change before every forward anyway (no gradient accumulation,
-no recompute), ``GroupedExperts.fp8_cache = None`` quantizes every call and skips the
-fingerprint; ``fully_shard_moe`` does that (its units re-gather the weights each forward, and a cache would
-keep a full-size FP8 copy of each layer's experts beside FSDP2's shards). Memory: two e4m3 layouts of every
-weight (as many bytes as the bf16 weights), fp32 scales and 64 bytes of state.
-
-How the op stays in order without declaring its writes: it takes the weights and the cache's tensors and
-returns a fresh empty tensor, ``ready``, that the experts' forward op takes as an input, so the refresh runs
-before every read of the cache in the same forward. Declaring the writes (``mutates_args``) would bump the
-version counters of the cached tensors, which a pending backward saved: a micro-batch's forward, or an
-activation-checkpoint recompute, would then fail another micro-batch's backward ("modified by an inplace
-operation") although the bytes did not change. Neither writer bumps them: the Triton kernels store through
-pointers, the CPU reference (:func:`spmdmoe.kernels.fp8_common.write_where`) through ``.data``. So two forwards
-in flight (pipeline 1F1B, a layer used twice in a step, a no-grad forward before a backward) back-propagate
-bit for bit as without the second forward, on CPU and CUDA (``tests/test_fp8_two_forwards.py``). The cached
-tensors are marked static addresses, so inductor's CUDA graphs (``mode="reduce-overhead"``) use them in place
-rather than copying them in.
-
-One forward at a time per cache (the fingerprint's accumulators are shared): two layers, two caches.
-A backward reads the cached weights as the last forward's refresh left them, so the weights must not change
-between a forward and its backward (no optimizer step in between; ordinary training never does). Where they
-are changed in place and the layer reads the parameters or views of them, that backward raises ("modified by
-an inplace operation"), as the bf16 layer's does, eagerly and compiled: the experts' node saves the bf16
-weights for their version counters (``fp8_ops._setup``; same test file). Not seen: writes through ``p.data``
-and weights an integration's ``read_weights`` casts each forward; the backward then uses the newer weights.
+One forward at a time per cache (the fingerprint's accumulators are shared): two layers, two caches. The weights
+must not change between a forward and its backward (no optimizer step in between; ordinary training never does).
 """
 
 from __future__ import annotations

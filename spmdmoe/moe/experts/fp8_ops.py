@@ -1,5 +1,6 @@
 """The FP8 experts' custom ops, their fake implementations and their autograd, and :func:`fp8_swiglu`, the
-call that runs them (the path, its numerics and its measured memory: ``fp8.py``'s docstring).
+call that runs them (the path, its numerics and its measured memory: ``fp8.py``'s docstring, ``docs/design.md``
+§7.1).
 
 Legend: as ``fp8.py``: ``R`` routed rows, ``D`` model dim, ``F`` expert hidden dim, ``e`` local experts,
 ``P`` rows of the 16-aligned wgrad layout, ``M`` rows of a GEMM, ``I`` / ``O`` a projection's input and output

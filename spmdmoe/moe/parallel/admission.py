@@ -23,7 +23,7 @@ bits on the host. In order, ``admit``:
 
 ``release`` hooks the ride on the output's backward (a grad mode that differed between ranks raises there),
 and returns the output in the input's layout, or on a rank that stood in the stand-in (``spmdmoe.stand_in``).
-How each problem then reaches the other ranks: ``spmdmoe.agreement``'s table.
+How each problem then reaches the other ranks: ``docs/design.md`` §6.
 """
 
 from __future__ import annotations

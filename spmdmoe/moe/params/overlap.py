@@ -1,40 +1,15 @@
 """Overlapped SP gradient sums: launched at the use, waited for at the join (docs/design.md §5.2).
 
-``sync_grads`` (``grads.py``) sums the fresh gradients of replicated
-parameters over an SP axis at their use. Alone, it waits for that all-reduce
-right there, and the rest of backward waits with it. Inside a *joined*
-call (a :class:`ParallelMoE` forward, a ``replicate_grads`` module call, or a
-module wrapped by :func:`overlap_grads`, e.g. a transformer block) it only
-launches it, asynchronously, and the call's *join* node waits for it when the
-gradient of the call's input is complete, i.e. when backward leaves the call.
-Only then do the parameters receive their sums, through autograd
-(``AccumulateGrad``), so DDP's and FSDP2's hooks see final values, in order,
-in the same backward:
-
-====================  ===============================================================
-forward               ``x' , token = _JoinNode(x, *params)`` at the call's start; every
-                      ``sync_grads`` inside takes ``token`` as an input
-backward, at a use    ``sync_grads`` node: its fresh gradients, one buffer per dtype
-                      (the bucket), all-reduced with ``async_op=True``; nothing
-                      returned to the parameters
-backward, at ``x``    ``_JoinNode`` (runs after every use: each depends on ``token``):
-                      waits, returns ``dx`` and each parameter's sum, cast to its dtype
-====================  ===============================================================
-
-Buckets are per ``sync_grads`` call (a layer's dense weights, its experts, a
-module's replicated weights), the same collectives a compiled graph issues:
-ranks that run a block compiled and ranks that run it eagerly (a dynamo
-fallback on some ranks) still match. Exact as before: only fresh gradients
-are reduced (micro-batch accumulation), recomputation under activation
-checkpointing builds its own join, and every rank launches the same
-collectives in the same order (the backward order and the parameters' shapes
-are the same on every rank of the axis). A backward that will not run the
-join (a second-order backward reaching a use but not the call's input, a
-``torch.autograd.grad`` stopping short of it) sums at the use instead. Not
-joined: under ``torch.compile`` (the collectives are functional there and
-inductor places their waits), with grad off, or when the call's input is not
-floating point. An input that needs no gradient is joined anyway (backward
-then computes one): whether a call joins must not differ between ranks.
+``sync_grads`` (``grads.py``) sums the fresh gradients of replicated parameters over an SP axis at their use.
+Alone, it waits for that all-reduce right there, and the rest of backward waits with it. Inside a *joined* call (a
+:class:`ParallelMoE` forward, a ``replicate_grads`` module call, or a module wrapped by :func:`overlap_grads`, e.g.
+a transformer block) it only launches it (``async_op=True``, one bucket per call and dtype), and the call's *join*
+node (``_JoinNode``, made at the call's start; every ``sync_grads`` inside takes its token) waits for it when the
+gradient of the call's input is complete. Only then do the parameters receive their sums, through autograd, so
+DDP's and FSDP2's hooks see final values, in order, in the same backward. A backward that will not run the join
+sums at the use instead. Not joined: under ``torch.compile`` (inductor places the waits), with grad off, or when
+the call's input is not floating point; an input that needs no gradient is joined anyway (whether a call joins
+must not differ between ranks). Why buckets are per call, exactness, FSDP2 units inside a call: §5.2.
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ records its own (mode (c)). The others have no exchange of bits: they record.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional, Protocol, Union
 
 import torch
@@ -178,8 +177,7 @@ class LocalTransport(Dispatching):
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         routed = routed_copies(x_TD, ids_TK, weights_TK, self.num_experts, ids_TK.numel(), fp8_rows=fp8_rows,
-                               all_here=True)
-        routed = dataclasses.replace(routed, handle=routed.copies_TK)
+                               all_here=True)  # its handle: the copies (the combine's)
         return lambda: routed
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:

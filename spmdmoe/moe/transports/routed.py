@@ -92,7 +92,7 @@ def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torc
         all_here: the caller knows that every copy has an expert here (no ``-1``) and ``rows == M * J`` (the local
             transport): the masks that mark copies elsewhere or past the buffer are skipped (14 ATen ops fewer,
             counted by a dispatch mode on CPU: most are launches and host time on a GPU, the step's time at small
-            token counts).
+            token counts); the local transport's ``handle`` is then the copies' positions (its combine's).
 
     Order: by local expert, then by row (so by source rank for received rows), then by ``j``; the stable sort
     of :func:`permute.sort_by_expert`. No host sync."""
@@ -111,7 +111,8 @@ def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torc
     else:
         x_RD = scatter_rows(x_MD, pos_MJ, rows)
     weights_R = spread_weights(weights_MJ, pos_MJ, rows, every_row=all_here)
-    return RoutedTokens(x_RD, offsets, rows, group_sizes, handle, weights_R=weights_R, fp8_rows=q, copies_TK=pos_MJ)
+    return RoutedTokens(x_RD, offsets, rows, group_sizes, pos_MJ if all_here else handle, weights_R=weights_R,
+                        fp8_rows=q, copies_TK=pos_MJ)
 
 
 class Dispatching(torch.nn.Module, ABC):
