@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: the single-process suite only) | suite4 | suite2 | files4 | files2 | compile4 | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf (not in all) | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: the single-process suite only) | suite4 | suite2 | files4 | files2 | compile4 | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf | whole (these two not in all) | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 # The tests, a part per call (device time is scarce: each fits one call; `timeout 590 bash ...` around it):
 #   single     the whole single-process suite (`pytest`: tests/ and the package's doctests) on one GPU, pytest-xdist
@@ -276,6 +276,34 @@ print(",4 4 --compile" if fsdp_meshes_per_parameter() else "")')  # the benchmar
       $([ "${PEER_PROFILE:-0}" = 1 ] && echo --profile "$OUT/profile_peer_ep$n.txt") > "$OUT/log_peer_ep$n.txt" 2>&1
     echo "vs_torchtitan, EP $n: exit $?"
   done
+fi
+if [ "$PART" = whole ]; then  # not in all: minutes per row
+  # the whole-model table (torchtitan_model.py --part ep): torchtitan's DeepSeek-MoE-16B flavour cut to WHOLE_LAYERS
+  # blocks (default 12: both models resident with FSDP on 4 H200s; 8 for H100s), through its parallelize with full
+  # activation checkpointing, at each of WHOLE_LAYOUTS ("GPUs EP" entries), ours as each of WHOLE_OURS (options,
+  # comma-separated; default sync, sync-free and FP8); then both examples (WHOLE_HF_LAYERS blocks of Qwen3-30B-A3B)
+  echo "== whole models: torchtitan's 16B flavour through its parallelize, then the examples"
+  peer_wheels
+  IFS=, read -ra layouts <<< "${WHOLE_LAYOUTS:-4 4,4 2}"
+  for layout in "${layouts[@]}"; do
+    set -- $layout; [ "$NGPU" -ge "$1" ] || continue
+    IFS=, read -ra variants <<< "${WHOLE_OURS-,--ep-mode sync_free,--expert-precision fp8_rowwise}"
+    [ ${#variants[@]} -gt 0 ] || variants=("")
+    for ours in "${variants[@]}"; do
+      CUDA_VISIBLE_DEVICES=$(gpus "$1") timeout --foreground -k 10 400 torchrun --standalone --nproc-per-node "$1" \
+        benchmarks/torchtitan_model.py --part ep --ep "$2" --flavor 16B --layers "${WHOLE_LAYERS:-12}" --seq 4096 \
+        --batch 2 --steps 20 --ac full --lr 3e-4 $ours --out "$OUT/bench_whole.md" > "$OUT/log_whole_$1_$2${ours// /}.txt" 2>&1
+      echo "whole model, $1 GPUs, EP $2 $ours: exit $?"
+    done
+  done
+  CUDA_VISIBLE_DEVICES=$(gpus "$NGPU") timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$NGPU" \
+    examples/train_titan_moe.py --device cuda --layers "${WHOLE_LAYERS:-12}" --batch 2 --ac full \
+    > "$OUT/titan_example.txt" 2>&1
+  echo "examples/train_titan_moe.py: exit $?"; tail -1 "$OUT/titan_example.txt"
+  CUDA_VISIBLE_DEVICES=$(gpus "$NGPU") timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$NGPU" \
+    examples/train_hf_moe.py --device cuda --layers "${WHOLE_HF_LAYERS:-8}" --batch 4 > "$OUT/hf_example.txt" 2>&1
+  echo "examples/train_hf_moe.py: exit $?"; tail -1 "$OUT/hf_example.txt"
+  cat "$OUT/bench_whole.md"
 fi
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
   echo "== benchmarks"

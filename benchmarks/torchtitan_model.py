@@ -37,7 +37,7 @@ models are built on meta from one config, one of them swapped, and initialised b
   parameter, norms over all ranks' shards; gross errors only: with bf16 parameters torchtitan's gate GEMM runs in
   bf16 and ours in fp32, so near-tie tokens choose other experts, ``GRAD_TOLERANCE_BF16_PARAMS``); then, only if
   both hold, the whole-model table (``whole_model_table``), steps timed interleaved: tokens/s per GPU, MFU by
-  torchtitan's own count, step peak memory, kernel launches a step. ``--flavor 16B --layers N`` is the
+  torchtitan's own count, step peak memory, kernel launches a step (the smoke: one timed step each, on CPU). ``--flavor 16B --layers N`` is the
   DeepSeek-MoE-16B model cut to N blocks; ``--ac`` torchtitan's activation checkpointing; ``--ep-mode`` and
   ``--expert-precision`` ours (FP8: the loss gate holds, the gradient gate is the bf16-parameter one).
 * ``bench``: that model, every block compiled as torchtitan does, both models resident; the first (compiling)
@@ -62,7 +62,7 @@ from typing import Any, Callable, Optional
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from timing import report, timed  # noqa: E402
+from timing import report, timed, timed_host  # noqa: E402
 
 from spmdmoe.integrations._torch_compat import shim_torch  # noqa: E402
 
@@ -402,24 +402,28 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     text, ok = tracking_table(name, {"eager" if not args.compile else "compiled": (losses["torchtitan"],
                                                                                     losses["spmdmoe"], first_grads)},
                               GRAD_TOLERANCE_BF16_PARAMS)
-    if not args.smoke and ok:  # timed only when both models train alike, gradients included
+    if ok:  # timed only when both models train alike, gradients included (the smoke: once, for the table's code)
         it = iter(range(steps, 1 << 30))
         steps_of = {key: (lambda k=key: step(k, data[next(it) % len(data)])) for key in models}
-        ms = timed(steps_of, args.iters, args.reps)
-        text += "\n\n" + whole_model_table(ms, steps_of, step_tokens / world, flops_per_token)
+        ms = timed_host(steps_of, 1, 1) if args.smoke else timed(steps_of, args.iters, args.reps)
+        text += "\n\n" + whole_model_table(ms, steps_of, step_tokens / world, flops_per_token, device)
     if rank == 0:
         report(text, args.out)
     return ok
 
 
 def whole_model_table(ms: dict[str, float], steps: dict[str, Callable[[], Any]], tokens_per_gpu: float,
-                      flops_per_token: float) -> str:
+                      flops_per_token: float, device: str) -> str:
     """Per candidate: step ms, tokens/s per GPU, speedup over torchtitan's, MFU (``flops_per_token``: torchtitan's
     ``get_nparams_and_flops``, 6 x active non-embedding parameters plus attention, against 989.5 TFLOP/s dense
     bf16), the step's peak memory above what is resident (max over ranks) and kernel launches a step
-    (``host_cost.launches_per_step``)."""
+    (``host_cost.launches_per_step``); on CPU (the smoke) the times only."""
     import torch.distributed as dist
     from host_cost import launches_per_step
+
+    if device == "cpu":
+        return "\n".join(["| MoE | step ms (CPU) | speedup |", "|---|---|---|"]
+                         + [f"| {key} | {t:.1f} | {ms['torchtitan'] / t:.3f} |" for key, t in ms.items()])
 
     lines = ["| MoE | step ms | tokens/s per GPU | speedup | MFU | step peak GiB above resident (max over ranks) "
              "| launches a step |",

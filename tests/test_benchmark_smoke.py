@@ -104,7 +104,7 @@ def test_torchtitan_model_benchmark_smoke():
 def test_torchtitan_parallelize_benchmark_smoke():
     """``--part ep --ep 2`` on 4 gloo processes: torchtitan's ``parallelize_fn`` of both specs, FSDP over 4 and
     EP 2 (dp 2 x ep 2 for the experts; on torch < 2.13 their nested FSDP unit, ``titan_expert_fsdp.py``), the
-    two models' losses within 1 % at every step and falling."""
+    two models' losses within 1 % at every step and falling, then the whole-model table's timing (once, on CPU)."""
     pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                           str(ROOT / "benchmarks" / "torchtitan_model.py"), "--part", "ep", "--smoke", "--ep", "2"],
@@ -113,6 +113,7 @@ def test_torchtitan_parallelize_benchmark_smoke():
     assert "OK: every step within 1% of torchtitan's loss, and the loss fell" in out.stdout, out.stdout[-2000:]
     assert "weights bitwise equal after init: yes" in out.stdout, out.stdout[-2000:]
     assert "FSDP over 4, EP 2 (dp 2 x ep 2 for the experts)" in out.stdout, out.stdout[-2000:]
+    assert "| MoE | step ms (CPU) | speedup |" in out.stdout, out.stdout[-2000:]  # the whole-model table's code ran
 
 
 @pytest.mark.timeout(300)
