@@ -50,7 +50,7 @@ PY       := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 PYTEST   := -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-single test-dist test-bench test-compile venv-torch-new venv-torch-old test-torch-new \
+.PHONY: demo venv test test-single test-dist test-bench test-compile venv-torch-new venv-torch-old test-torch-new \
 	test-torch-old clean
 
 $(VENV)/.installed: pyproject.toml
@@ -61,6 +61,8 @@ $(VENV)/.installed: pyproject.toml
 	$(if $(TORCHTITAN),$(TORCHTITAN_INSTALL))
 	$(if $(TRANSFORMERS),$(VENV)/bin/pip install -q --no-deps $(TRANSFORMERS))
 	touch $@
+
+venv: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(TORCHRUN) --nproc-per-node $(NPROC) examples/train_moe.py

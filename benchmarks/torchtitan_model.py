@@ -26,7 +26,8 @@ models are built on meta from one config, one of them swapped, and initialised b
   ||diff|| / ||torchtitan's||: the swap keeps torchtitan's parameter names) of torchtitan's.
 * ``ep`` (under ``torchrun``, one GPU a process): torchtitan's debug model (``--flavor``, ``--layers``) through
   torchtitan's own ``parallelize_fn`` as its Trainer calls it, both models: the spec's own and
-  ``swapped_model_spec``'s (it swaps, then runs torchtitan's). FSDP over every rank (``dp_shard``), EP
+  ``swapped_model_spec``'s (it swaps, then runs torchtitan's), each built as ``examples/train_titan_moe.py`` builds
+  its model (its ``parallel_dims`` and ``build``). FSDP over every rank (``dp_shard``), EP
   ``--ep`` (default: every rank; ``--ep 2`` on 4 GPUs: dp 2 x ep 2), torchtitan's default SPMD backend
   (``partial_dtensor`` on torch < 2.13, whose FSDP2 lacks the default's ``dp_mesh_dims``; with EP there the
   experts are a nested FSDP unit, ``titan_expert_fsdp.py``), bf16
@@ -292,44 +293,23 @@ def part_bench(args: argparse.Namespace, device: str) -> bool:
 
 
 def part_ep(args: argparse.Namespace, device: str) -> bool:
-    import copy
-
     import torch.distributed as dist
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-    from torchtitan.distributed.utils import set_spmd_backend
-    from torchtitan.models.deepseek_v3 import model_registry
-    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
-    from torchtitan_models import debug_config
 
-    from spmdmoe.integrations.torchtitan import swapped_model_spec
-    from titan_expert_fsdp import fsdp_meshes_per_parameter, nested_expert_fsdp
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    from train_titan_moe import build, parallel_dims  # the example's model, as it builds and parallelizes it
+
+    from titan_expert_fsdp import fsdp_meshes_per_parameter
 
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = args.ep or world
-    if device == "cpu":  # gloo: torchtitan picks "cuda" without an accelerator
-        parallel_dims_module.device_type = "cpu"
-    # torchtitan's default backend passes FSDP2 `dp_mesh_dims`, which torch < 2.13 lacks (spmdmoe's shim refuses
-    # it); the FSDP2 of torch 2.13 has both that and per-parameter meshes
-    backend = args.spmd_backend or ("partial_dtensor" if device == "cpu" or not fsdp_meshes_per_parameter()
-                                    else ParallelismConfig().spmd_backend)
-    set_spmd_backend(backend)  # as torchtitan's Trainer does (its token dispatcher reads the global setting)
-    dims = parallel_dims_module.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
-                                             world_size=world, spmd_backend=backend)
-    dims.build_mesh()
-    parallelism = ParallelismConfig(expert_parallel_degree=ep, data_parallel_shard_degree=world, spmd_backend=backend)
-    layers = 2 if args.smoke else args.layers
-    config = debug_config(layers=layers, flavor=args.flavor)
-    specs = {"torchtitan": model_registry(args.flavor),
-             "spmdmoe": swapped_model_spec(model_registry(args.flavor), ep_mode=args.ep_mode,
-                                           expert_precision=args.expert_precision)}
-    ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[args.ac]
+    if args.smoke:
+        args.layers, args.seq = 2, 32
+    dims, parallelism = parallel_dims(ep, device, args.spmd_backend)
+    backend = parallelism.spmd_backend
     # torch < 2.13: torchtitan's EP FSDP branch cannot run; the experts get a nested unit (titan_expert_fsdp.py)
-    nested = ep > 1 and nested_expert_fsdp()
+    nested = ep > 1 and not fsdp_meshes_per_parameter()
     if nested and args.compile:  # tried: Dynamo cannot trace FSDP2's hooks on 2.11 (skip_fsdp_hooks=False)
         if rank == 0:
             report("not run: torchtitan 0.3.0 compiles each block with fullgraph=True, and on torch < 2.13 the "
@@ -338,23 +318,9 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
                    "tests/distributed/test_torchtitan.py", args.out)
         return False
     models, opts = {}, {}
-    for key, spec in specs.items():
-        cfg = copy.deepcopy(config)
-        set_deepseek_v3_sharding_config(cfg, enable_sp=False, enable_ep=ep > 1)
-        with torch.device("meta"):
-            model = cfg.build()
-        flops_per_token = cfg.get_nparams_and_flops(model, args.seq)[1]  # torchtitan's count (both: the same)
-        model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                                    compile_config=CompileConfig(enable=args.compile), ac_config=ac, dump_folder="")
-        if device == "cpu":  # gloo lacks FSDP2's PREMUL_SUM / AVG
-            for m in model.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_force_sum_reduction_for_comms(True)
-        model.to_empty(device=device)
-        torch.manual_seed(0)
-        with torch.no_grad():
-            model.init_states(buffer_device=torch.device(device))
-        models[key] = model
+    for key in ("torchtitan", "spmdmoe"):  # from one seed; flops_per_token: torchtitan's count (both: the same)
+        models[key], vocab, flops_per_token = build(argparse.Namespace(**{**vars(args), "moe": key, "seed": 0}),
+                                                    dims, parallelism, device)
     same = True  # both from torchtitan's weights (the swap draws the same numbers: checked, then made certain)
     with torch.no_grad():
         for (name, a), (_, b) in zip(models["torchtitan"].named_parameters(), models["spmdmoe"].named_parameters()):
@@ -365,9 +331,9 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     for key, model in models.items():
         opts[key] = torch.optim.AdamW(model.parameters(), lr=args.lr)
         register_moe_load_balancing_hook(opts[key], [model], dims)
-    seq = 32 if args.smoke else args.seq
+    seq, layers = args.seq, args.layers
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own batches
-    data = [torch.randint(0, config.vocab_size, (args.batch, seq + 1), generator=g).to(device)
+    data = [torch.randint(0, vocab, (args.batch, seq + 1), generator=g).to(device)
             for _ in range(2 if args.smoke else 4)]  # cycled: the loss falls as the model learns them
     step_tokens = args.batch * seq * world
 

@@ -31,6 +31,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,9 @@ from titan_expert_fsdp import fsdp_meshes_per_parameter, nested_expert_fsdp  # n
 PEAK_BF16_TFLOPS = 989.5  # H100 and H200 SXM, dense bf16
 
 
-def parallel_dims(ep: int, device: str):  # type: ignore[no-untyped-def]
-    """torchtitan's ``ParallelDims`` (FSDP over every process, EP ``ep``) and ``ParallelismConfig``."""
+def parallel_dims(ep: int, device: str, backend: Optional[str] = None):  # type: ignore[no-untyped-def]
+    """torchtitan's ``ParallelDims`` (FSDP over every process, EP ``ep``) and ``ParallelismConfig``, with its SPMD
+    ``backend`` (default: torchtitan's own where this torch and the device allow it)."""
     import torchtitan.distributed.parallel_dims as dims_module
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed.utils import set_spmd_backend
@@ -55,7 +57,7 @@ def parallel_dims(ep: int, device: str):  # type: ignore[no-untyped-def]
         dims_module.device_type = "cpu"
     # torchtitan's default backend needs torch 2.13's FSDP2, and NCCL (its all-to-all is uneven); else partial_dtensor
     default = device == "cuda" and fsdp_meshes_per_parameter()
-    backend = ParallelismConfig().spmd_backend if default else "partial_dtensor"
+    backend = backend or (ParallelismConfig().spmd_backend if default else "partial_dtensor")
     set_spmd_backend(backend)
     dims = dims_module.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world,
                                     spmd_backend=backend)
@@ -77,7 +79,7 @@ def build(args: argparse.Namespace, dims, parallelism, device: str):  # type: ig
 
     spec = model_registry(args.flavor)
     if args.moe == "spmdmoe":
-        spec = swapped_model_spec(spec, ep_mode=args.ep_mode)
+        spec = swapped_model_spec(spec, ep_mode=args.ep_mode, expert_precision=args.expert_precision)
     config = spec.model
     config.layers = config.layers[:args.layers]
     for layer in config.layers:
@@ -86,8 +88,9 @@ def build(args: argparse.Namespace, dims, parallelism, device: str):  # type: ig
     with torch.device("meta"):
         model = config.build()
     _, flops_per_token = config.get_nparams_and_flops(model, args.seq)
-    if dims.ep > 1:
-        nested_expert_fsdp()  # torch < 2.13 only (else it changes nothing)
+    if dims.ep > 1 and nested_expert_fsdp() and args.compile:  # the patch: torch < 2.13 only (else it does nothing)
+        raise SystemExit("--compile with EP needs torch 2.13: on this torch the experts' own FSDP unit breaks "
+                         "torchtitan's fullgraph compile of each block at its hooks")
     ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[args.ac]
     model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
                                 compile_config=CompileConfig(enable=args.compile), ac_config=ac, dump_folder="")
@@ -111,6 +114,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=3, help="its first blocks (the first dense)")
     ap.add_argument("--ep", type=int, default=None, help="EP degree (default: every process)")
     ap.add_argument("--ep-mode", choices=["sync", "sync_free"], default="sync", help="spmdmoe's EP transport")
+    ap.add_argument("--expert-precision", choices=["bf16", "fp8_rowwise"], default="bf16", help="spmdmoe's experts")
     ap.add_argument("--batch", type=int, default=None, help="sequences a process a step (default 2; 4 on GPUs)")
     ap.add_argument("--seq", type=int, default=None, help="tokens a sequence (default 64; 4096 on GPUs)")
     ap.add_argument("--steps", type=int, default=10)
