@@ -38,9 +38,10 @@ models are built on meta from one config, one of them swapped, and initialised b
   parameter, norms over all ranks' shards; gross errors only: with bf16 parameters torchtitan's gate GEMM runs in
   bf16 and ours in fp32, so near-tie tokens choose other experts, ``GRAD_TOLERANCE_BF16_PARAMS``); then, only if
   both hold, the whole-model table (``whole_model_table``), steps timed interleaved: tokens/s per GPU, MFU by
-  torchtitan's own count, step peak memory, kernel launches a step (the smoke: one timed step each, on CPU). ``--flavor 16B --layers N`` is the
-  DeepSeek-MoE-16B model cut to N blocks; ``--ac`` torchtitan's activation checkpointing; ``--ep-mode`` and
-  ``--expert-precision`` ours (FP8: the loss gate holds, the gradient gate is the bf16-parameter one).
+  torchtitan's own count, step peak memory, kernel launches a step (the smoke: one timed step each, on CPU).
+  ``--flavor 16B --layers N`` is the DeepSeek-MoE-16B model cut to N blocks; ``--ac`` torchtitan's activation
+  checkpointing; ``--ep-mode`` and ``--expert-precision`` ours (FP8: the loss gate holds, the gradient gate is the
+  bf16-parameter one).
 * ``bench``: that model, every block compiled as torchtitan does, both models resident; the first (compiling)
   step's loss within 1 % and every parameter's gradient within 5 % of torchtitan's, else nothing is timed; a training step
   (forward, backward, AdamW step) of each timed interleaved (``timing.timed``: rotated order, median);
@@ -298,7 +299,7 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-    from train_titan_moe import build, parallel_dims  # the example's model, as it builds and parallelizes it
+    from train_titan_moe import PEAK_BF16_TFLOPS, build, parallel_dims  # the example's model, as it builds it
 
     from titan_expert_fsdp import fsdp_meshes_per_parameter
 
@@ -331,7 +332,7 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
     for key, model in models.items():
         opts[key] = torch.optim.AdamW(model.parameters(), lr=args.lr)
         register_moe_load_balancing_hook(opts[key], [model], dims)
-    seq, layers = args.seq, args.layers
+    seq = args.seq
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own batches
     data = [torch.randint(0, vocab, (args.batch, seq + 1), generator=g).to(device)
             for _ in range(2 if args.smoke else 4)]  # cycled: the loss falls as the model learns them
@@ -358,7 +359,7 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
             losses[key].append(total.item() / step_tokens)
     first_grads = grad_error(grads["spmdmoe"], grads["torchtitan"])
     del grads
-    name = (f"torchtitan DeepSeek-V3 {args.flavor}, {layers} blocks, SDPA, {world} processes: FSDP over {world}, "
+    name = (f"torchtitan DeepSeek-V3 {args.flavor}, {args.layers} blocks, SDPA, {world} processes: FSDP over {world}, "
             f"EP {ep}{f' (dp {world // ep} x ep {ep} for the experts)' if 1 < ep < world else ''}, "
             f"{backend} backend{', blocks compiled' if args.compile else ''}, activation checkpointing {args.ac}, "
             f"our ep_mode {args.ep_mode}, our experts {args.expert_precision}"
@@ -372,18 +373,19 @@ def part_ep(args: argparse.Namespace, device: str) -> bool:
         it = iter(range(steps, 1 << 30))
         steps_of = {key: (lambda k=key: step(k, data[next(it) % len(data)])) for key in models}
         ms = timed_host(steps_of, 1, 1) if args.smoke else timed(steps_of, args.iters, args.reps)
-        text += "\n\n" + whole_model_table(ms, steps_of, step_tokens / world, flops_per_token, device)
+        text += "\n\n" + whole_model_table(ms, steps_of, step_tokens / world, flops_per_token, device,
+                                            PEAK_BF16_TFLOPS)
     if rank == 0:
         report(text, args.out)
     return ok
 
 
 def whole_model_table(ms: dict[str, float], steps: dict[str, Callable[[], Any]], tokens_per_gpu: float,
-                      flops_per_token: float, device: str) -> str:
+                      flops_per_token: float, device: str, peak_tflops: float) -> str:
     """Per candidate: step ms, tokens/s per GPU, speedup over torchtitan's, MFU (``flops_per_token``: torchtitan's
-    ``get_nparams_and_flops``, 6 x active non-embedding parameters plus attention, against 989.5 TFLOP/s dense
-    bf16), the step's peak memory above what is resident (max over ranks) and kernel launches a step
-    (``host_cost.launches_per_step``); on CPU (the smoke) the times only."""
+    ``get_nparams_and_flops``, 6 x active non-embedding parameters plus attention, against ``peak_tflops``: the
+    example's dense bf16 peak), the step's peak memory above what is resident (max over ranks) and kernel launches
+    a step (``host_cost.launches_per_step``); on CPU (the smoke) the times only."""
     import torch.distributed as dist
     from host_cost import launches_per_step
 
@@ -405,7 +407,7 @@ def whole_model_table(ms: dict[str, float], steps: dict[str, Callable[[], Any]],
         launches = launches_per_step(steps[key], steps=1)
         rate = tokens_per_gpu / t * 1e3
         lines.append(f"| {key} | {t:.2f} | {rate:,.0f} | {ms['torchtitan'] / t:.3f} | "
-                     f"{rate * flops_per_token / 989.5e12:.1%} | {peak.item():.1f} | {launches:.0f} |")
+                     f"{rate * flops_per_token / (peak_tflops * 1e12):.1%} | {peak.item():.1f} | {launches:.0f} |")
     return "\n".join(lines)
 
 
