@@ -63,7 +63,7 @@ from .types.mesh import MeshAxis
 from .types.placement import Replicate
 from .types.tensor import LOCAL_ERROR_HOOKS, SPMDTensor
 
-__all__ = ["check_collective", "announce", "timeout_s"]
+__all__ = ["check_collective", "announce", "timeout_s", "exchange"]
 
 # the fields every rank must hold equal, in the order they are reported, and the error each one raises
 FIELDS = (("op", SPMDCollectiveError), ("target", SPMDCollectiveError), ("grad_enabled", SPMDCollectiveError),
@@ -110,31 +110,37 @@ def _record(op: str, x: Any, problem: Optional[BaseException]) -> dict[str, Any]
     return rec
 
 
-def _post(axis: MeshAxis, payload: bytes) -> tuple[Any, int, list[str]]:
-    """Write this rank's record of the axis' next check: ``(store, its sequence number, every member's key)``."""
+def _post(axis: MeshAxis, payload: bytes, space: str = "collective_check") -> tuple[Any, int, list[str]]:
+    """Write this rank's record of the axis' next exchange in ``space`` (its own sequence of numbers):
+    ``(store, its sequence number, every member's key)``."""
     store = dist.distributed_c10d._get_default_store()
     group = str(getattr(axis.group, "group_name", axis.ranks))  # the same on every member
-    seq = _sequence.get(group, 0)
-    _sequence[group] = seq + 1
-    prefix = "spmdmoe/collective_check/" + hashlib.sha1(group.encode()).hexdigest()[:12]
+    seq = _sequence.get(space + group, 0)
+    _sequence[space + group] = seq + 1
+    prefix = f"spmdmoe/{space}/" + hashlib.sha1(group.encode()).hexdigest()[:12]
     keys = [f"{prefix}/{seq}/{r}" for r in range(axis.size)]
     store.set(keys[axis.rank], payload)
     return store, seq, keys
 
 
-def _exchange(axis: MeshAxis, payload: bytes) -> list[bytes]:
-    """Every member's payload, in axis-rank order, through the default store; a member that does not arrive
-    within :func:`timeout_s` raises :class:`SPMDCollectiveError` on every rank that did."""
-    store, seq, keys = _post(axis, payload)
+def exchange(axis: MeshAxis, payload: bytes, space: str = "collective_check",
+             timeout: Optional[float] = None) -> list[bytes]:
+    """Every member's payload, in axis-rank order, through the default store (host to host: no device work); a
+    member that does not arrive within ``timeout`` seconds (default :func:`timeout_s`) raises
+    :class:`SPMDCollectiveError` on every rank that did. ``space``: the exchanges numbered together (this
+    mode's checks; sync-free EP's ``T_max``, ``moe/parallel/admission.py``)."""
+    store, seq, keys = _post(axis, payload, space)
+    limit = timeout_s() if timeout is None else timeout
     try:
-        store.wait(keys, timedelta(seconds=timeout_s()))
+        store.wait(keys, timedelta(seconds=limit))
     except RuntimeError:
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         raise SPMDCollectiveError(
-            f"collective check #{seq} on mesh axis ranks {list(axis.ranks)}: axis rank(s) {missing} (global "
-            f"{[axis.ranks[r] for r in missing]}) did not arrive within {timeout_s():g} s; they run another "
-            f"number of collectives than this rank (a collective skipped or added on some ranks), or are stuck "
-            f"elsewhere. Raise SPMDMOE_CHECK_TIMEOUT if they are only slow") from None
+            f"{space} exchange #{seq} on mesh axis ranks {list(axis.ranks)}: axis rank(s) {missing} (global "
+            f"{[axis.ranks[r] for r in missing]}) did not arrive within {limit:g} s; they run another "
+            f"number of spmdmoe calls than this rank (a collective or a layer skipped or added on some ranks), or "
+            f"are stuck elsewhere" + (". Raise SPMDMOE_CHECK_TIMEOUT if they are only slow" if timeout is None
+                                      else "")) from None
     records = [store.get(k) for k in keys]
     if seq >= 1:  # every member wrote call seq's record, so none still reads call seq - 1's (nor waits on it)
         with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without deletes keeps them
@@ -193,7 +199,7 @@ def check_collective(op: str, axis: MeshAxis, x: Any, problem: Optional[BaseExce
             f"the host before every collective. Turn it off under torch.compile and CUDA graph capture "
             f"(spmdmoe.set_checks(True)) and debug the eager step")
     payload = json.dumps({**_record(op, x, problem), **(fields or {})}).encode()
-    recs = [json.loads(p) for p in _exchange(axis, payload)]
+    recs = [json.loads(p) for p in exchange(axis, payload)]
     verdict = _verdict(axis, recs)
     if verdict is not None:
         raise verdict

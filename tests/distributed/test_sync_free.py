@@ -194,7 +194,7 @@ def test_max_tokens_exceeded_on_one_rank(world, device):
 
 def test_without_max_tokens_the_first_forward_sizes_the_buffers(world, device):
     """``ep_mode="sync_free"`` without ``max_tokens``: the first forward agrees ``T_max`` over EP (the most rows a
-    rank routes: one host all-reduce), later forwards route any count up to it, bitwise equal to the sync layer;
+    rank routes, exchanged host to host through the c10d store), later forwards route any count up to it, bitwise equal to the sync layer;
     one rank routing more later stands in zero rows, and every rank raises ``SPMDCapacityError`` at the step
     boundary, naming the ``max_tokens`` that would have held it."""
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)

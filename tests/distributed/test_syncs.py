@@ -24,10 +24,12 @@ from spmdmoe.testing import reference_tensor, sync_error_mode
 # from the layout, or max_tokens where EP is not the SP axis); SP over every rank without EP or with sync-free EP on
 # it: the delayed read of the forward's problem exchange (spmdmoe.host.DelayedRead, moe/parallel/ride.py), in its backward
 # (``-all_to_all``: sync-free over the padded all-to-all, ``SPMDMOE_EP_SYMMETRIC=0``; plain ``sync_free`` takes the
-# symmetric-memory transport on one host)
+# symmetric-memory transport on one host; ``-no_max``: without max_tokens, whose first forward agrees T_max host to
+# host, so there the first step is checked too)
 PLANS = {"sp": (0, 1), "gather": (0, 1), "ep": (1, 0), "sp_ep": (1, 0), "sp_x_ep": (1, 0), "gather_ep": (1, 0),
          "ep-sync_free": (0, 0), "sp_ep-sync_free": (0, 1), "sp_x_ep-sync_free": (0, 0), "gather_ep-sync_free": (0, 0),
-         "ep-sync_free-all_to_all": (0, 0), "sp_ep-sync_free-all_to_all": (0, 1)}
+         "ep-sync_free-all_to_all": (0, 0), "sp_ep-sync_free-all_to_all": (0, 1),
+         "ep-sync_free-no_max": (0, 0), "gather_ep-sync_free-no_max-all_to_all": (0, 0)}
 
 
 @pytest.mark.parametrize("case", list(PLANS))
@@ -41,16 +43,16 @@ def test_no_hidden_sync(world, device, request, monkeypatch, case):
                     load_balance_coeff=1e-3)
     moe = reference_moe(cfg, 0, device, torch.bfloat16)
     total = 301
-    options = {} if not mode else {"ep_mode": "sync_free"} if plan_name == "sp_ep" else \
+    options = {} if not mode else {"ep_mode": "sync_free"} if plan_name == "sp_ep" or "no_max" in mode else \
         {"ep_mode": "sync_free", "max_tokens": total}
     plan = build_plan(plan_name, moe, total, world, request, **options)
     X = reference_tensor((total, 64), 7, dtype=torch.bfloat16, device=device)
-    for step in range(2):  # the first step warms up allocations; the second is checked
+    for step in range(2):  # the first step warms up allocations; the second is checked (no_max: both)
         leaf = X[plan.rows].clone().requires_grad_()
         x = plan.wrap(leaf)  # from_local's agreement (a documented read) stays outside
         torch.cuda.synchronize()
         before = host_sync_count()
-        run = sync_error_mode if step else (lambda fn: fn())
+        run = sync_error_mode if step or "no_max" in mode else (lambda fn: fn())
         y = run(lambda: plan.layer(x))
         y_local = y.local if isinstance(y, SPMDTensor) else y
         forward = host_sync_count() - before

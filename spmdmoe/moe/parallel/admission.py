@@ -15,9 +15,8 @@ bits on the host. In order, ``admit``:
    forward's ``Problem``, never raised alone, unless this process is the whole job.
 4. Tokens in (``token_exchange.py``, one all-gather over SP, which the ride's columns join): gather mode's
    agreed ``T``; sync-free EP's ``T_max`` (EP on the SP axis: the SP input's padded local count; otherwise
-   ``max_tokens``, or without it the first forward's, agreed by one host all-reduce over EP, then kept: in gather
-   mode it runs before the rows' all-gather over SP; the same order on every rank); the ride alone for an SP
-   layer without EP.
+   ``max_tokens``, or without it the first forward's, agreed over EP host to host, through the c10d store
+   (``collective_check.exchange``: no device sync), then kept); the ride alone for an SP layer without EP.
 5. A rank whose input was bad stands in zero rows (gather mode: its chunk of zeros at the agreed ``T``), so
    that it issues every collective its peers issue.
 
@@ -32,10 +31,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..._dist import all_reduce
 from ...agreement import Problem, alone, global_rank, raise_problems
-from ...collective_check import check_collective
-from ...host import to_host
+from ...collective_check import check_collective, exchange
 from ...stand_in import stand_in
 from ...sticky import ProblemFlag
 from ...types import layout
@@ -64,8 +61,8 @@ class Admission:
         max_tokens: ``parallelize_moe``'s ``max_tokens`` (sync-free EP off the SP axis), or ``None``.
 
     Attributes:
-        learned: without ``max_tokens``, the ``T_max`` the first forward that routed any rows agreed over EP (one
-            host all-reduce), which sizes every later forward's buffers as ``max_tokens`` would; ``None`` before.
+        learned: without ``max_tokens``, the ``T_max`` the first forward that routed any rows agreed over EP
+            (host to host), which sizes every later forward's buffers as ``max_tokens`` would; ``None`` before.
     """
 
     def __init__(self, sp: Optional[MeshAxis], ep: Optional[MeshAxis], gather: bool, dim: int, flag: ProblemFlag,
@@ -119,8 +116,8 @@ class Admission:
     def _t_max(self, x: Any, rows: int, problem: Problem, sized: bool) -> Optional[int]:
         """``T_max`` of a sized transport (``None`` for the others): with EP on the SP axis the SP input's padded
         local count, from the token exchange (no host read on a rank whose input is good); otherwise
-        ``max_tokens``, or without it the first forward's agreed count (:attr:`learned`: one host all-reduce (MAX)
-        of the routed rows over EP, the documented read of that case, then none). More ``rows`` here than that
+        ``max_tokens``, or without it the first forward's agreed count (:attr:`learned`: the most routed rows over
+        EP, exchanged host to host through the c10d store, no device sync). More ``rows`` here than that
         bound: a problem added (this rank stands in zero rows; every rank raises at the step boundary)."""
         ep = self.ep
         if not sized or ep is None:
@@ -128,10 +125,8 @@ class Admission:
         if self.sp is not None and self.sp == ep:
             return layout.padded_local_tokens(max(exchange_tokens(x, problem, self.sp, self.ride), 0), ep.size)
         bound = self.max_tokens if self.max_tokens is not None else self.learned
-        if bound is None:
-            most = torch.full((1,), rows, dtype=torch.int64, device=ep.metadata_device())
-            all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=ep.group)
-            agreed = int(to_host(most)[0])
+        if bound is None:  # host ints through the store: no device sync (a peer missing for 10 minutes: raises)
+            agreed = max(int(r) for r in exchange(ep, str(rows).encode(), "t_max", timeout=600))
             if agreed > 0:  # a forward with no rows anywhere sizes nothing: the next one agrees again
                 self.learned = agreed
             return agreed

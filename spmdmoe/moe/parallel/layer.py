@@ -115,10 +115,10 @@ def parallelize_moe(
     of the EP group routes: with EP on the SP axis the SP input's padded local
     count; otherwise (EP across batches, gather mode) ``max_tokens``, or,
     when that is ``None``, the most tokens a rank routed in the first forward
-    (one host all-reduce, once; not CUDA-graph capturable, later forwards
-    are). More rows on a rank than that bound raise ``SPMDCapacityError`` on
-    every rank at the step boundary; pass ``max_tokens`` where the token count
-    grows after the first step.
+    (agreed once host to host, through the c10d store: no device sync). More
+    rows on a rank than that bound raise ``SPMDCapacityError`` on every rank
+    at the step boundary; pass ``max_tokens`` where the token count grows
+    after the first step.
     ``capacity_factor=None`` is lossless (``S = T_max``: a token crosses to a
     rank once); a factor ``c`` sizes the buffers to ``c`` times balanced
     traffic (``sync_free.capacity_rows``), and an overflow is

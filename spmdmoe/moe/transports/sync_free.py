@@ -13,8 +13,9 @@ holding any of its experts (``dedup.py``), and the two agree bit for bit.
 
 * ``T_max``, the most tokens any rank routes, comes from the layer each forward (its admission,
   ``parallel/admission.py``): with EP on the SP axis the SP input's padded local count; otherwise ``max_tokens``,
-  or when that is ``None`` the first forward's most tokens a rank (one host all-reduce, once). The transport is a ``dispatch.SizedTransport``:
-  ``launch_dispatch`` takes ``t_max``, and the overflow buffer is its own (a module buffer).
+  or when that is ``None`` the first forward's most tokens a rank (agreed host to host, once: no device sync).
+  The transport is a ``dispatch.SizedTransport``: ``launch_dispatch`` takes ``t_max``, and the overflow buffer
+  is its own (a module buffer).
 * Sizes (:func:`capacity_rows`): lossless, ``S = T_max`` (a token crosses to a rank at most once) and
   ``R = n * S * min(K, e)`` (a received token has at most ``min(K, e)`` copies here). With
   ``capacity_factor = c``, both are ``c`` times balanced traffic, never above the lossless sizes:
