@@ -31,7 +31,8 @@ Every candidate is timed in ONE rotation (``timing.timed``: interleaved, median 
 
 At N > 1 also our bf16 layer compiled with inductor's comm reordering passes
 (``reorder_for_compute_comm_overlap``, off by default: may independent compute such as the shared experts
-run under the all-to-alls?), our bf16 layer with ``ep_mode="sync_free"`` (its transport named in the row:
+run under the all-to-alls?), our bf16 layer with ``ep_mode="sync_free"`` as a user's first call writes it (no
+``max_tokens``: its first forward sizes the buffers), eager and compiled (its transport named in the row:
 ``SymmetricTransport`` on one NCCL host), and our bf16 and FP8 (cached) layers with all E experts on each GPU, run
 eagerly on the rank's own T tokens with no EP (no collective): the one-GPU layer at the same tokens per
 GPU, timed in the same rotation, so the table ends with EP's cost against one GPU (issue 42's gates).
@@ -493,7 +494,7 @@ def main() -> None:
         if world == 1 or not ep:
             return m
         parallel = parallelize_moe if lib is None else lib.parallelize_moe  # the older copy's own, at EP > 1
-        return parallel(m, ep_mesh=dist.group.WORLD, **(dict(ep_mode="sync_free", max_tokens=T) if sync_free else {}))
+        return parallel(m, ep_mesh=dist.group.WORLD, **(dict(ep_mode="sync_free") if sync_free else {}))  # no sizes
 
     def titan(m: torch.nn.Module) -> Fwd:
         return lambda t: m(t.view(1, T, D)).view(T, D)  # it takes (B, L, D)
@@ -565,6 +566,7 @@ def main() -> None:
             cands[ONE_GPU_BF16] = Candidate(alone, alone, False)
             free = ours("bf16", sync_free=True)
             cands[f"{SYNC_FREE_BF16} ({type(free.transport).__name__})"] = Candidate(free, free, False)
+            compiled(f"spmdmoe bf16 sync-free compiled ({type(free.transport).__name__})", free, False)
             joint = ours("bf16")  # the up-projection's weight gradients in its input gradient's node (one node):
             joint.experts.later_wgrad = lambda: None  # what running them under dx's exchange gains (wgrad_later.py)
             cands[ONE_NODE_BF16] = Candidate(joint, joint, False)

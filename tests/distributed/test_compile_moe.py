@@ -90,32 +90,43 @@ def test_compiled_layer_matches_eager_with_one_graph(world, device, request, pla
     _compare(plan_name, options, True, world, device, request)
 
 
+@pytest.mark.compile_matrix
+@pytest.mark.parametrize("plan_name", ["ep", "gather_ep"])
+def test_compiled_sync_free_without_max_tokens(world, device, request, plan_name):
+    """Sync-free EP off the SP axis without ``max_tokens``, compiled with ``fullgraph=True`` from its first call:
+    the first forward agrees ``T_max`` host to host while Dynamo traces it (a constant of that graph, the count
+    specialised), later ones use it (one more graph, then no other); the token counts only shrink after the
+    first step, so that ``T_max`` holds them all."""
+    _compare(plan_name, {"ep_mode": "sync_free"}, True, world, device, request, max_graphs=2,
+             steps=sorted(STEPS, reverse=True))
+
+
 @torch._dynamo.config.patch(capture_scalar_outputs=True)  # the EP split sizes; restored when it returns
-def _compare(plan_name, options, dynamic, world, device, request, max_graphs=1):
+def _compare(plan_name, options, dynamic, world, device, request, max_graphs=1, steps=STEPS):
     if plan_name == "sp_ep" and options:
         options = {"ep_mode": "sync_free"}  # EP on the SP axis: T_max from the layout (symbolic in T)
     torch._dynamo.reset()
     cfg = MoEConfig(dim=D, hidden_dim=16, num_experts=8, top_k=2, num_shared_experts=1, aux_loss_coeff=0.01,
                     load_balance_coeff=1e-3)
     moe = reference_moe(cfg, 3, device)
-    eager = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
-    compiled = build_plan(plan_name, copy.deepcopy(moe), STEPS[0], world, request, **options).layer
+    eager = build_plan(plan_name, copy.deepcopy(moe), steps[0], world, request, **options).layer
+    compiled = build_plan(plan_name, copy.deepcopy(moe), steps[0], world, request, **options).layer
     run = torch.compile(compiled, backend=compile_backend(device), fullgraph=True, dynamic=dynamic)
     with mock.patch.object(grads, "_agreed_at_call_site", _no_lookup):
-        _steps_agree(plan_name, moe, eager, compiled, run, world, device, request, max_graphs)
+        _steps_agree(plan_name, moe, eager, compiled, run, world, device, request, max_graphs, steps)
 
 
 def _no_lookup(*args, **kwargs):
     raise AssertionError("the layer's forward consulted sync_grads' call-site cache")
 
 
-def _steps_agree(plan_name, moe, eager, compiled, run, world, device, request, max_graphs):
+def _steps_agree(plan_name, moe, eager, compiled, run, world, device, request, max_graphs, steps=STEPS):
     """Every step of ``STEPS`` eager and compiled: equal results, at most ``max_graphs`` graphs, neither forward
     reaching ``sync_grads``' call-site cache (the layer keeps the set of SP-replicated weights it agreed on when
     wrapped as a plain attribute: the cache is keyed by ``id()`` of group and tensors, which torch 2.11's Dynamo
     cannot trace)."""
     plan_rows = lambda total: build_plan(plan_name, moe, total, world, request, layer=eager).rows  # noqa: E731
-    for i, total in enumerate(STEPS):
+    for i, total in enumerate(steps):
         X = reference_tensor((total, D), 100 + i, device=device)
         G = reference_tensor((total, D), 200 + i, device=device)
         for layer in (eager, compiled):

@@ -27,6 +27,9 @@ How each problem then reaches the other ranks: ``docs/design.md`` §6.
 
 from __future__ import annotations
 
+import itertools
+import operator
+import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -47,6 +50,28 @@ from .ride import Ride
 from .token_exchange import exchange_tokens
 
 __all__ = ["Admission"]
+
+_keys = itertools.count()
+_admissions: "weakref.WeakValueDictionary[int, Admission]" = weakref.WeakValueDictionary()
+_agreed: dict[tuple[int, int], int] = {}  # (admission, rows) -> T_max > 0, for a trace that restarts
+
+
+def _agreed_t_max(key: int, rows: int) -> int:
+    """The most ``rows`` over admission ``key``'s EP group, host to host through the c10d store: no device sync
+    (a peer missing for 10 minutes: ``SPMDCollectiveError``). Dynamo calls it while tracing, as a constant
+    (``torch.compiler.assume_constant_result``, the mark below), so a layer's first forward compiles with
+    ``fullgraph=True``; a trace of that forward that restarts finds its answer here instead of exchanging again."""
+    if (key, rows) in _agreed:
+        return _agreed[key, rows]
+    ep = _admissions[key].ep
+    assert ep is not None
+    agreed = max(int(r) for r in exchange(ep, str(rows).encode(), "t_max", timeout=600))
+    if agreed:  # (none anywhere: the next forward agrees again, on every rank)
+        _agreed[key, rows] = agreed
+    return agreed
+
+
+_agreed_t_max._dynamo_marked_constant = True  # type: ignore[attr-defined]  # (gemm.py's _packed_offset says why)
 
 
 class Admission:
@@ -70,6 +95,8 @@ class Admission:
         self.sp, self.ep, self.gather, self.dim = sp, ep, gather, dim
         self.flag, self.ride, self.max_tokens = flag, ride, max_tokens
         self.learned: Optional[int] = None
+        self.key = next(_keys)  # the same on every rank: layers are built in the same order
+        _admissions[self.key] = self
 
     def admit(self, x: Any, transport: Union[Transport, SizedTransport], dtype: torch.dtype, device: torch.device,
               training: bool) -> Admitted:
@@ -125,8 +152,8 @@ class Admission:
         if self.sp is not None and self.sp == ep:
             return layout.padded_local_tokens(max(exchange_tokens(x, problem, self.sp, self.ride), 0), ep.size)
         bound = self.max_tokens if self.max_tokens is not None else self.learned
-        if bound is None:  # host ints through the store: no device sync (a peer missing for 10 minutes: raises)
-            agreed = max(int(r) for r in exchange(ep, str(rows).encode(), "t_max", timeout=600))
+        if bound is None:
+            agreed = _agreed_t_max(self.key, operator.index(rows))  # (a symbolic count: specialised, once)
             if agreed > 0:  # a forward with no rows anywhere sizes nothing: the next one agrees again
                 self.learned = agreed
             return agreed
