@@ -31,6 +31,17 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+# the slowest single-process tests (a program on 4 processes, a compile, a model trained: 15-45 s each on 2 cores)
+# first, so that pytest-xdist's workers take them early and end together rather than one finishing a long test alone
+SLOW_FIRST = ("compile", "test_docs_", "test_simulation", "load_balancing", "activation_checkpointing")
+
+
+def pytest_collection_modifyitems(config, items):
+    if "WORLD_SIZE" not in os.environ:
+        items.sort(key=lambda item: not ("torchrun_job" in getattr(item, "fixturenames", ())
+                                         or any(s in item.nodeid for s in SLOW_FIRST)))
+
+
 @pytest.fixture
 def torchrun_job():
     """``run(script, *args, timeout=..., nproc=4) -> (returncode, stdout, stderr)``: ``script`` (a path under the

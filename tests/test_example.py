@@ -5,7 +5,6 @@ one within 1e-3 relative (5.4e-6 measured over 6 steps on CPU). Launched wrongly
 where no GPU is visible) it says what is wrong instead of failing inside torch."""
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,12 +25,18 @@ def test_train_moe_example_matches_single_process(plan, torchrun_job):
     assert out.count("step ") >= int(plan[1])
 
 
+def _example(name: str):
+    """``examples/<name>.py`` as a module of this process."""
+    spec = importlib.util.spec_from_file_location(f"{name}_example", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _example_main(monkeypatch, *argv: str, **env: str) -> int:
     """``examples/train_moe.py``'s ``main()`` in this process with ``argv`` and launch variables ``env`` (its
     checks of how it was launched come before any process group: no processes need starting for them)."""
-    spec = importlib.util.spec_from_file_location("train_moe_example", ROOT / "examples" / "train_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _example("train_moe")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -62,11 +67,12 @@ def test_train_moe_example_without_a_gpu_says_so(monkeypatch, capsys, local_rank
 
 
 @pytest.mark.timeout(300)
-def test_port_moe_example(torchrun_job):
+def test_port_moe_example(torchrun_job, monkeypatch, capsys):
     """``examples/port_moe.py`` (``docs/porting.md``): the ported per-expert ``nn.Linear`` MoE matches the
-    original forward and backward in one process, and its SP x EP layer matches one process on 4."""
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "port_moe.py")], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-2000:]
+    original forward and backward in one process (its ``main()`` here, outside torchrun), and its SP x EP layer
+    matches one process on 4."""
+    monkeypatch.delenv("RANK", raising=False)
+    _example("port_moe").main()
+    assert capsys.readouterr().out.rstrip().endswith("OK")
     returncode, out, err = torchrun_job("examples/port_moe.py", timeout=240)
     assert returncode == 0 and out.count("SP x EP over 4 ranks within") == 4 and out.count("OK") == 4, out[-2000:] + err[-2000:]

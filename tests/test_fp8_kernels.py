@@ -226,12 +226,14 @@ def test_swiglu_quant_backward(R, F, valid, block, dtype, weighted, reload, monk
 # interpreter spends its time, in one dtype each (the dtype changes the loads, not the loops): many rows, wide rows
 WEIGHT_PAIRS = ([(3, 33, 20), (2, 16, 70), (0, 4, 4), (1, 5, 1)]
                 + ([(4, 2816, 2048), (3, 2048, 1408)] if DEVICE == "cuda" else []))
+# (``narrow`` below: every shape but the 700 columns on the CPU interpreter, 11 s there; the tiles are narrower
+# than the rows of the smaller shapes too)
 WEIGHT_PAIRS = ([s + (d,) for s in WEIGHT_PAIRS for d in DTYPES]
                 + [(2, 40, 700, torch.float32), (1, 290, 3, torch.bfloat16)])
+WEIGHT_PAIRS = [s + (n,) for s in WEIGHT_PAIRS for n in (False, True) if not (n and s[2] == 700 and DEVICE != "cuda")]
 
 
-@pytest.mark.parametrize("e,A,C,dtype", WEIGHT_PAIRS)
-@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("e,A,C,dtype,narrow", WEIGHT_PAIRS)
 def test_quantize_weight_pair(e, A, C, dtype, narrow, monkeypatch):
     """Both layouts of a weight (rowwise, and the transpose per column without a transposing copy) equal the
     rowwise quantizer on ``w`` and on the transposed copy bit for bit: rows and columns of every magnitude

@@ -239,6 +239,7 @@ def _imbalance(model: torch.nn.Module) -> float:
     return float((share * share).sum() * share.numel())
 
 
+@pytest.mark.training_run
 def test_load_balancing_balances_training_under_sp_x_ep(world, request, device):
     """Qwen3-MoE swapped with SP x EP (2x2 on 4 ranks), trained 50 steps (Adam at 1e-3) on batches of 2 rows of odd
     length with an attention mask, its router skewed at the start (experts 0 and 1's gate rows scaled by 8): with
