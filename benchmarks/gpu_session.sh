@@ -382,4 +382,4 @@ if [ "$PART" = hf ]; then
   tail -3 "$OUT/log_hf_model.txt"
 fi
 echo "== summary"
-cat "$OUT"/bench_*.md 2>/dev/null
+cat "$OUT"/bench_*.md 2>/dev/null || true  # (a tests part writes no benchmark table: not a failure)
