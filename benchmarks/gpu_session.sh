@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: the single-process suite only) | suite4 | suite2 | files4 | files2 | compile4 | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf | whole (these two not in all) | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 # The tests, a part per call (device time is scarce: each fits one call; `timeout 590 bash ...` around it):
-#   single     the whole single-process suite (`pytest`: tests/ and the package's doctests) on one GPU, pytest-xdist
-#              with SINGLE_JOBS workers (default 8: 185 s on one H200; 34 min serially)
+#   single     the whole single-process suite (`pytest`: tests/ and the package's doctests; the training runs too)
+#              on one GPU, pytest-xdist with SINGLE_JOBS workers (default 8: 185 s on one H200; 34 min serially)
 #              (SINGLE_TESTS="tests/test_cuda_graphs.py tests/test_torchtitan.py": those only; SINGLE_TIMEOUT, default 540 s)
 #   suite4     the whole distributed suite in ONE torchrun at 4 ranks, as the README runs it (`torchrun
 #   suite2     --nproc-per-node 4 -m pytest tests/distributed`); suite2: 2 ranks on GPUs 0,1 (SUITE_TIMEOUT, default 540 s;
@@ -116,7 +116,7 @@ single_suite() {  # the whole single-process suite (`pytest`: tests/ and the pac
   local dir="$OUT/single" t0 rc
   mkdir -p "$dir"; t0=$(date +%s)
   FILE_TABLE="$dir/rows.md" CUDA_VISIBLE_DEVICES=$GPU0 in_session "$dir/single.sid" "${SINGLE_TIMEOUT:-540}" \
-    python3 -m pytest -n "${SINGLE_JOBS:-8}" -v --durations=20 --timeout="${TEST_TIMEOUT:-200}" -p no:cacheprovider -p benchmarks.file_table -rs \
+    python3 -m pytest -n "${SINGLE_JOBS:-8}" -m "not bench and not compile_matrix" -v --durations=20 --timeout="${TEST_TIMEOUT:-200}" -p no:cacheprovider -p benchmarks.file_table -rs \
     --deselect "$CPU_CASE" ${SINGLE_TESTS:-} > "$OUT/tests_single.txt" 2>&1
   rc=$?
   touch "$dir/rows.md"

@@ -18,6 +18,7 @@ pytest.importorskip("transformers", reason="transformers is an optional extra: p
 GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "porting.md"
 
 
+@pytest.mark.training_run  # (25 s on 2 cores: CI's torch-2.11 leg runs this file, OLD_SINGLE)
 @pytest.mark.timeout(200)
 def test_transformers_block_trains_and_saves(tmp_path):
     blocks = [code for _, code in markdown_python_blocks(GUIDE)]

@@ -192,7 +192,7 @@ def test_skewed_routing(world, device, request, peers, case, nan_empty):
     plan.layer.check_capacity()
 
 
-@pytest.mark.compile_matrix  # on gloo the transport is emulated; plain pytest compiles it in the two tests below
+@pytest.mark.compile_matrix  # on gloo the transport is emulated; plain pytest compiles it in the test below
 @pytest.mark.parametrize("plan_name", ["ep", "sp_ep"])
 def test_compiled_matches_eager(world, device, request, peers, plan_name):
     """``torch.compile(fullgraph=True)`` over the symmetric transport's custom ops (``test_compile_moe``'s
@@ -251,6 +251,7 @@ def test_activation_checkpointing(world, device, request, peers):
     _equal([plain, runs[0]])
 
 
+@pytest.mark.compile_matrix  # (13 s on 2 cores: CI's torch-2.11 leg, Makefile OLD_DIST)
 def test_compiled_checkpointing_with_the_policy(world, device, request, peers):
     """Compiled, under selective activation checkpointing with ``symmetric.checkpoint_policy`` (the moves saved,
     the rest recomputed): the step equals the eager, uncheckpointed one (outputs and input gradients)."""

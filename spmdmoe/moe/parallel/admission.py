@@ -95,7 +95,7 @@ class Admission:
         self.sp, self.ep, self.gather, self.dim = sp, ep, gather, dim
         self.flag, self.ride, self.max_tokens = flag, ride, max_tokens
         self.learned: Optional[int] = None
-        self.key = next(_keys)  # the same on every rank: layers are built in the same order
+        self.key = next(_keys)  # this process's name for the layer (_agreed_t_max's argument)
         _admissions[self.key] = self
 
     def admit(self, x: Any, transport: Union[Transport, SizedTransport], dtype: torch.dtype, device: torch.device,
