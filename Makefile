@@ -25,8 +25,9 @@ NEW_SINGLE ?= tests/test_private_apis.py tests/test_public_api.py tests/test_ker
 # (the GPU hosts run the benchmarks on this torch). Of the 4-process compile matrix (`make test-compile`: 8 minutes
 # here) it takes the cases whose paths the default pair does not cover: EP on the SP axis sync-free, gather x EP,
 # torch's default dynamic shapes, the symmetric transport, sync-free EP compiled from its first call without
-# max_tokens. It also runs the whole-model training runs (marker training_run: the transformers load-balancing run,
-# 150 steps of a small Qwen3-MoE on 4 processes, half a minute), which `make test` leaves out.
+# max_tokens, the compiled gradient-overlap block and the symmetric transport's checkpointing policy. It also runs
+# the training runs that `make test` leaves out (marker training_run: the transformers load-balancing run, 150 steps
+# of a small Qwen3-MoE on 4 processes; the porting guide's transformers block; half a minute each).
 TORCH_OLD ?= torch==2.11.0
 VENV_OLD  ?= .venv-torch-old
 OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchtitan.py tests/test_docs_torchtitan.py \
