@@ -247,4 +247,3 @@ def test_ordered_effects_as_registered():
 
     _register_effectful_op(probe, EffectType.ORDERED)
     assert _get_effect(probe._opoverload) == EffectType.ORDERED
-
