@@ -53,25 +53,25 @@ __all__ = ["Admission"]
 
 _keys = itertools.count()
 _admissions: "weakref.WeakValueDictionary[int, Admission]" = weakref.WeakValueDictionary()
-_agreed: dict[tuple[int, int], int] = {}  # (admission, rows) -> T_max > 0, for a trace that restarts
 
 
-def _agreed_t_max(key: int, rows: int) -> int:
+def _learn_t_max(key: int, rows: int) -> int:
     """The most ``rows`` over admission ``key``'s EP group, host to host through the c10d store: no device sync
-    (a peer missing for 10 minutes: ``SPMDCollectiveError``). Dynamo calls it while tracing, as a constant
+    (a peer missing for 10 minutes: ``SPMDCollectiveError``); kept as its :attr:`Admission.learned` unless no rank
+    routed any (the next forward agrees again, on every rank). Dynamo calls it while tracing, as a constant
     (``torch.compiler.assume_constant_result``, the mark below), so a layer's first forward compiles with
-    ``fullgraph=True``; a trace of that forward that restarts finds its answer here instead of exchanging again."""
-    if (key, rows) in _agreed:
-        return _agreed[key, rows]
-    ep = _admissions[key].ep
-    assert ep is not None
-    agreed = max(int(r) for r in exchange(ep, str(rows).encode(), "t_max", timeout=600))
-    if agreed:  # (none anywhere: the next forward agrees again, on every rank)
-        _agreed[key, rows] = agreed
-    return agreed
+    ``fullgraph=True``; a trace of that forward that restarts finds ``learned`` set and exchanges nothing."""
+    admission = _admissions[key]
+    assert admission.ep is not None
+    if admission.learned is None:
+        agreed = max(int(r) for r in exchange(admission.ep, str(rows).encode(), "t_max", timeout=600))
+        if not agreed:
+            return 0
+        admission.learned = agreed
+    return admission.learned
 
 
-_agreed_t_max._dynamo_marked_constant = True  # type: ignore[attr-defined]  # (gemm.py's _packed_offset says why)
+_learn_t_max._dynamo_marked_constant = True  # type: ignore[attr-defined]  # (gemm.py's _packed_offset says why)
 
 
 class Admission:
@@ -95,7 +95,7 @@ class Admission:
         self.sp, self.ep, self.gather, self.dim = sp, ep, gather, dim
         self.flag, self.ride, self.max_tokens = flag, ride, max_tokens
         self.learned: Optional[int] = None
-        self.key = next(_keys)  # this process's name for the layer (_agreed_t_max's argument)
+        self.key = next(_keys)  # this process's name for the layer (_learn_t_max's argument)
         _admissions[self.key] = self
 
     def admit(self, x: Any, transport: Union[Transport, SizedTransport], dtype: torch.dtype, device: torch.device,
@@ -153,10 +153,7 @@ class Admission:
             return layout.padded_local_tokens(max(exchange_tokens(x, problem, self.sp, self.ride), 0), ep.size)
         bound = self.max_tokens if self.max_tokens is not None else self.learned
         if bound is None:
-            agreed = _agreed_t_max(self.key, operator.index(rows))  # (a symbolic count: specialised, once)
-            if agreed > 0:  # a forward with no rows anywhere sizes nothing: the next one agrees again
-                self.learned = agreed
-            return agreed
+            return _learn_t_max(self.key, operator.index(rows))  # (a symbolic count: specialised, once)
         if rows > bound:
             fix = ("split the batch or pass a larger max_tokens to parallelize_moe" if self.max_tokens is not None
                    else f"the layer sized them on its first forward, which routed at most {bound} a rank; pass "
