@@ -25,7 +25,8 @@ NEW_SINGLE ?= tests/test_private_apis.py tests/test_public_api.py tests/test_ker
 # (the GPU hosts run the benchmarks on this torch). Of the 4-process compile matrix (`make test-compile`: 8 minutes
 # here) it takes the cases whose paths the default pair does not cover: EP on the SP axis sync-free, gather x EP,
 # torch's default dynamic shapes, the symmetric transport, sync-free EP compiled from its first call without
-# max_tokens, the compiled gradient-overlap block and the symmetric transport's checkpointing policy. It also runs
+# max_tokens (the default pair's sync-free EP case on this torch), the compiled gradient-overlap block (and on one
+# rank only) and the symmetric transport's checkpointing policy. It also runs
 # the training runs that `make test` leaves out (marker training_run: the transformers load-balancing run, 150 steps
 # of a small Qwen3-MoE on 4 processes; the porting guide's transformers block; half a minute each).
 TORCH_OLD ?= torch==2.11.0
@@ -33,9 +34,11 @@ VENV_OLD  ?= .venv-torch-old
 OLD_SINGLE ?= tests/test_compile.py tests/test_compile_moe.py tests/test_torchtitan.py tests/test_docs_torchtitan.py \
 	tests/test_transformers.py tests/test_docs_porting.py
 COMPILED_LAYER := tests/distributed/test_compile_moe.py::test_compiled_layer_matches_eager_with_one_graph
-OLD_DIST   ?= $(COMPILED_LAYER)[sp_x_ep] $(COMPILED_LAYER)[ep-sync_free] $(COMPILED_LAYER)[sp_ep-sync_free] \
+OLD_DIST   ?= $(COMPILED_LAYER)[sp_x_ep] $(COMPILED_LAYER)[sp_ep-sync_free] \
 	$(COMPILED_LAYER)[gather_ep] tests/distributed/test_compile_ep.py::test_compiled_ep_with_torchs_default_shapes[sync] \
-	tests/distributed/test_symmetric.py::test_compiled_matches_eager[ep] tests/distributed/test_grad_overlap.py \
+	tests/distributed/test_symmetric.py::test_compiled_matches_eager[ep] \
+	tests/distributed/test_grad_overlap.py::test_compiled_block_fullgraph \
+	tests/distributed/test_grad_overlap.py::test_compiled_on_one_rank_eager_on_the_others \
 	tests/distributed/test_symmetric.py::test_compiled_checkpointing_with_the_policy \
 	tests/distributed/test_compile_moe.py::test_compiled_sync_free_without_max_tokens[ep] \
 	tests/distributed/test_torchtitan.py tests/distributed/test_transformers.py
@@ -83,10 +86,11 @@ test-single: $(VENV)/.installed
 test-dist: $(VENV)/.installed
 	$(TORCHRUN) --nproc-per-node 4 $(PYTEST) tests/distributed
 
-# The benchmarks' --smoke runs (marker bench: whole benchmarks in subprocesses, minutes on 2 cores, one at a time),
-# which plain pytest deselects; CI runs them once, in the torch-2.11 leg (the GPU hosts' torch).
+# The benchmarks' --smoke runs (marker bench: whole benchmarks in subprocesses, minutes on 2 cores), which plain
+# pytest deselects; CI runs them once, in the torch-2.11 leg (the GPU hosts' torch). JOBS at once: much of a smoke
+# run is one process tracing or importing on one core.
 test-bench: $(VENV)/.installed
-	$(PY) $(PYTEST) -m bench tests/test_benchmark_smoke.py
+	$(PY) $(PYTEST) -n $(JOBS) --dist worksteal -m bench tests/test_benchmark_smoke.py
 
 # The whole 4-process compiled-vs-eager matrix (marker compile_matrix: every plan and transport, torch's default
 # shapes; plain pytest keeps one case per transport): minutes on 2 cores. CI runs it in the torch-2.11 leg.

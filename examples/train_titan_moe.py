@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 examples/train_titan_moe.py --device cuda --flavor 16B --layers 8
     ... --ep 2                 # dp 2 x ep 2 for the experts (default: EP over every process)
     ... --moe torchtitan       # torchtitan's own MoE, for comparison (the same script, the same numbers)
+    ... --cp 2                 # torchtitan's context parallelism: dp_shard = processes / 2 x cp 2 (GPUs)
 
 One line makes the swap: ``swapped_model_spec(model_registry(flavor))``. Its ``parallelize_fn`` gives every MoE
 block spmdmoe's layer (EP on torchtitan's "ep" mesh), then runs torchtitan's own ``parallelize_fn`` as its
@@ -11,11 +12,22 @@ Trainer calls it: FSDP over every process, EP, activation checkpointing (``--ac`
 ``selective``), per-block compile (``--compile``). The model is built on meta and initialised by torchtitan's
 ``init_states`` from one seed, so ``--moe torchtitan`` starts from the same weights.
 
-Attention is torchtitan's causal SDPA (its FlexAttention has no backward on CPU). Each process trains on its own
-random tokens (a few fixed batches, cycled: the loss falls as the model learns them). The loss is the sum over the
-step's tokens over their count, as torchtitan's Trainer computes it. The last line gives tokens a second per GPU
-over the timed steps (all but the first two) and MFU by torchtitan's own count
+Attention is torchtitan's causal SDPA (its FlexAttention has no backward on CPU; ``--attention flex`` takes the
+flavor's own FlexAttention, with torchtitan's document-causal masks from the positions, on GPUs). Each process trains
+on its own random tokens (a few fixed batches, cycled: the loss falls as the model learns them). The loss is the sum
+over the step's tokens over their count, as torchtitan's Trainer computes it. The last line gives tokens a second per
+GPU over the timed steps (all but the first two) and MFU by torchtitan's own count
 (``get_nparams_and_flops``: 6 x active non-embedding parameters per token, plus attention).
+
+``--cp N`` applies torchtitan's context parallelism as its Trainer does (``partial_dtensor`` backend): the mesh
+``ParallelDims(dp_shard=processes / N, cp=N)``, FSDP over dp_shard x cp, EP cut from the same ranks (so the MoE
+exchange crosses the CP axis); ``parallelize_fn`` wraps each block's inner attention (``apply_cp_to_forward``: ring
+SDPA through DTensor, or FlexAttention with K/V all-gathered); each step's batch, labels and positions (and Flex
+masks) go through ``prepare_context_parallel_input`` (head-tail load balancing for SDPA, PTRR for Flex). The N
+processes of a CP group get the same batch (seeded by the data-parallel rank) and each keeps its share of every
+sequence (with SDPA a head and a tail chunk); the loss is each process's sum over its tokens over the step's tokens,
+counted once, and tokens/s counts each token once. DTensor's ring SDPA runs cuDNN, flash or memory-efficient kernels;
+on CPU DTensor's SDPA takes the math path and fails, so ``--cp`` > 1 runs on GPUs.
 
 torchtitan 0.3.0 is written against torch 2.13. On an older torch its FSDP of the experts under EP (FSDP2's
 per-parameter meshes) does not exist; this script then gives the routed experts an FSDP unit of their own
@@ -45,9 +57,10 @@ from titan_expert_fsdp import fsdp_meshes_per_parameter, nested_expert_fsdp  # n
 PEAK_BF16_TFLOPS = 989.5  # H100 and H200 SXM, dense bf16
 
 
-def parallel_dims(ep: int, device: str, backend: Optional[str] = None):  # type: ignore[no-untyped-def]
-    """torchtitan's ``ParallelDims`` (FSDP over every process, EP ``ep``) and ``ParallelismConfig``, with its SPMD
-    ``backend`` (default: torchtitan's own where this torch and the device allow it)."""
+def parallel_dims(ep: int, device: str, backend: Optional[str] = None, cp: int = 1):  # type: ignore[no-untyped-def]
+    """torchtitan's ``ParallelDims`` (FSDP over every process, EP ``ep``, CP ``cp``: dp_shard = processes / cp) and
+    ``ParallelismConfig``, with its SPMD ``backend`` (default: torchtitan's own where this torch and the device allow
+    it; ``partial_dtensor`` with CP, the backend whose CP torchtitan's Trainer applies by ``apply_cp_to_forward``)."""
     import torchtitan.distributed.parallel_dims as dims_module
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed.utils import set_spmd_backend
@@ -56,13 +69,14 @@ def parallel_dims(ep: int, device: str, backend: Optional[str] = None):  # type:
     if device == "cpu":  # torchtitan assumes an accelerator
         dims_module.device_type = "cpu"
     # torchtitan's default backend needs torch 2.13's FSDP2, and NCCL (its all-to-all is uneven); else partial_dtensor
-    default = device == "cuda" and fsdp_meshes_per_parameter()
+    default = device == "cuda" and fsdp_meshes_per_parameter() and cp == 1
     backend = backend or (ParallelismConfig().spmd_backend if default else "partial_dtensor")
     set_spmd_backend(backend)
-    dims = dims_module.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world,
+    dims = dims_module.ParallelDims(dp_replicate=1, dp_shard=world // cp, cp=cp, tp=1, pp=1, ep=ep, world_size=world,
                                     spmd_backend=backend)
     dims.build_mesh()
-    return dims, ParallelismConfig(expert_parallel_degree=ep, data_parallel_shard_degree=world, spmd_backend=backend)
+    return dims, ParallelismConfig(expert_parallel_degree=ep, data_parallel_shard_degree=world // cp,
+                                   context_parallel_degree=cp, spmd_backend=backend)
 
 
 def build(args: argparse.Namespace, dims, parallelism, device: str):  # type: ignore[no-untyped-def]
@@ -82,8 +96,9 @@ def build(args: argparse.Namespace, dims, parallelism, device: str):  # type: ig
         spec = swapped_model_spec(spec, ep_mode=args.ep_mode, expert_precision=args.expert_precision)
     config = spec.model
     config.layers = config.layers[:args.layers]
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if getattr(args, "attention", "sdpa") == "sdpa":  # else the flavor's own FlexAttention
+        for layer in config.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
     set_deepseek_v3_sharding_config(config, enable_sp=False, enable_ep=dims.ep > 1)
     with torch.device("meta"):
         model = config.build()
@@ -113,9 +128,13 @@ def main() -> int:
     ap.add_argument("--flavor", default=None, help="torchtitan's DeepSeek-V3 flavor (default debugmodel; 16B on GPUs)")
     ap.add_argument("--layers", type=int, default=3, help="its first blocks (the first dense)")
     ap.add_argument("--ep", type=int, default=None, help="EP degree (default: every process)")
+    ap.add_argument("--cp", type=int, default=1, help="torchtitan's context parallelism degree (GPUs)")
+    ap.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa",
+                    help="torchtitan's causal SDPA, or the flavor's FlexAttention (GPUs)")
     ap.add_argument("--ep-mode", choices=["sync", "sync_free"], default="sync", help="spmdmoe's EP transport")
     ap.add_argument("--expert-precision", choices=["bf16", "fp8_rowwise"], default="bf16", help="spmdmoe's experts")
-    ap.add_argument("--batch", type=int, default=None, help="sequences a process a step (default 2; 4 on GPUs)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="sequences a process (with --cp: a CP group) a step (default 2; 4 on GPUs)")
     ap.add_argument("--seq", type=int, default=None, help="tokens a sequence (default 64; 4096 on GPUs)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ac", choices=["none", "full", "selective"], default="selective", help="activation checkpointing")
@@ -142,27 +161,50 @@ def main() -> int:
         torch.set_num_threads(1)
     device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims, parallelism = parallel_dims(args.ep or world, "cuda" if gpu else "cpu")
+    if args.cp < 1 or world % args.cp or (args.cp > 1 and args.seq % (2 * args.cp)):
+        raise SystemExit(f"--cp {args.cp} must divide the {world} processes, and 2 x cp the sequence ({args.seq}: "
+                         "torchtitan's head-tail load balancer cuts it into 2 x cp chunks)")
+    if args.cp > 1 and args.attention == "flex" and args.seq % (128 * args.cp):
+        raise SystemExit(f"--attention flex --cp {args.cp}: the sequence ({args.seq}) must divide into cp x "
+                         "FlexAttention's 128-token blocks (torchtitan's PTRR load balancer deals out whole blocks)")
+    dims, parallelism = parallel_dims(args.ep or world, "cuda" if gpu else "cpu", cp=args.cp)
     model, vocab, flops_per_token = build(args, dims, parallelism, device)
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     register_moe_load_balancing_hook(optimizer, [model], dims)  # the aux-loss-free bias update, as its Trainer
     if rank == 0:
         print(f"torchtitan DeepSeek-V3 {args.flavor}, {args.layers} blocks, MoE: {args.moe}; {world} processes "
-              f"({'NCCL' if gpu else 'gloo'}): FSDP {world}, EP {dims.ep}; AC {args.ac}"
-              f"{', blocks compiled' if args.compile else ''}; {args.batch} x {args.seq} tokens a process a step")
-    g = torch.Generator().manual_seed(args.seed + 1 + rank)  # each process its own batches
+              f"({'NCCL' if gpu else 'gloo'}): FSDP {world}, EP {dims.ep}"
+              f"{f', CP {dims.cp} (dp_shard {dims.dp_shard})' if dims.cp > 1 else ''}; AC {args.ac}"
+              f"{', blocks compiled' if args.compile else ''}"
+              f"{', FlexAttention' if args.attention == 'flex' else ''}; {args.batch} x {args.seq} tokens a "
+              + (f"CP group a step ({args.batch} x {args.seq // dims.cp} a process)" if dims.cp > 1
+                 else "process a step"))
+    batch_mesh = dims.get_optional_mesh("batch")  # the data-parallel ranks; a CP group shares one
+    dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0  # (= rank without CP)
+    g = torch.Generator().manual_seed(args.seed + 1 + dp_rank)  # each data-parallel rank its own batches
     data = [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g).to(device) for _ in range(2)]
-    tokens = args.batch * args.seq * world  # a step, all processes
+    tokens = args.batch * args.seq * (world // dims.cp)  # a step, all processes, each token once
+    positions = torch.arange(args.seq, device=device).expand(args.batch, -1)  # as torchtitan's data loader gives
     timed = 0.0
     for step in range(args.steps):
         batch = data[step % len(data)]
         if gpu:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        logits = model(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(),
+        inputs, labels, extra = batch[:, :-1], batch[:, 1:], {}
+        if args.attention == "flex" or dims.cp > 1:  # as torchtitan's Trainer.post_dataloading_process
+            extra["positions"] = positions
+            if args.attention == "flex":
+                extra["attention_masks"] = model.get_attention_masks(positions=positions)
+            if dims.cp > 1:  # each process: its head and tail chunks of every sequence
+                inputs, labels, extra = prepare_context_parallel_input(
+                    inputs, labels, extra, dims.get_mesh("cp"), torch.device(device),
+                    "ptrr" if args.attention == "flex" else parallelism.context_parallel_load_balancer)
+        logits = model(inputs, **extra)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                                  reduction="sum") / tokens
         loss.backward()
         optimizer.step()

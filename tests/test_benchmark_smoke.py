@@ -34,7 +34,7 @@ pytestmark = pytest.mark.bench
 
 @pytest.mark.timeout(300)
 def test_sync_free_benchmark_smoke():
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(ROOT / "benchmarks" / "sync_free.py"), "--smoke", "--tokens", "37"],
                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -43,7 +43,7 @@ def test_sync_free_benchmark_smoke():
 
 @pytest.mark.timeout(300)
 def test_sp_grad_overlap_benchmark_smoke():
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(ROOT / "benchmarks" / "sp_grad_overlap.py"), "--smoke"],
                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmdmoe
 from moe_plans import build_plan, kept_copies, kept_reference, reference_moe
@@ -249,6 +250,30 @@ def test_activation_checkpointing(world, device, request, peers):
     runs = _all_three(plan, x, g, checkpointed=True)
     _equal(runs)
     _equal([plain, runs[0]])
+
+
+class _Passing(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_moves_skip_the_custom_ops(world, device, request, peers, monkeypatch):
+    """An eager step runs the four moves as plain functions (``symmetric._PeerOp``: the custom ops' dispatch is
+    host time), the custom ops only under a dispatch mode; both give the same step bit for bit."""
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=2)
+    plan = build_plan("ep", reference_moe(cfg, 5, device), 29, world, request, ep_mode="sync_free")
+    x = reference_tensor((29, D), 11, device=device)[plan.rows]
+    g = reference_tensor((29, D), 12, device=device)[plan.rows]
+    calls = []
+    for move in (symmetric.peer_dispatch, symmetric.peer_dispatch_backward, symmetric.peer_pull_rows,
+                 symmetric.peer_pull_sum):
+        monkeypatch.setattr(move, "op", lambda *a, _op=move.op, **k: calls.append(_op) or _op(*a, **k))
+    eager = _step(plan, x, g)
+    assert calls == [], calls
+    with _Passing():
+        moded = _step(plan, x, g)
+    assert sorted(str(op) for op in calls) == sorted(str(op) for op in symmetric.PEER_OPS), calls
+    _equal([eager, moded])
 
 
 @pytest.mark.compile_matrix  # (13 s on 2 cores: CI's torch-2.11 leg, Makefile OLD_DIST)

@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch._higher_order_ops.effects import _register_effectful_op
 from torch._library.effects import EffectType
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ...autograd import always_recorded
 from ...kernels.peer_rows import PeerRows, pull_rows, pull_sum
@@ -199,9 +200,8 @@ def _staged(group: str, *parts: tuple[torch.Tensor, int]) -> tuple[list[tuple[Pe
 # different ranks (their sizes differ); so every op that a forward or a backward can reach independently of
 # the others is ONE op: the dispatch moves its ids and its rows together, and its backward their gradients.
 
-@torch.library.custom_op("spmdmoe::peer_dispatch", mutates_args=())
-def peer_dispatch(x_TD: torch.Tensor, meta_TW: torch.Tensor, need_Tn: torch.Tensor, group: str, t_max: int,
-                  first: int, last: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _peer_dispatch(x_TD: torch.Tensor, meta_TW: torch.Tensor, need_Tn: torch.Tensor, group: str, t_max: int,
+                   first: int, last: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dispatch's reads: ``(x_QD, meta_QW, mask_Q)``. ``meta_QW`` row ``s * t_max + t`` is rank ``s``'s
     ``meta_TW[t]`` (``(t_max, W)`` on every rank: ``W/2`` weights then ``W/2`` expert ids, ``-1`` on rows past
     its tokens); ``mask_Q``: whether any of the row's ids is in ``[first, last)`` (this rank's experts); ``x_QD``
@@ -221,9 +221,8 @@ def peer_dispatch(x_TD: torch.Tensor, meta_TW: torch.Tensor, need_Tn: torch.Tens
     return x_QD, meta_QW, mask_Q
 
 
-@torch.library.custom_op("spmdmoe::peer_dispatch_backward", mutates_args=())
-def peer_dispatch_backward(grad_x_QD: torch.Tensor, grad_meta_QW: torch.Tensor, need_Tn: torch.Tensor, group: str,
-                           t_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _peer_dispatch_backward(grad_x_QD: torch.Tensor, grad_meta_QW: torch.Tensor, need_Tn: torch.Tensor, group: str,
+                            t_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`peer_dispatch`'s backward: ``grad_x_QD`` ``(Q, D)`` and ``grad_meta_QW`` ``(Q, W)`` (fp32 / fp64), the
     gradients of its received rows and ids-and-weights on this rank, staged for their sources; returns
     ``(grad_x_TD, grad_meta_TW)``: each of this rank's tokens' row gradient summed (fp32, rank order, rounded
@@ -240,8 +239,7 @@ def peer_dispatch_backward(grad_x_QD: torch.Tensor, grad_meta_QW: torch.Tensor, 
     return grad_x_TD, grad_meta_TW
 
 
-@torch.library.custom_op("spmdmoe::peer_pull_rows", mutates_args=())
-def peer_pull_rows(src_TD: torch.Tensor, mask_Q: torch.Tensor, group: str, t_max: int) -> torch.Tensor:
+def _peer_pull_rows(src_TD: torch.Tensor, mask_Q: torch.Tensor, group: str, t_max: int) -> torch.Tensor:
     """``(Q, D)``: row ``s * t_max + t`` is rank ``s``'s ``src_TD[t]`` (``(T <= t_max, D)``) where ``mask_Q``
     (bool ``(Q,)``) is set, zero elsewhere (the combine's backward)."""
     D = src_TD.shape[1]
@@ -251,9 +249,8 @@ def peer_pull_rows(src_TD: torch.Tensor, mask_Q: torch.Tensor, group: str, t_max
     return out_QD
 
 
-@torch.library.custom_op("spmdmoe::peer_pull_sum", mutates_args=())
-def peer_pull_sum(src_QD: torch.Tensor, need_Tn: torch.Tensor, mask_Q: torch.Tensor, group: str, t_max: int
-                  ) -> torch.Tensor:
+def _peer_pull_sum(src_QD: torch.Tensor, need_Tn: torch.Tensor, mask_Q: torch.Tensor, group: str, t_max: int
+                   ) -> torch.Tensor:
     """``(T, D)``: row ``t`` the fp32 sum, in rank order, of rank ``d``'s ``src_QD[me * t_max + t]`` over the
     ranks ``need_Tn[t]`` marks, rounded once (the combine). Backward: :func:`peer_pull_rows` with
     ``mask_Q`` (this rank's: which received rows it read)."""
@@ -262,29 +259,6 @@ def peer_pull_sum(src_QD: torch.Tensor, need_Tn: torch.Tensor, mask_Q: torch.Ten
     out_TD = pull_sum(rows, need_Tn, t_max, D, off)
     hdl.barrier(channel=0, timeout_ms=TIMEOUT_MS)
     return out_TD
-
-
-@peer_dispatch.register_fake
-def _(x_TD, meta_TW, need_Tn, group, t_max, first, last):  # type: ignore[no-untyped-def]
-    Q = t_max * need_Tn.shape[1]
-    return x_TD.new_empty((Q, x_TD.shape[1])), meta_TW.new_empty((Q, meta_TW.shape[1])), \
-        x_TD.new_empty((Q,), dtype=torch.bool)
-
-
-@peer_dispatch_backward.register_fake
-def _(grad_x_QD, grad_meta_QW, need_Tn, group, t_max):  # type: ignore[no-untyped-def]
-    return grad_x_QD.new_empty((need_Tn.shape[0], grad_x_QD.shape[1])), \
-        grad_meta_QW.new_empty((t_max, grad_meta_QW.shape[1]))
-
-
-@peer_pull_rows.register_fake
-def _(src_TD, mask_Q, group, t_max):  # type: ignore[no-untyped-def]
-    return src_TD.new_empty((mask_Q.shape[0], src_TD.shape[1]))
-
-
-@peer_pull_sum.register_fake
-def _(src_QD, need_Tn, mask_Q, group, t_max):  # type: ignore[no-untyped-def]
-    return src_QD.new_empty((need_Tn.shape[0], src_QD.shape[1]))
 
 
 def _keep_dispatch(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -309,16 +283,78 @@ def _sum_backward(ctx: Any, grad_TD: torch.Tensor) -> tuple[Optional[torch.Tenso
     return peer_pull_rows(grad_TD, mask_Q, ctx.group, ctx.t_max), None, None, None, None
 
 
-peer_dispatch.register_autograd(_dispatch_backward, setup_context=_keep_dispatch)
-peer_pull_sum.register_autograd(_sum_backward, setup_context=_keep_sum)
+class _PeerOp:
+    """A move: ``spmdmoe::<name>``, a custom op with ordered side effects, where torch must see one (under
+    ``torch.compile``; under a dispatch mode: fake tensors, selective checkpointing's policy); elsewhere ``fn``
+    itself, through :class:`_Eager` (the op's ``backward``) when grad mode is on: the custom op's dispatch and
+    generated autograd cost 0.2-0.5 ms of host time a call inside a step (2x H200, issue 61), four calls a
+    step. A move without a backward takes the custom op when an input needs grad (a second-order backward),
+    which raises on every rank alike."""
 
-# Collectives, not functions: under torch.compile an op whose result is unused or empty (a rank with no tokens,
-# a rank that stood in zero rows) would be dropped, or a backward op moved into the forward, on that rank only,
-# and its peers' barriers would pair with the wrong op. Ordered side effects: every call stays, in program order.
-PEER_OPS = (peer_dispatch, peer_dispatch_backward, peer_pull_rows, peer_pull_sum)
-for _op in PEER_OPS:
-    _register_effectful_op(_op, EffectType.ORDERED)
+    def __init__(self, name: str, fn: Callable[..., Any], backward: Optional[Callable[..., Any]] = None,
+                 setup: Optional[Callable[..., None]] = None):
+        self.fn, self.backward, self.setup = fn, backward, setup
+        self.op = torch.library.custom_op(f"spmdmoe::{name}", mutates_args=())(fn)
+        # Collectives, not functions: under torch.compile an op whose result is unused or empty (a rank with no
+        # tokens, a rank that stood in zero rows) would be dropped, or a backward op moved into the forward, on
+        # that rank only, and its peers' barriers would pair with the wrong op. Ordered side effects: every call
+        # stays, in program order.
+        _register_effectful_op(self.op, EffectType.ORDERED)
+        if backward is not None:
+            self.op.register_autograd(backward, setup_context=setup)
+
+    def __call__(self, *args: Any) -> Any:
+        grad = torch.is_grad_enabled()
+        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or (
+                self.backward is None and grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return self.op(*args)
+        return _Eager.apply(self, *args) if self.backward is not None and grad else self.fn(*args)
+
+
+class _Eager(torch.autograd.Function):
+    """A move with a backward, eagerly: its function, context and backward as the custom op registers them."""
+
+    @staticmethod
+    def forward(ctx: Any, move: _PeerOp, *inputs: Any) -> Any:  # type: ignore[override]
+        out = move.fn(*inputs)
+        move.setup(ctx, inputs, out)  # type: ignore[misc]
+        ctx.move = move
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        return None, *ctx.move.backward(ctx, *grads)
+
+
+peer_dispatch = _PeerOp("peer_dispatch", _peer_dispatch, _dispatch_backward, _keep_dispatch)
+peer_dispatch_backward = _PeerOp("peer_dispatch_backward", _peer_dispatch_backward)
+peer_pull_rows = _PeerOp("peer_pull_rows", _peer_pull_rows)
+peer_pull_sum = _PeerOp("peer_pull_sum", _peer_pull_sum, _sum_backward, _keep_sum)
+PEER_OPS = tuple(p.op for p in (peer_dispatch, peer_dispatch_backward, peer_pull_rows, peer_pull_sum))
 _OVERLOADS = frozenset(op._opoverload for op in PEER_OPS)
+
+
+@peer_dispatch.op.register_fake
+def _(x_TD, meta_TW, need_Tn, group, t_max, first, last):  # type: ignore[no-untyped-def]
+    Q = t_max * need_Tn.shape[1]
+    return x_TD.new_empty((Q, x_TD.shape[1])), meta_TW.new_empty((Q, meta_TW.shape[1])), \
+        x_TD.new_empty((Q,), dtype=torch.bool)
+
+
+@peer_dispatch_backward.op.register_fake
+def _(grad_x_QD, grad_meta_QW, need_Tn, group, t_max):  # type: ignore[no-untyped-def]
+    return grad_x_QD.new_empty((need_Tn.shape[0], grad_x_QD.shape[1])), \
+        grad_meta_QW.new_empty((t_max, grad_meta_QW.shape[1]))
+
+
+@peer_pull_rows.op.register_fake
+def _(src_TD, mask_Q, group, t_max):  # type: ignore[no-untyped-def]
+    return src_TD.new_empty((mask_Q.shape[0], src_TD.shape[1]))
+
+
+@peer_pull_sum.op.register_fake
+def _(src_QD, need_Tn, mask_Q, group, t_max):  # type: ignore[no-untyped-def]
+    return src_QD.new_empty((need_Tn.shape[0], src_QD.shape[1]))
 
 
 def checkpoint_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
