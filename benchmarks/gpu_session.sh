@@ -281,7 +281,8 @@ if [ "$PART" = whole ]; then  # not in all: minutes per row
   # the whole-model table (torchtitan_model.py --part ep): torchtitan's DeepSeek-MoE-16B flavour cut to WHOLE_LAYERS
   # blocks (default 12: both models resident with FSDP on 4 H200s; 8 for H100s), through its parallelize with full
   # activation checkpointing, at each of WHOLE_LAYOUTS ("GPUs EP" entries), ours as each of WHOLE_OURS (options,
-  # comma-separated; default sync, sync-free and FP8); then both examples (WHOLE_HF_LAYERS blocks of Qwen3-30B-A3B)
+  # comma-separated; default sync, sync-free and FP8); then both examples (WHOLE_HF_LAYERS blocks of Qwen3-30B-A3B),
+  # the torchtitan one also under torchtitan's CP 2 with either MoE (the losses step by step)
   echo "== whole models: torchtitan's 16B flavour through its parallelize, then the examples"
   peer_wheels
   IFS=, read -ra layouts <<< "${WHOLE_LAYOUTS:-4 4,4 2}"
@@ -300,6 +301,12 @@ if [ "$PART" = whole ]; then  # not in all: minutes per row
     examples/train_titan_moe.py --device cuda --layers "${WHOLE_LAYERS:-12}" --batch 2 --ac full \
     > "$OUT/titan_example.txt" 2>&1
   echo "examples/train_titan_moe.py: exit $?"; tail -1 "$OUT/titan_example.txt"
+  for moe in spmdmoe torchtitan; do  # torchtitan's context parallelism with the swap, and without (docs/torchtitan.md)
+    CUDA_VISIBLE_DEVICES=$(gpus "$NGPU") timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$NGPU" \
+      examples/train_titan_moe.py --device cuda --layers "${WHOLE_LAYERS:-12}" --batch 2 --ac full --cp 2 --moe "$moe" \
+      > "$OUT/titan_example_cp_$moe.txt" 2>&1
+    echo "examples/train_titan_moe.py --cp 2 --moe $moe: exit $?"; grep -E "^step |^tokens/s" "$OUT/titan_example_cp_$moe.txt"
+  done
   CUDA_VISIBLE_DEVICES=$(gpus "$NGPU") timeout --foreground -k 10 300 torchrun --standalone --nproc-per-node "$NGPU" \
     examples/train_hf_moe.py --device cuda --layers "${WHOLE_HF_LAYERS:-8}" --batch 4 > "$OUT/hf_example.txt" 2>&1
   echo "examples/train_hf_moe.py: exit $?"; tail -1 "$OUT/hf_example.txt"

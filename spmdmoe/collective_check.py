@@ -1,45 +1,11 @@
 """The collective-checking mode: every spmdmoe collective first compares its inputs across the ranks that run it.
 
-The default checks trust a tensor built locally (``shard``, ``SPMDTensor(...)``,
-``with_local``, ``from_buffer``): a tensor whose metadata differs between ranks
-then meets its peers inside the collective, which hangs or aborts. In this mode
-(``spmdmoe.set_checks("collectives")`` or ``SPMDMOE_CHECKS=collectives``) each
-public collective (``all_gather``, ``reduce_scatter``, ``all_reduce``,
-``redistribute``, ``all_to_all``, and so an SP MoE layer's gathers and scatters;
-and :func:`spmdmoe.moe.sync_grads`, the SP gradient sums of replicated parameters,
-with which of its tensors need a gradient; and each MoE layer's forward, with
-its train / eval mode) first exchanges a record per rank through the process
-group's store:
-
-* the collective's name, under a sequence number per process group (a rank that
-  skips a collective, or calls another, is named), and the grad mode (a rank
-  under ``torch.no_grad()`` records no backward, so its peers' backward
-  collectives would wait for it);
-* the input's placement, declared global token count, token dim, dtype and
-  feature shape (the token dim left out), which must be equal on every rank;
-* for a ``Replicate`` input, a checksum of its content (ranks holding different
-  "replicated" data is what this mode exists to find);
-* this rank's own problem with its input, if the local checks found one (it is
-  then raised on every rank, not on this one alone); ``redistribute`` also
-  compares its target placement;
-* a local constructor that rejected its input on this rank (``SPMDTensor(...)``,
-  ``from_buffer``, ``with_local``, ``shard``, ``padded_empty``: :func:`announce`)
-  raises at once there, and its record, with the problem, stands in for this
-  rank's in the axis' next check, so the peers raise the same error type there
-  instead of waiting for a rank that never comes.
-
-Every rank that arrives raises the same error: the local problem's type, or per
-field :class:`~spmdmoe.SPMDLayoutError` (placement, token counts),
-:class:`~spmdmoe.SPMDDtypeError`, :class:`~spmdmoe.SPMDShapeError`, or
-:class:`~spmdmoe.SPMDCollectiveError` (another collective or ``redistribute`` target, different replicated
-content, a rank that did not arrive within ``SPMDMOE_CHECK_TIMEOUT`` seconds,
-default 60). The message names the ranks (axis ranks and global ranks) and the
-values each one holds. After such an error the process group is not usable.
-
-Eager only: the exchange reads the host, so under ``torch.compile`` or CUDA
-graph capture the mode raises and says so. Cost: one store round trip per call
-plus a device-to-host copy of a ``Replicate`` input (``benchmarks/check_modes.py``,
-``benchmarks/ARCHIVE.md``). Off by default.
+In this mode (``spmdmoe.set_checks("collectives")`` or ``SPMDMOE_CHECKS=collectives``; off by default) each
+public collective, each :func:`spmdmoe.moe.sync_grads` call and each MoE layer's forward first exchanges a record
+per rank through the process group's store, and every rank that arrives raises the same error where the records
+differ. A local constructor that rejects its input on one rank raises there at once, and its record
+(:func:`announce`) stands in for the rank's in the axis' next check. Eager only. What is compared, the errors
+and the cost: ``docs/guide.md``, "Every rank agrees"; what carries each check: ``docs/design.md`` §6.
 """
 
 from __future__ import annotations

@@ -11,44 +11,9 @@ dim, ``E`` experts, ``e`` this rank's experts, ``T = B * L`` tokens.
 
     config.model_spec = swapped_model_spec(config.model_spec)   # the same from torchtitan's Trainer
 
-The guide, with what changes and what does not: ``docs/torchtitan.md``.
-
-What stays torchtitan's, so that its init, FSDP, activation checkpointing, compile, checkpointing (DCP
-included), state-dict adapters and load-balancing hook keep working: every parameter and buffer path of
-``torchtitan.models.common.moe.MoE``, and the module objects behind most of them:
-
-=========================================================  ==================================================
-``router.gate.weight``                                     torchtitan's gate ``Linear``, inside our router
-``routed_experts.inner_experts.{w1_EFD, w2_EDF, w3_EFD}``  :class:`Experts`: torchtitan's names and
-                                                           ``param_init``; our grouped SwiGLU and layout
-``shared_experts.w{1,2,3}.weight``                         torchtitan's ``Linear`` modules, inside our
-                                                           shared experts
-``expert_bias_E`` (saved), ``tokens_per_expert_E``         torchtitan's buffers (float32), read and counted
-                                                           into by our layer
-=========================================================  ==================================================
-
-So ``init_states`` draws the same numbers in the same order (the state dicts of a swapped and an unswapped
-model built and initialised from one seed are bitwise equal), and torchtitan's optimizer pre-hook reads
-``tokens_per_expert_E`` and updates ``expert_bias_E`` as it does for its own MoE. What is ours: the forward
-(the router, dispatch, experts, combine of ``spmdmoe.moe``, with SP and EP plans of their own), run by an
-spmdmoe layer that holds no state of its own (it reads the adapter's modules and buffers).
-
-torchtitan's options map one to one to :class:`spmdmoe.moe.MoEConfig` (``top_k``, ``score_func``,
-``route_norm``, ``route_scale``, ``num_expert_groups``, ``num_limited_groups``, ``load_balance_coeff``,
-shared experts); the gate GEMM runs in fp32 as torchtitan's does, and the routed experts' GEMMs run in
-``expert_dtype`` (default bf16, as torchtitan's ``GroupedExperts`` casts; ``None``: the activations'
-dtype). Refused, never approximated (``MoEConfigError``): a gate or shared-expert ``Linear`` with a bias,
-``_debug_force_load_balance``, experts that are not exactly torchtitan's ``GroupedExperts`` (the FP8 /
-MXFP8 converters replace them: use ``expert_precision="fp8_rowwise"`` instead), a token dispatcher other
-than the ``"standard"`` backend's, a sigmoid-gated shared FFN, and MoE classes other than
-``torchtitan.models.common.moe.MoE`` (e.g. a model's own subclass).
-
-Deferred errors. A problem one rank records (a non-finite router logit, a bad input on one rank) is raised
-on every rank by :func:`spmdmoe.check_errors`; ``swap_moe`` registers it, once per process, as a global
-optimizer step pre-hook that runs at each step, before the first optimizer found holding a swapped layer's parameters steps (torch runs
-global pre-hooks before an optimizer's own, so before torchtitan's load-balancing hook). With ``sp_mesh``
-the same hook first sums each layer's ``tokens_per_expert_E`` over the SP axis, which torchtitan's loss
-mesh does not include, so that every SP rank updates the same bias.
+Every parameter and buffer path of torchtitan's ``MoE`` stays, with the module objects behind most of them, so
+its init, FSDP, activation checkpointing, compile, DCP and load-balancing hook keep working; the forward is
+spmdmoe's. What stays, what is refused and the step hook: ``docs/torchtitan.md``, "What changes, what does not".
 """
 
 from __future__ import annotations
@@ -228,28 +193,27 @@ def swap_moe(
     expert_dtype: Optional[torch.dtype] = torch.bfloat16,
     agree_over: Optional[MeshLike] = None,
 ) -> list[str]:
-    """Replace every ``torchtitan.models.common.moe.MoE`` in ``model`` by a :class:`SwappedMoE`; returns
-    their names. Call it on every rank, before torchtitan's ``parallelize``, on a model built on meta (as
-    torchtitan's Trainer builds it), on the CPU or on a GPU, before or after ``init_states``: every weight
-    keeps its value bitwise (under ``ep_mesh`` each rank keeps its experts' slice), a swap before
-    ``init_states`` draws the same numbers as the unswapped model from the same seed, and the layer's own
-    buffers (problem flags, capacity counters) start at zero on the model's device.
+    """Replace every ``torchtitan.models.common.moe.MoE`` in ``model`` by a :class:`SwappedMoE`; returns their
+    names. Call it on every rank, before torchtitan's ``parallelize``, on a model built on meta (as torchtitan's
+    Trainer builds it), the CPU or a GPU, before or after ``init_states``: every weight keeps its value bitwise
+    (under ``ep_mesh`` each rank its experts' slice), a swap before ``init_states`` draws the same numbers as the
+    unswapped model from the same seed, and the layer's own buffers (problem flags, capacity counters) start at
+    zero on the model's device.
 
-    ``sp_mesh``: an SP axis; each rank passes its own part of the sequence, ``(B, L_rank, D)`` with
-    ``B * L_rank`` rows following spmdmoe's chunk rule for the total (``spmdmoe.shard`` of the
-    flattened tokens gives it; with ``B = 1`` any sequence length, divisible or not). One exchange per
-    layer and forward (``spmdmoe.from_local``), so SP layers run eagerly (not under ``fullgraph``
-    compile). The gradients of the layer's replicated weights are summed over it inside the layer, as
-    for tensor-parallel SP: keep the axis out of FSDP's reduction mesh. For torchtitan's context
+    ``sp_mesh``: an SP axis; each rank passes its own part of the sequence, ``(B, L_rank, D)``, with ``B * L_rank``
+    rows following spmdmoe's chunk rule for the total (``spmdmoe.shard`` of the flattened tokens gives it; with
+    ``B = 1`` any sequence length, divisible or not). One exchange per layer and forward (``spmdmoe.from_local``),
+    so SP layers run eagerly (not under ``fullgraph`` compile). The layer sums its replicated weights' gradients
+    over it, as tensor-parallel SP does: keep the axis out of FSDP's reduction mesh. For torchtitan's context
     parallelism leave it ``None`` (each rank routes its own chunk and FSDP reduces).
-    ``ep_mesh``: the EP axis (torchtitan's ``parallel_dims.get_mesh("ep")``); the expert weights are
-    DTensors sharded on it, here (torchtitan's ``parallelize`` leaves them so). ``sp_mode``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe`
-    (which runs here, a collective over ``agree_over``). ``expert_precision``: ``"bf16"`` (default:
-    ``expert_dtype``) or ``"fp8_rowwise"``. ``expert_dtype``: the routed GEMMs' dtype (bf16 as
-    torchtitan's; ``None``: the activations').
+    ``ep_mesh``: the EP axis (torchtitan's ``parallel_dims.get_mesh("ep")``); the expert weights become DTensors
+    sharded on it, here (torchtitan's ``parallelize`` leaves them so). ``sp_mode``, ``ep_mode``, ``agree_over``:
+    as :func:`spmdmoe.moe.parallelize_moe` (run here: a collective over ``agree_over``). ``expert_precision``:
+    ``"bf16"`` (default: ``expert_dtype``) or ``"fp8_rowwise"``. ``expert_dtype``: the routed GEMMs' dtype (bf16
+    as torchtitan's; ``None``: the activations').
 
-    Raises ``MoEConfigError`` for what cannot be mapped exactly (module docstring) and for a model with
-    no torchtitan MoE.
+    Raises ``MoEConfigError`` for what cannot be mapped exactly (``docs/torchtitan.md``, "Refused") and for
+    a model with no torchtitan MoE.
     """
     precision = expert_precision or "bf16"
     others = _unmapped(model)

@@ -8,59 +8,11 @@ Legend: ``B`` batch, ``L`` sequence, ``D`` model dim, ``F`` expert hidden dim, `
     swap_moe(model)                    # every MoE block; ep_mesh= / sp_mesh= optional
     loss = model(input_ids=ids, labels=ids, output_router_logits=True).loss   # the model's own loss
 
-Mapped (transformers 5, whose MoE blocks hold fused experts; ``_FAMILIES`` is the table):
-
-======================================  =============================================================
-``Qwen3MoeSparseMoeBlock`` (Qwen3-MoE)  softmax, ``norm_topk_prob`` -> ``route_norm``, gate GEMM in
-                                        the activations' dtype
-``MixtralSparseMoeBlock`` (Mixtral)     softmax, top-k renormalised, gate GEMM in the activations'
-                                        dtype; ``router_jitter_noise`` must be 0
-``DeepseekV3MoE`` (DeepSeek-V3)         sigmoid, ``e_score_correction_bias`` steering the choice,
-                                        group-limited (``n_group``, ``topk_group``), ``norm_topk_prob``,
-                                        ``routed_scaling_factor``, fp32 gate, the shared experts
-======================================  =============================================================
-
-What stays transformers': every parameter and buffer path (``mlp.gate.weight``,
-``mlp.gate.e_score_correction_bias``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``,
-``mlp.shared_experts.{gate,up,down}_proj.weight``) and the module objects behind the gate and the shared
-experts, so ``save_pretrained`` / ``from_pretrained`` (with transformers' per-expert checkpoint conversion)
-read and write the same keys: a swapped model saves a checkpoint the unswapped one loads, and the other way
-round (without ``ep_mesh``: under EP the expert weights are DTensors, which ``save_pretrained`` does not
-gather; save them with DCP or ``full_tensor()``). ``mlp.experts`` becomes :class:`~spmdmoe.integrations.transformers_modules.FusedExperts` on the same
-parameters (its ``gate_up_proj`` is spmdmoe's packed ``[w1 | w3]``), of a class derived from transformers'
-own, so its ``_init_weights`` still initialises it. The gate's forward hooks see transformers' router
-output, so ``output_router_logits=True`` still returns the router logits and the model's ``aux_loss``
-(its load-balancing loss) is computed from them as before. What is spmdmoe's: the routing, dispatch,
-experts and combine; with ``sp_mesh`` / ``ep_mesh`` its SP and EP.
-
-Refused with ``MoEConfigError``, never approximated, before any block is swapped: a block class outside the
-table (also a subclass of one in it, and any other module holding ``experts``), experts with a bias, an
-interleaved or transposed ``gate_up_proj``, or without a gate, an activation other than SiLU, Mixtral's router
-jitter, shared experts that are not a bias-free SiLU MLP, expert weights that are DTensors already
-(transformers' tensor parallelism), blocks dispatched by accelerate (``device_map`` hooks).
-
-Numerics: the same routing decisions as transformers' (same gate GEMM dtype, same scores, same top-k
-rule); the output differs by summation order, and where transformers rounds the routing weights to the
-activations' dtype before weighting (Qwen3-MoE) spmdmoe keeps them fp32: fp32 models agree to ~1e-7,
-bf16 to bf16 rounding. One deliberate difference: under ``torch.autocast`` DeepSeek-V3's fp32 gate GEMM stays
-fp32 here (spmdmoe turns autocast off for it), where transformers' ``F.linear(x.float(), w.float())`` runs in
-autocast's dtype, so tokens near a tie may choose other experts than transformers' under autocast.
-
-Parallelism. ``ep_mesh``: the experts are sharded over it (their parameters become DTensors ``Shard(0)``),
-each rank passing its own rows (any count, 0 included: the batch split of data parallelism). ``sp_mesh``:
-the layer's rows are this rank's part of the SP axis's tokens by spmdmoe's chunk rule (``spmdmoe.shard``
-of the flattened ``B * L`` tokens), the gate's and shared experts' gradients are summed over it inside the
-layer, and the rest of the model must run sequence-parallel too: ``transformers_sp.sequence_parallel(model,
-sp_mesh)`` does it for transformers' decoders (attention, positions, dense gradients; ``docs/porting.md``). Only local SP (``sp_mode="local"``): gather mode would shard the
-hidden dim of ``gate_up_proj``, which packs two matrices. Under ``sp_mesh`` or ``ep_mesh`` the router
-logits a rank records are its own rows'; so is the model's ``aux_loss`` (each data-parallel rank's own batch's,
-as in transformers), except under ``sequence_parallel``, which computes it over the whole batch.
-Load balancing: that aux loss (``output_router_logits``), or the aux-loss-free bias update
-(``load_balance_coeff``, :func:`swap_moe`).
-
-Deferred errors (a non-finite router logit, a bad input on one rank) are raised on every rank by
-:func:`spmdmoe.check_errors`, which ``swap_moe`` registers as a global optimizer step pre-hook, as the
-torchtitan drop-in does.
+Mapped (transformers 5, whose MoE blocks hold fused experts; ``_FAMILIES`` is the table): Qwen3-MoE, Mixtral,
+DeepSeek-V3. Every parameter and buffer path stays transformers', so ``save_pretrained`` / ``from_pretrained`` read
+and write the same keys; the routing, dispatch, experts and combine are spmdmoe's (with ``sp_mesh`` / ``ep_mesh``
+its SP and EP). The mapping, what is kept, what is refused, the numerics and the parallelism: ``docs/porting.md``,
+"transformers".
 """
 
 from __future__ import annotations
@@ -198,7 +150,7 @@ def _config(name: str, block: nn.Module, family: _Family, precision: str, coeff:
 
 
 class SwappedMoeBlock(Adapter):
-    """A transformers MoE block with spmdmoe's forward (module docstring): ``forward(hidden_BLD) -> out_BLD``
+    """A transformers MoE block with spmdmoe's forward (``docs/porting.md``): ``forward(hidden_BLD) -> out_BLD``
     (any leading dims), transformers' paths, parameters and buffers.
 
     Children: ``gate`` (transformers' router module: ``weight`` (E, D); DeepSeek-V3 also
@@ -276,24 +228,24 @@ def swap_moe(
     agree_over: Optional[MeshLike] = None,
     load_balance_coeff: Optional[float] = None,
 ) -> list[str]:
-    """Replace every MoE block of transformers model ``model`` (module docstring: which ones) by a
-    :class:`SwappedMoeBlock`, in place; returns their module names. Call it on every rank, after the weights
-    are in place (``from_pretrained``, ``from_config``; on meta it also works, but then the model's own
-    non-persistent buffers, e.g. rotary frequencies, are transformers' to restore): every weight keeps its value
-    bitwise (under ``ep_mesh`` each rank keeps its experts' slice), and the layer's
-    own buffers (problem flags, capacity counters) start at zero on the model's device.
+    """Replace every MoE block of transformers model ``model`` (``_FAMILIES``: which ones) by a
+    :class:`SwappedMoeBlock`, in place; returns their module names. Call it on every rank, after the weights are in
+    place (``from_pretrained``, ``from_config``; on meta too, but then the model's own non-persistent buffers,
+    e.g. rotary frequencies, are transformers' to restore): every weight keeps its value bitwise (under
+    ``ep_mesh`` each rank its experts' slice), and the layer's own buffers (problem flags, capacity counters)
+    start at zero on the model's device.
 
-    ``sp_mesh``, ``ep_mesh``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe` (which runs
-    here, a collective over ``agree_over``), local SP only (module docstring). ``expert_precision``:
-    ``"bf16"`` (default: the experts compute in their parameters' dtype) or ``"fp8_rowwise"``.
-    ``load_balance_coeff``: the aux-loss-free load balancing (DeepSeek-V3's), off by default: before each
-    optimizer step every block's bias moves by this step against its load (the counts summed over SP, EP and
-    data axes), steering the choice of experts (not their weights). DeepSeek-V3 updates its own
-    ``e_score_correction_bias``; Qwen3-MoE and Mixtral, which have none, get one (``mlp.gate.e_score_correction_bias``,
-    fp32 zeros, saved: a key the unswapped model does not load). Their own load balancing is the aux loss
-    (``output_router_logits``), which works as in transformers (under ``sequence_parallel``, over the whole batch).
+    ``sp_mesh``, ``ep_mesh``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe` (run here: a
+    collective over ``agree_over``); local SP only (``docs/porting.md``). ``expert_precision``: ``"bf16"``
+    (default: the experts compute in their parameters' dtype) or ``"fp8_rowwise"``. ``load_balance_coeff``: the
+    aux-loss-free load balancing (DeepSeek-V3's), off by default: before each optimizer step every block's bias
+    moves by this step against its load (the counts summed over SP, EP and data axes), steering the choice of
+    experts, not their weights. DeepSeek-V3 updates its own ``e_score_correction_bias``; Qwen3-MoE and Mixtral
+    get one (``mlp.gate.e_score_correction_bias``, fp32 zeros, saved: a key the unswapped model does not load).
+    Their own load balancing is the aux loss (``output_router_logits``), as in transformers (under
+    ``sequence_parallel``, over the whole batch).
 
-    Raises ``MoEConfigError`` for what cannot be mapped exactly (module docstring), and for a model with no
+    Raises ``MoEConfigError`` for what cannot be mapped exactly (``docs/porting.md``), and for a model with no
     MoE block.
 
     >>> import torch

@@ -4,48 +4,11 @@ Legend: ``B`` batch, ``S`` the batch's length, ``T`` the token stream (``B * S``
 the other), ``L`` this rank's part of it, ``J`` the keys this rank's queries may see, ``H`` / ``Hkv`` query /
 key-value heads, ``h`` a head's width, ``E`` experts, ``K`` top-k.
 
-``swap_moe(model, sp_mesh=sp)`` runs the MoE blocks over SP; the rest of the model must then see only this rank's
-chunk of the tokens too, and still compute what one process computes on the whole batch (``docs/porting.md``,
-section 4). :func:`sequence_parallel` does that for transformers' decoder models:
-
-* **The batch as one stream**: :func:`sp_batch` lays the batch's ``B`` rows end to end (``T = B * S`` tokens) and
-  gives each rank its chunk by spmdmoe's chunk rule (``spmdmoe.shard``), so any ``B`` and any length split evenly;
-  each token keeps its position in its row, and a row (or, with packed ``position_ids``, a document in it) is a
-  *sequence*: a token attends to the earlier tokens of its own sequence only. With it comes an :class:`SPBatch`
-  (the keyword :data:`BATCH`), the whole stream's layout: where each token's sequence starts and the attention mask.
-* **Attention** (transformers' attention interface, implementation ``"spmdmoe_sp"``): each layer all-gathers its
-  keys and values over SP (``spmdmoe.all_gather``: exact ``T`` rows; its backward a reduce-scatter) and runs
-  ``scaled_dot_product_attention`` of this rank's queries against the keys from the start of its first query's
-  sequence, masked causally within each sequence and by the attention mask (as transformers' sdpa masks: a query
-  that sees no key, left padding, gets zeros).
-* **Agreement**: a forward pre-hook on the model agrees the stream's length and whether the load-balancing loss is
-  on over SP (one small exchange a forward; a chunk that breaks the chunk rule, or a refused argument below on one
-  rank, raises on every rank), builds the attention mask once, and passes it down as a keyword of the call
-  (:data:`KWARG`), so activation checkpointing's recompute sees its own forward's.
-* **Dense gradients**: every parameter outside the swapped MoE blocks gets its gradient summed over SP
-  (``spmdmoe.moe.replicate_grads``; a tied parameter, ``tie_word_embeddings``, once over its uses); the blocks sum
-  their gate's and shared experts' themselves. So after the backward every rank holds the one-process gradients:
-  keep the SP axis out of your data parallelism.
-* **Loss**: :func:`sp_batch` gives each token the next token of its row as its label (``shift_labels``, crossing
-  the chunk boundary; ``labels``' or ``input_ids``') and the whole batch's target count (``num_items_in_batch``),
-  so each rank's loss is its share of the one-process mean: their sum is that mean.
-* **Load balancing** (Qwen3-MoE, Mixtral): with ``output_router_logits`` on (the call's argument, else the
-  model's config, as transformers decides), the model's load-balancing loss is computed over the whole batch:
-  transformers' formula (``E * sum_e f_e * P_e``, the top-k counts and mean router probabilities of every layer's
-  tokens the attention mask keeps) with the counts summed over SP (one all-reduce of ``E`` floats a forward) and
-  this rank's tokens' probabilities, so ``aux_loss`` is this rank's share (the ranks' sum is the one-process
-  ``aux_loss``) and ``loss`` includes ``router_aux_loss_coef`` times it, as transformers adds it. ``router_logits``
-  is not returned under SP.
-
-Refused (``MoEConfigError``; a call's arguments on every rank when one rank passes them): MoE blocks not swapped
-over this SP mesh, a call without :func:`sp_batch`'s keywords, an
-``attention_mask`` passed to the model (give it to :func:`sp_batch`), a KV cache, ``output_router_logits`` on a
-model without a load-balancing loss (a bare decoder, DeepSeek-V3), ``return_dict=False`` with it, and attention
-that asks for a sliding window, a soft cap, sinks or a position bias. Eager (the pre-hook's exchange is a host
-read); activation checkpointing in its non-reentrant form (transformers' default: a reentrant recompute would
-bypass the SP sums). Cost: each layer gathers its keys and values after the projection (DeepSeek-V3's attention:
-per head, not its compressed latent); a rank's queries see at most its own rows plus the rest of its first
-sequence.
+``swap_moe(model, sp_mesh=sp)`` runs the MoE blocks over SP; :func:`sequence_parallel` runs the rest of a
+transformers decoder model over SP too (attention gathering keys and values, global positions, dense gradients
+summed, the loss and the load-balancing loss over the whole batch), and :func:`sp_batch` hands each rank its chunk
+of the batch laid out as one stream. What it computes, refuses and costs: ``docs/porting.md``, "transformers";
+how: ``docs/design.md`` §12.
 """
 
 from __future__ import annotations

@@ -27,28 +27,24 @@ class MoEConfig:
         score_func: ``"softmax"`` or ``"sigmoid"`` of the gate logits, in fp32.
         route_norm: divide the chosen scores by their sum.
         route_scale: multiply the routing weights by this.
-        num_expert_groups / num_limited_groups: DeepSeek-V3 group-limited routing:
-            experts form ``num_expert_groups`` groups, a token picks its top
-            ``num_limited_groups`` groups (by the sum of each group's top-2
-            biased scores) and chooses its K experts among them.
-        load_balance_coeff: step of the aux-loss-free bias update
-            (:meth:`MoE.update_expert_bias`); ``None`` leaves ``expert_bias`` alone.
-        aux_loss_coeff: weight of the load-balance auxiliary loss
-            ``coeff * E * sum_e f_e * P_e`` stored on ``module.aux_loss`` after
-            each training-mode forward; ``None`` computes none.
-        router_dtype: dtype of the gate GEMM: ``"float32"`` (default, as
-            torchtitan: the input and gate weight are cast to fp32, the weight
-            gradient is computed in fp32 and rounded once to the parameter
-            dtype) or ``"input"`` (the activations' dtype: cheaper, but with
-            bf16 activations about 2 % of tokens pick another expert set).
-        expert_precision: the routed experts' GEMMs: ``"bf16"`` (default: the
-            activations' dtype) or ``"fp8_rowwise"`` (e4m3 operands with rowwise
-            scales, bf16 master weights and gradients; ``spmdmoe.moe.experts.fp8``). The
-            router, shared experts and combine keep the activations' dtype.
-        fp8_wgrad: with ``"fp8_rowwise"``, the weight-gradient GEMMs: ``"auto"`` (default: FP8
-            where it pays, chosen from ``dim`` and ``hidden_dim`` only, never from the token
-            count; ``spmdmoe.moe.experts.fp8.fp8_wgrad``), ``"fp8"`` or ``"bf16"`` (the activations'
-            dtype, on the unquantized operands: the forward and input-gradient GEMMs stay FP8).
+        num_expert_groups / num_limited_groups: DeepSeek-V3 group-limited routing: experts form
+            ``num_expert_groups`` groups, a token picks its top ``num_limited_groups`` groups (by the sum of each
+            group's top-2 biased scores) and chooses its K experts among them.
+        load_balance_coeff: step of the aux-loss-free bias update (:meth:`MoE.update_expert_bias`); ``None``
+            leaves ``expert_bias`` alone.
+        aux_loss_coeff: weight of the load-balance auxiliary loss ``coeff * E * sum_e f_e * P_e`` stored on
+            ``module.aux_loss`` after each training-mode forward; ``None`` computes none.
+        router_dtype: dtype of the gate GEMM: ``"float32"`` (default, as torchtitan: the input and gate weight
+            are cast to fp32, the weight gradient is computed in fp32 and rounded once to the parameter dtype) or
+            ``"input"`` (the activations' dtype: cheaper, but with bf16 activations about 2 % of tokens pick
+            another expert set).
+        expert_precision: the routed experts' GEMMs: ``"bf16"`` (default: the activations' dtype) or
+            ``"fp8_rowwise"`` (e4m3 operands with rowwise scales, bf16 master weights and gradients;
+            ``spmdmoe.moe.experts.fp8``). The router, shared experts and combine keep the activations' dtype.
+        fp8_wgrad: with ``"fp8_rowwise"``, the weight-gradient GEMMs: ``"auto"`` (default: FP8 where it pays,
+            chosen from ``dim`` and ``hidden_dim`` only, never from the token count;
+            ``spmdmoe.moe.experts.fp8.fp8_wgrad``), ``"fp8"`` or ``"bf16"`` (the activations' dtype, on the
+            unquantized operands: the forward and input-gradient GEMMs stay FP8).
 
     >>> MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2).num_experts
     4

@@ -4,45 +4,11 @@ Legend: ``T`` local valid tokens, ``D`` model dim, ``F`` expert hidden dim,
 ``E`` experts, ``e = E / ep`` local experts, ``K`` top-k, ``R`` rows received
 by the local experts, ``n`` EP ranks, ``S`` rows of one sync-free slot.
 
-=====================  =========================================  ============================
-plan                   forward                                    parameters
-=====================  =========================================  ============================
-``sp`` local           each SP rank routes its own rows           experts whole (or EP block)
-``sp`` gather          all_gather over SP, TP experts, combine,   experts: F split over SP
-                       reduce_scatter, + shared on local rows     (chunk rule; a rank may hold
-                                                                  no hidden unit)
-``ep``                 all-to-all dispatch / combine over EP      experts: block of ``e``
-=====================  =========================================  ============================
-
-Gradient contract: after ``backward`` of a loss summed over the SP group's
-tokens, every parameter's ``.grad`` is the single-device gradient of that loss
-(experts: this rank's slice, including the tokens other EP ranks routed to
-it). A parameter replicated along the SP axis (router, shared experts;
-experts unless split along SP) has its fresh gradient summed over SP by
-:func:`spmdmoe.moe.sync_grads` at its use. What is left is the reduction
-across *batches* (``dp_mesh``, and the EP axis when it is not the SP axis):
-:meth:`ParallelMoE.batch_reductions` says over which group and divided by
-what; ``spmdmoe.moe.ddp`` and ``fully_shard_moe`` set DDP / FSDP2 up with it.
-
-The forward is the single-device layer's route (``layer.py:_Layer.forward``) with this layer's
-collaborators: its admission (``admission.py``), its rows (its own, or gathered over SP:
-``gather_mode.py``), its transport, its weights (slices, gradient-synced views).
-
-Every rank agrees (``spmdmoe.agreement``). ``parallelize_moe`` compares the
-config, plan and weights of every rank once (``plan.py``). Each forward's admission then
-checks its input against that agreed layer (``accept.py``), locally and for free: ``Shard(0)``
-on ``sp_mesh`` (or, without SP, a plain or ``Varying`` tensor), width ``D``,
-the layer's compute dtype, the layer's device. A rank whose input fails
-does NOT raise on its own: it stands in zero rows (in gather mode its chunk of
-zeros, at the ``T`` the SP axis agrees on) so that it issues exactly the
-collectives its peers issue, and returns zeros shaped like its input, linked
-to the layer's graph and to its input (``spmdmoe.stand_in``), so its backward runs the
-collectives of the layer and of everything upstream too. Its problem bits
-ride the EP count exchange: when the EP axis spans every rank the layer talks
-to (no other SP axis, no ``dp_mesh``), every rank raises there; otherwise the
-bits are recorded, and ``update_expert_bias`` / :func:`spmdmoe.check_errors`
-raise on every rank at the step boundary (before the optimizer step, so no
-weight ever sees the bad step). Only a process that is the whole job raises at once.
+Plans: SP ``local`` (each SP rank routes its own rows), SP ``gather`` (all_gather over SP, the experts' ``F``
+split over SP, reduce_scatter) and EP (all-to-all dispatch and combine, a block of ``e`` experts a rank). After
+``backward`` of a loss summed over the SP group's tokens every ``.grad`` is the single-device gradient (experts:
+this rank's slice); the reduction across batches is :meth:`ParallelMoE.batch_reductions`'. Plans, gradient sums and
+admission: ``docs/design.md`` §5 ("Plans"); the agreement and the stand-in of a rank whose input fails: §6.
 """
 
 from __future__ import annotations

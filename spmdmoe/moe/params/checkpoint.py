@@ -3,42 +3,10 @@
 Legend: ``E`` experts, ``e`` local experts, ``F`` expert hidden dim (``f``: this
 rank's slice under tensor-parallel experts), ``D`` model dim.
 
-Saving. A parallel layer's ``state_dict()`` presents each expert weight as a
-DTensor over the axes it is split on, with its global shape (``w1``/``w3``
-``(E, F, D)``, ``w2`` ``(E, D, F)``): ``Shard(0)`` over EP, ``Shard(1)``
-(``w1``/``w3``) or ``Shard(2)`` (``w2``) over SP for tensor-parallel experts,
-both on a 2-D mesh for both. ``torch.distributed.checkpoint`` then writes every
-expert once (plain local tensors under global names would be deduplicated to
-one rank's copy). Dense weights are replicated and stay plain tensors. Under
-FSDP2 (``fsdp.fully_shard_moe``) the experts' DP shards are gathered
-first (one all-gather over the DP group per weight: the checkpoint is the same
-as without FSDP); dense weights stay FSDP's DTensors, which DCP reads natively.
-
-Loading. ``load_state_dict`` on ``MoE`` or a parallel layer accepts our names
-and torchtitan's: 0.3.0's ``routed_experts.inner_experts.w1_EFD`` / ``w2_EDF`` /
-``w3_EFD`` and ``expert_bias_E``, the earlier ``experts.w1_EFD`` ..., and the
-oldest ``experts.w1`` / ``w2`` / ``w3`` (our own names). Values are plain full
-tensors or DTensors of any layout (this layer's own layout is taken locally,
-any other is gathered once and sliced), with or without ``expert_bias`` (kept
-as is when absent) and ``tokens_per_expert`` (a per-step counter here,
-dropped). So a checkpoint saved at one EP size loads at another. Under FSDP2
-each rank keeps its DP shard of its slice (no communication).
-
-Orientation is never guessed: ``experts.w1`` is ``(E, F, D)`` as ours and
-torchtitan's current one. The oldest torchtitan layout (``w1``/``w3``
-``(E, D, F)``, ``w2`` ``(E, F, D)``) cannot be told apart from ours when
-``D == F``, so it is loaded only through :func:`from_torchtitan` with
-``orientation="EDF"``; a tensor of the transposed shape is refused with that fix.
-
-A parallel layer's load first agrees (``spmdmoe.agreement``, one exchange over
-its ``agree_over`` group, the world by default) on what every rank was given: a
-missing or misshapen entry, or an entry that is a DTensor on one rank and a
-plain tensor on another, raises the same error on every rank before any rank
-starts the gathers that loading a DTensor of another layout needs. Those gathers
-span the DTensor's own mesh: when some rank's expert DTensors reach ranks
-outside the group, the verdict is agreed once more, over the world, so no group
-raises while another waits in them. A single-device layer whose expert DTensors
-live on a mesh of other ranks agrees over that mesh before it gathers them.
+A parallel layer's ``state_dict()`` presents each expert weight as a DTensor of its global shape, so DCP writes
+every expert once; ``load_state_dict`` takes spmdmoe's and torchtitan's names, values of any layout, at any EP
+size; the oldest torchtitan orientation loads only through :func:`from_torchtitan` with ``orientation="EDF"``.
+Saving, loading, orientation and the load's agreement: ``docs/design.md`` §5 ("Checkpoints") and §6.
 """
 
 from __future__ import annotations

@@ -118,10 +118,11 @@ class SyncFreeTransport(Dispatching):
         overflowed), the slot and expert rows needed, ``T_max``."""
         state = self.overflow
         balanced = max(t_max * self.top_k, 1)  # an experts' buffer's balanced rows; a slot's: that / n
-        excess = torch.maximum(((slot_needed - S) * self.axis.size * 1000 + balanced - 1) // balanced,
-                               ((rows_needed - R) * 1000 + balanced - 1) // balanced)
+        # (the host ints folded first: each tensor op is a launch)
+        excess = torch.maximum(((slot_needed - S) * (self.axis.size * 1000) + (balanced - 1)) // balanced,
+                               ((rows_needed - R) * 1000 + (balanced - 1)) // balanced)
         now = torch.stack([excess, slot_needed, rows_needed, torch.full_like(excess, t_max)])
-        state.copy_(torch.where(now[0] > state[0], now, state))
+        state.copy_(torch.where(excess > state[0], now, state))
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, t_max: int,
                         problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
