@@ -1,23 +1,13 @@
 """Every rank agrees: the one mechanism behind every check whose verdict can differ between ranks.
 
-A check that passes on one rank and fails on another must never raise on one rank alone: the others would wait in
-their next collective until the process-group timeout. So a rank sets a *problem bit* (one per kind, :data:`KINDS`)
-and keeps its own detail message; the bits and any *fields* that must be equal everywhere (dtype, width, declared
-token count, a fingerprint of a layer's config) form a small row of int64; the rows are exchanged; and every rank
-derives the same verdict from the same table and raises the same error, naming the offending ranks, with its own
-detail where it has one. The rows travel (a) riding a collective that runs and is read anyway (the EP count
-exchange, ``exchange_counts``), (b) in :func:`agree`'s one check exchange and host read (once per layer for what
-does not change from step to step, or per call where the call syncs anyway), or (c) recorded on the device in a
-layer's ``sticky.ProblemFlag`` and raised on every rank at the step boundary. Which check takes which way, the
-ways of one MoE forward's problem, their cost: ``docs/design.md`` §6.
-
-Ranks in different exchanges. Modes (a) and (b) and ``check_errors`` share one collective, the *check
-exchange* (:func:`check_payload`, :func:`check_exchange`): one ``all_to_all_single`` of ``CHECK_WORDS`` int64 per
-peer, ``[tag, bits, payload..., zeros]``, the tag naming the exchange (:data:`OPS`). Two of them of the same
-width meet as the same collective, so when one rank is in one check and its peers in another (rank 2 wraps its
-rows locally as a ``Replicate`` tensor and goes into the layer's count exchange while its peers are in
-``from_local``'s), every rank reads the others' tags and bits and raises the same error (:func:`mixed_ops_error`:
-a problem's type when any rank has one, else :class:`SPMDCollectiveError`), at no extra collective. What this
+A rank never raises alone (its peers would wait in their next collective until the process-group timeout): it sets
+a *problem bit* (:data:`KINDS`) and keeps its own detail; the bits and the *fields* that must be equal everywhere
+form a small int64 row, and every rank derives the same verdict from the exchanged rows. The rows travel (a) riding
+the EP count exchange (``exchange_counts``), (b) in :func:`agree`'s check exchange, or (c) recorded in a layer's
+``sticky.ProblemFlag`` and raised at the step boundary. (a), (b) and ``check_errors`` share one collective, the
+*check exchange* (:func:`check_payload`, :func:`check_exchange`: ``CHECK_WORDS`` int64 a peer, ``[tag, bits,
+payload..., zeros]``, the tag from :data:`OPS`), so a rank in one check while its peers are in another raises with
+them (:func:`mixed_ops_error`). The modes, which check takes which, their cost: ``docs/design.md`` §6. What this
 covers and what it cannot:
 
 ======================================================  ==============================================================
@@ -33,9 +23,6 @@ any two of: ``from_local``, ``parallelize_moe``,         a rank that skips a dat
                                                         host read) and a compiled graph (its count exchange's tags
                                                         are not read); the bias update's count all-reduce
 ======================================================  ==============================================================
-
-In the collective-checking mode each agreement also posts its record through the store first
-(``spmdmoe.collective_check``), so a rank in another check or collective there meets it by name.
 """
 
 from __future__ import annotations

@@ -17,21 +17,11 @@ attribute                  meaning
 ``buffer``                 optional backing storage with spare tail rows
 =========================  ===============================================
 
-Construction does local checks only (no communication): ``SPMDTensor(...)``,
-:meth:`SPMDTensor.from_buffer`, :meth:`SPMDTensor.with_local` and
-:func:`spmdmoe.shard` check this rank's rows against this rank's metadata
-(token dim in range, row count for ``T`` under the chunk rule, ``T`` a
-non-negative int, a contiguous padded buffer). They do NOT check anything
-across ranks: a ``global_tokens``, placement, token dim, dtype or feature
-shape that differs on another rank goes unnoticed until the next collective,
-which then aborts (gloo) or hangs or corrupts (NCCL). :func:`spmdmoe.from_local`
-makes that check (one small all-gather), and
-:func:`spmdmoe.testing.check_layout` makes it on any ``SPMDTensor`` (for
-tests). Collectives trust the type and never re-check; the MoE layers check
-their input against the layer every rank agreed on (``spmdmoe.agreement``).
-A local check that fails raises on this rank alone; in the collective-checking
-mode it first hands the error to the axis' next collective check
-(:data:`LOCAL_ERROR_HOOKS`), so the peers raise it there too.
+Construction checks only this rank's rows against this rank's metadata, with no communication (``SPMDTensor(...)``,
+:meth:`SPMDTensor.from_buffer`, :meth:`SPMDTensor.with_local`, :func:`spmdmoe.shard`); a value that differs on
+another rank goes unnoticed until the next collective: :func:`spmdmoe.from_local` and
+:func:`spmdmoe.testing.check_layout` make the cross-rank check. What each checks, and the collective-checking
+mode's hand-off of a local error (:data:`LOCAL_ERROR_HOOKS`): ``docs/design.md`` §3 ("Construction") and §6.
 """
 
 from __future__ import annotations

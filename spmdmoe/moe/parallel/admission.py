@@ -6,23 +6,8 @@ EP group routes (a sync-free transport's size).
 :meth:`Admission.admit` takes the layer's input and returns what the data path needs (``layer.Admitted``): this
 rank's rows, ``T``, ``T_max`` and this forward's :class:`spmdmoe.agreement.Problem`; :meth:`Admission.release`
 hands the output back. Between them the data path never looks at the input again, and never at a problem's
-bits on the host. In order, ``admit``:
-
-1. In the collective-checking mode, checks that every rank of the layer's axis makes this call alike
-   (train mode; ``spmdmoe.collective_check``).
-2. Raises what the previous forward's exchange carried, on every rank (the ride, ``ride.py``).
-3. Checks the input against the agreed layer (``accept.py``), locally and for free; a problem goes into this
-   forward's ``Problem``, never raised alone, unless this process is the whole job.
-4. Tokens in (``token_exchange.py``, one all-gather over SP, which the ride's columns join): gather mode's
-   agreed ``T``; sync-free EP's ``T_max`` (EP on the SP axis: the SP input's padded local count; otherwise
-   ``max_tokens``, or without it the first forward's, agreed over EP host to host, through the c10d store
-   (``collective_check.exchange``: no device sync), then kept); the ride alone for an SP layer without EP.
-5. A rank whose input was bad stands in zero rows (gather mode: its chunk of zeros at the agreed ``T``), so
-   that it issues every collective its peers issue.
-
-``release`` hooks the ride on the output's backward (a grad mode that differed between ranks raises there),
-and returns the output in the input's layout, or on a rank that stood in the stand-in (``spmdmoe.stand_in``).
-How each problem then reaches the other ranks: ``docs/design.md`` §6.
+bits on the host. What ``admit`` does, in order, and ``release``: ``docs/design.md`` §5 ("Plans"); how each
+problem then reaches the other ranks: §6.
 """
 
 from __future__ import annotations

@@ -2,39 +2,13 @@
 
 Legend: ``E`` experts, ``F`` expert hidden dim, ``D`` model dim, ``K`` top-k.
 
-Ranks that disagree on a layer hang, abort or silently compute another model
-(one rank with ``top_k=3``, one with ``sp_mode="local"``, one built from
-another seed). So every rank fingerprints what it was given and one agreement
-exchange (``spmdmoe.agreement.agree``: one all-gather of 19 int64 per rank,
-once per layer, plus the host reads of the fingerprint and of the table)
-compares them, over ``agree_over``: by default the world, which every rank
-can name before anything is agreed; pipeline stages that build different
-layers pass the group of the stage instead.
-
-=========================  ===================================================  ================
-field                      value                                                error
-=========================  ===================================================  ================
-checks                     the ``set_checks`` setting (with checks off every    MoEConfigError
-                           field below is sent as zero)
-config                     ``dim``, ``hidden_dim``, ``num_experts``,            MoEConfigError
-                           ``top_k``, ``num_shared_experts``, and a hash of
-                           every option
-plan                       the sizes of sp / ep / dp, ``sp_mode``, EP on SP,    MoEConfigError
-                           ``ep_mode``, ``capacity_factor``, ``max_tokens``
-parameters                 dtype and device type                                MoEConfigError
-weights                    an exact integer fingerprint of every parameter      MoEConfigError
-                           and ``expert_bias``, position-weighted (a transposed
-                           or swapped tensor changes it; skipped on meta)
-=========================  ===================================================  ================
-
-Problems a rank finds on its own (a mesh that is not one axis, ``E % ep``,
-gather mode without SP, axes that are not orthogonal, a layer that is already
-parallel) travel as problem bits in the same exchange: every rank raises the
-same error. So ``parallelize_moe`` is a collective over ``agree_over``: every
-rank of it calls it for the same layers in the same order. With checks off
-the exchange is the same (the fields zero: nothing is compared, local problems
-still raise on every rank), so a rank whose setting differs makes every rank
-raise, naming it, instead of hanging or aborting its peers.
+Every rank fingerprints what it was given (the checks setting, the config, the plan, the parameters' dtype and
+device type, an exact fingerprint of the weights) and one agreement exchange (``spmdmoe.agreement.agree``: one
+all-gather of 19 int64 per rank, once per layer) compares them over ``agree_over``: the world by default, a
+pipeline stage's group when stages build different layers. Problems a rank finds on its own (``E % ep``, gather
+mode without SP, ...) travel as problem bits in the same exchange, so every rank raises the same error, and
+``parallelize_moe`` is a collective over ``agree_over``: every rank of it calls it for the same layers in the same
+order. The fields and their errors: ``docs/design.md`` §6 (the table's ``parallelize_moe`` row).
 """
 
 from __future__ import annotations

@@ -1,42 +1,14 @@
 """Deferred problems of an SP layer without EP (or with sync-free EP on the SP axis), carried by its token
 exchange (docs/design.md §6).
 
-Such a layer has no exchange that is read on the host in its forward, so a
-problem one rank finds (its input, non-finite router logits) is recorded in the
-layer's sticky flag and raised at the step boundary (``update_expert_bias``,
-``check_errors``). A job that never calls either must not lose it, and a rank
-that runs the forward under ``torch.no_grad()`` while its peers train must not
-leave them waiting in backward. So each forward's ``T`` exchange (one
-all-gather over SP) carries, per rank, three more int64:
-
-==========  ===============================================================
-column      what
-==========  ===============================================================
-bad         this forward's input problem bits (found before the exchange)
-recorded    the flag's bits from earlier forwards (non-finite logits are
-            found after the exchange, so they ride the next one)
-grad off    1 when this rank runs the forward with grad off
-==========  ===============================================================
-
-The table is copied to the host without waiting (:class:`spmdmoe.host.DelayedRead`)
-and read, with the same verdict on every rank, by whichever comes first:
-
-* the backward of this forward's output, on every rank that runs it (it runs
-  before any of the layer's backward collectives), for a grad mode that differs
-  between ranks only: the ranks with grad on raise there instead of waiting for
-  the one that will never run this backward (other problems keep the step
-  boundary's semantics: the step finishes, then raises);
-* the layer's next forward, on every rank: every problem the table holds (so
-  the rank with grad off, which ran no backward, raises too, and its peers a
-  second time: every rank leaves that forward alike).
-
-A step boundary that raised the flag's problems in between makes the read
-stale (``ProblemFlag.generation``). Only for a layer whose SP axis is the
-whole job (no dp; no EP or EP on the SP axis): a verdict over SP alone would
-leave other replicas waiting. Eager only (no host read under ``torch.compile``
-or CUDA graph capture; the exchange itself still runs).
-
 Legend: ``T`` this rank's tokens, ``D`` model dim.
+
+Each forward's ``T`` exchange (one all-gather over SP) carries, per rank, three more int64: this forward's input
+problem bits, the sticky flag's bits from earlier forwards, and 1 when this rank runs the forward with grad off.
+The table is copied to the host without waiting (:class:`spmdmoe.host.DelayedRead`) and read, with the same verdict
+on every rank, by the backward of this forward's output (a grad mode that differs between ranks) or by the layer's
+next forward (every problem). Only for a layer whose SP axis is the whole job; eager only. The columns, the two
+reads and why: ``docs/design.md`` §6 (the table's row "the bits of a forward without EP").
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Gradients of parameters replicated along an SP axis (docs/design.md §5).
 
-A parameter replicated along an SP axis (router, shared experts, attention,
-norms; experts when they are not split along that axis) is used by every rank
-on its own tokens, so each rank's gradient is a partial sum. After
-``backward`` every rank must hold the gradient of the loss summed over the SP
-group's tokens. The reduction runs at the parameter's *use*: an
-identity-forward node whose backward all-reduces the *fresh* gradients of
-every parameter it covers (one flattened collective per dtype), before they
-are accumulated into ``.grad``. So gradient accumulation over micro-batches
-stays exact (earlier ``.grad`` is never reduced again), a rank with zero
-tokens still takes part (a parameter with no use on a rank contributes zeros),
-and ``.grad`` is a tensor, never ``None``. The collective runs once per
-forward call, in the same place on every rank.
-
-Reduction across replicas holding different batches comes after ``backward``:
-:class:`GradReduction` describes it, ``data_parallel.py`` carries it out.
+A parameter replicated along an SP axis (router, shared experts, attention, norms; experts when they are not split
+along that axis) gets a partial gradient on each rank. :func:`sync_grads` sums the *fresh* gradients over SP at the
+parameter's use, before they are accumulated into ``.grad``, once per forward call on every rank. The reduction
+across replicas holding different batches comes after ``backward``: :class:`GradReduction` describes it,
+``data_parallel.py`` carries it out. Why at the use, and what follows: ``docs/design.md`` §5 ("Plans").
 """
 
 from __future__ import annotations
@@ -83,26 +73,13 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
 
     Which tensors need a gradient is agreed once, eagerly: ``agreed`` is the
     set :func:`agree_grad_set` returned for these tensors on this axis
-    (``parallelize_moe`` and ``replicate_grads`` agree when they wrap and keep
-    it as a plain attribute, so a compiled forward reads a constant and
-    consults no cache). Without ``agreed`` an eager call agrees at its call
-    site's first call (these tensors on this axis), in any grad mode: one
-    small all-gather and a host read; ranks that differ raise the same
-    ``SPMDLayoutError`` on every rank. Under ``torch.compile`` nothing is
-    exchanged nor looked up: a call without ``agreed`` uses this rank's own
-    set. When none needs one, every rank skips the reduction. Later calls
-    follow the agreed set whatever this rank's flags say now (a rank that
-    froze all of them still records the node, so its peers' all-reduce finds
-    it); a set that differs from the agreed one is recorded and raised on
-    every rank by :func:`spmdmoe.check_errors`. Freeze parameters before the
-    set is agreed. Grad mode itself is not exchanged here (it would cost a
-    host read per call): a rank under ``torch.no_grad()`` while its peers
-    train leaves them waiting in backward, unless the layer around the call
-    carries it (``spmdmoe.moe.parallel.ride``, the EP count exchange); the collective-checking mode
-    (``spmdmoe.set_checks("collectives")``) compares it and the set on every
-    call. Inside a
-    joined call covering ``tensors`` (``spmdmoe.moe.params.overlap``) the sum is
-    launched asynchronously and waited for at the call's input.
+    (``parallelize_moe`` and ``replicate_grads`` keep it as a plain attribute).
+    Without ``agreed`` an eager call agrees at its call site's first call, in any
+    grad mode (one small all-gather and a host read); ranks that differ raise the
+    same ``SPMDLayoutError`` on every rank. Freeze parameters before the set is
+    agreed. Inside a joined call covering ``tensors`` (``spmdmoe.moe.params.overlap``)
+    the sum is launched asynchronously and waited for at the call's input. Under
+    ``torch.compile``, later calls, grad mode: ``docs/design.md`` §5 and §6.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()

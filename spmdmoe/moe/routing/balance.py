@@ -2,39 +2,13 @@
 
 Legend: ``T`` tokens this rank holds, ``E`` experts, ``K`` top-k.
 
-Counting rule: every rank counts only the valid tokens it *holds* (its own
-rows; in gather mode the rows that came from it), so the sum over the layer's
-"load axes" (the distinct token holders: the SP axis and the EP axis, once
-each when they are the same group, and the DP axis) counts every token exactly
-once. Counts are taken by training-mode forwards with grad only, and they are added
-to the counter by the *backward* of the forward that routed them
-(:func:`count_on_backward`): a forward's backward runs once per training use,
-so evaluation (``eval()``, ``torch.no_grad()``) counts nothing, and activation
-checkpointing counts once whether it recomputes the forward (non-reentrant) or
-runs its first pass without grad (reentrant). No host sync: counts come from
-``permute.count_per_expert``, a fixed-size ``scatter_add_`` (``torch.bincount``
-syncs twice on CUDA).
-
-* ``tokens_per_expert`` (int64 buffer, not saved): this rank's counts since
-  the last :func:`update_expert_bias`.
-* :func:`update_expert_bias`: sums the counts over the load axes (one
-  ``all_reduce`` each; every rank of them must call it), then the DeepSeek-V3
-  sign update ``bias += coeff * sign(mean(load) - load)`` (centred), in fp32
-  (``expert_bias`` stays fp32 whatever the module's dtype). The summed counts
-  are the same integers on every rank, so ``expert_bias`` stays bitwise
-  identical everywhere. The all-reduce also carries every rank's sticky
-  problem flag (``spmdmoe.sticky``, mode (c)); the update reads it back
-  (one host sync per call) and raises on every rank if any rank recorded a
-  problem during the step, before touching the bias.
-* aux loss ``coeff * E * sum_e f_e * P_e``, per batch (the layer's "aux
-  axes": the SP axis, which one batch spans; not EP when it carries separate
-  batches, not DP, as in torchtitan and Megatron's default): ``f_e`` the
-  fraction of the batch's routed copies that chose expert ``e`` (no
-  gradient), ``P_e`` the mean score of ``e`` over the batch's tokens. Each
-  rank's value uses its own tokens' scores in ``P_e``, so the values of a
-  batch's ranks sum to the single-device aux loss of that batch, and so do
-  their gradients. Training-mode forwards with grad only (the others could
-  not use it), so eval and ``no_grad`` forwards issue no aux all-reduce.
+Every rank counts only the valid tokens it *holds*, so the sum over the layer's load axes (SP, EP once when it is
+the SP group, DP) counts every token once; the counts reach ``tokens_per_expert`` in the backward of the forward
+that routed them (:func:`count_on_backward`), with no host sync. :func:`update_expert_bias` sums them over the load
+axes (every rank of them must call it) and makes the DeepSeek-V3 sign update
+``bias += coeff * sign(mean(load) - load)`` in fp32, bitwise identical everywhere, after raising on every rank what
+any rank recorded. The aux loss is ``coeff * E * sum_e f_e * P_e`` per batch (the SP axis), each rank's share from
+its own tokens' scores. The counting rule, the update and the aux loss: ``docs/design.md`` §5 (data flow, step 2).
 """
 
 from __future__ import annotations

@@ -18,19 +18,10 @@ transport              a layer with                  collectives per forward (ov
                                                      that cross), between bounded barriers
 =====================  ============================  ========================================  ==========
 
-:func:`transport_for` makes the one a layer uses. The EP ones send a token once to each rank holding any of
-its experts (``dedup.py``), with its expert ids and routing weights. All of them end their dispatch in
-``routed.routed_copies``: the copies in expert-major order, the weights folded into the experts, which return
-each row's weighted sum of its copies; the EP combine sends that row back and the sender sums a token's rows
-over ranks. Backward: the same moves reversed, on every rank alike.
-
-``problem`` (``spmdmoe.agreement.Problem``): ``AllToAllTransport`` carries the bits in
-its count exchange (mode (a)): when its EP axis spans every rank the layer
-talks to, every rank raises right there; otherwise each rank records its own
-bits in the sticky flag (mode (c)) and the step goes on, so that no rank
-leaves a peer waiting, and the step boundary raises everywhere. Under
-``torch.compile`` a graph cannot branch on the exchanged bits: every rank
-records its own (mode (c)). The others have no exchange of bits: they record.
+:func:`transport_for` makes the one a layer uses; every one ends its dispatch in ``routed.routed_copies`` and its
+backward makes the same moves reversed. ``problem`` (``spmdmoe.agreement.Problem``): ``AllToAllTransport`` carries
+the bits in its count exchange (mode (a); under ``torch.compile`` it records them, mode (c)), the others record them
+in the sticky flag (mode (c)). The shared route: ``docs/design.md`` §5 (data flow, step 3); the problem modes: §6.
 """
 
 from __future__ import annotations

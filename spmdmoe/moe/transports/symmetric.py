@@ -4,40 +4,16 @@ Legend: ``T`` tokens routed here (at most ``Tm = T_max``), ``K`` top-k, ``D`` mo
 local experts, ``n`` EP ranks, ``Q = n * Tm`` rows received (source ``s``'s token ``t`` at row ``s * Tm + t``),
 ``R`` the experts' rows (a static capacity), ``W = 2K`` a token's ids and weights.
 
-:class:`SymmetricTransport` keeps :class:`~spmdmoe.moe.transports.sync_free.SyncFreeTransport`'s contract (static sizes, no
-host sync, a graph captures it, fullgraph compile, the overflow kept on the device and raised on every rank)
-and its results bit for bit, but reads over NVLink only the rows that cross (no padded slots travel; the
-receive buffers are ``(n * Tm, D)``, rows no token fills zero) and uses no NCCL:
-
-* Dispatch (one op, ``spmdmoe::peer_dispatch``): each rank stages its ``(Tm, W)`` ids and weights (rows past
-  ``T`` marked ``-1``) and its ``(T, D)`` tokens in its symmetric buffer; after a barrier every rank reads every
-  rank's ids and weights (all hold the same ``(n * Tm, K)`` ids, from which each derives the same experts'
-  demand and overflow verdict: the symmetric count table, no other collective), then from each source the
-  tokens that have an expert here (a token crosses once per rank, as in ``dedup.py``) into ``(Q, D)``, which
-  ``routed.routed_copies`` fans out to the local experts.
-* Combine (``spmdmoe::peer_pull_sum``): each rank stages the experts' ``(Q, D)`` rows (one per received token,
-  its copies summed); after a barrier each source reads its tokens' rows from the ranks they visited and sums
-  them in rank order (fp32, rounded once: ``dedup.send_back``'s order, hence equal to the other EP transports
-  bit for bit).
-* Backward: the same moves reversed (``spmdmoe::peer_pull_rows``, ``spmdmoe::peer_dispatch_backward``).
-
-Each op: stage, barrier, read, barrier (nobody stages again before every peer has read). The barriers are
-torch's (``_SymmetricMemory.barrier``), bounded by :data:`TIMEOUT_MS`: a rank whose peer never arrives (a rank
-that skipped a layer, died, or hangs) traps with ``CUDASymmetricMemory::barrier: rank r failed to receive
-signal from rank p`` instead of spinning forever (the NCCL watchdog cannot see these waits), which ends the
-process. The reads are plain Triton loads of mapped peer memory (``kernels/peer_rows.py``; fp64, the torch
-reference), on the compute stream. The ops are registered as ordered side effects: under ``torch.compile`` none
-is dropped (an empty or unused result on one rank) or moved, so every rank issues the same moves in program
-order; a compiled, checkpointed layer needs :func:`checkpoint_policy`.
-
-Where it applies (:func:`symmetric_usable`): an NCCL EP group whose ranks share one host with peer access between
-their GPUs (checked once per group) and agree on ``SPMDMOE_EP_SYMMETRIC`` (checked each time); elsewhere (gloo, CPU, several hosts) ``SyncFreeTransport``'s padded even all-to-all runs.
-The staging buffer is allocated at a layer's first forward (a collective rendezvous, host side; a CUDA graph
-must be captured after one eager step) and grows when a larger ``T_max`` or ``D`` needs it; one per EP group.
-The first dispatch sizes it for the step's largest move; a buffer grown out of is kept only if a CUDA graph
-captured a move on it (its replays still read it). All of a process's moves must run in order on one stream
-(one buffer per group: a move on a second stream could restage it while a peer still reads it). The backward's
-moves have no autograd of their own: a second-order backward through the layer raises (on every rank alike).
+:class:`SymmetricTransport` keeps ``SyncFreeTransport``'s contract (static sizes, no host sync, a graph captures
+it, fullgraph compile, the overflow kept on the device and raised on every rank) and its results bit for bit, but
+uses no NCCL and pads nothing on the wire: a rank reads only the rows that cross (its receive buffers are
+``(n * Tm, D)``, rows no token fills zero). Per forward, two ops, each stage, barrier, read, barrier:
+``spmdmoe::peer_dispatch`` (every rank's ids and weights, from which each derives the same experts' demand and
+overflow verdict, then from each source the tokens that have an expert here) and ``spmdmoe::peer_pull_sum`` (each
+source sums its tokens' rows from the ranks they visited, in rank order); backward ``spmdmoe::peer_pull_rows`` and
+``spmdmoe::peer_dispatch_backward``. The barriers are bounded by :data:`TIMEOUT_MS` (a peer that never arrives
+traps); a compiled, checkpointed layer needs :func:`checkpoint_policy`; :func:`symmetric_usable` says where it
+applies (NCCL, one host). The moves, the staging buffer and its limits: ``docs/design.md`` §5.1 ("On one host").
 """
 
 from __future__ import annotations

@@ -5,46 +5,15 @@ Legend: ``T`` tokens routed here, ``D`` model dim, ``K`` top-k, ``E`` experts,
 slot, ``Q = n*S`` rows of a send or receive buffer, ``R`` the experts' rows
 (``RoutedTokens.x_RD``, a static capacity).
 
-The sync transport (``AllToAllTransport``) reads the split sizes on the host
-once per forward. This one never does: every size is a host int fixed before
-any data is seen, so a forward and backward make no host sync and can be
-captured in a CUDA graph. Like the sync one it sends a token once to each rank
-holding any of its experts (``dedup.py``), and the two agree bit for bit.
-
-* ``T_max``, the most tokens any rank routes, comes from the layer each forward (its admission,
-  ``parallel/admission.py``): with EP on the SP axis the SP input's padded local count; otherwise ``max_tokens``,
-  or when that is ``None`` the first forward's most tokens a rank (agreed host to host, once: no device sync).
-  The transport is a ``dispatch.SizedTransport``: ``launch_dispatch`` takes ``t_max``, and the overflow buffer
-  is its own (a module buffer).
-* Sizes (:func:`capacity_rows`): lossless, ``S = T_max`` (a token crosses to a rank at most once) and
-  ``R = n * S * min(K, e)`` (a received token has at most ``min(K, e)`` copies here). With
-  ``capacity_factor = c``, both are ``c`` times balanced traffic, never above the lossless sizes:
-  ``S = ceil(c * T_max * K / n)`` (the copies a balanced rank pair carries, an upper bound of its tokens)
-  and ``R = ceil(c * T_max * K)`` (the copies a balanced rank's experts get).
-* Counts: one ``all_gather`` of every rank's ``(E,)`` expert counts and ``(n,)`` rows per destination,
-  so every rank holds the same ``(n, E + n)`` table and computes from it, on the device, the same slot
-  demand, experts' demand and overflow verdict, and which rows of each received slot are live.
-* Rows: each token into its destinations' slots of the ``(Q, D)`` send buffer, in token order (a token past
-  its slot's ``S`` rows is not sent: nothing is written out of bounds), its ids and weights beside it
-  (``(Q, 2K)`` fp32), one even ``all_to_all_single`` of ``S`` rows per rank pair for each (the padded-even
-  transport: NCCL, gloo, any backend), then the received rows fanned out to the local experts
-  (``routed.routed_copies``; copies past ``R`` in expert-major order are dropped).
-* Combine: the experts' row per received token back (the reverse even exchange), a token's rows summed over
-  the ranks it visited (a dropped one adds nothing). Backward: the same moves reversed (gathers and sums, no
-  scatter-add).
-
-Overflow (with a ``capacity_factor``, or when a rank routes more than ``T_max``) is never silent:
-the worst demand since the last check is kept in the transport's ``overflow`` buffer (identical on every rank of
-the EP group, computed from the same table). The layer's ``check_capacity()`` and
-``update_expert_bias()`` read it (:meth:`SyncFreeTransport.record_overflow`, one host read) and
-record it as a problem in the sticky flag, which their collective over every rank of the layer turns
-into :class:`spmdmoe.SPMDCapacityError` on all of them (other EP groups included), naming the needed
-and configured rows and a factor that fits; that step's load counts are dropped. Dropped copies
-contribute zero to the output until then.
-
-Problem bits (a bad input on this rank) are recorded in the sticky flag
-(agreement mode (c)): the step boundary raises on every rank; the collectives
-here never depend on them, so no rank is left waiting.
+Every size is a host int fixed before any data is seen (``T_max`` from the layer's admission each forward; ``S``
+and ``R``: :func:`capacity_rows`), so a forward and backward make no host sync and a CUDA graph captures them; a
+token goes once to each rank holding any of its experts (``dedup.py``), and the results equal
+``AllToAllTransport``'s bit for bit. Collectives per forward (over EP): one ``all_gather`` of every rank's ``(E,)``
+expert counts and ``(n,)`` rows per destination (every rank computes from that ``(n, E + n)`` table, on the device,
+the same demands and overflow verdict); two even ``all_to_all_single`` of ``S`` rows a rank pair, the rows
+(``(Q, D)``) and their ids and weights (``(Q, 2K)`` fp32), every slot padded to ``S`` rows; the combine's reverse
+one. Backward: the same moves reversed. Overflow is kept in the transport's ``overflow`` buffer and raised on every
+rank at the step boundary, problem bits go to the sticky flag. Sizes, steps and overflow: ``docs/design.md`` §5.1.
 """
 
 from __future__ import annotations
