@@ -114,7 +114,7 @@ test-torch-new: venv-torch-new
 test-torch-old: venv-torch-old
 	$(VENV_OLD)/bin/python $(PYTEST) -n $(JOBS) -m "" $(OLD_SINGLE)
 	$(VENV_OLD)/bin/torchrun --nproc-per-node 4 $(PYTEST) -m "not bench" $(OLD_DIST)
-	$(MAKE) test-bench VENV=$(VENV_OLD)
+	$(MAKE) test-bench VENV=$(VENV_OLD) TORCH="$(TORCH_OLD)"
 
 clean:
 	rm -rf $(VENV) $(VENV_NEW) $(VENV_OLD) build *.egg-info
