@@ -22,7 +22,7 @@ import torch._library.triton
 from torch.library import triton_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["set_kernel_backend", "kernel_backend", "use_triton", "cast", "kernel_op", "COMPILED"]
+__all__ = ["set_kernel_backend", "kernel_backend", "use_triton", "cast", "kernel_op", "op_required", "COMPILED"]
 
 Backend = Literal["auto", "triton", "torch"]
 _backend: list[Backend] = ["auto"]
@@ -77,6 +77,14 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def op_required(*args: Any) -> bool:
+    """Whether an eager call must take its custom op rather than its function: under a dispatch mode (fake tensors,
+    ``make_fx``, selective checkpointing's policy, a mode that logs ops: they must see the op whole), or with an
+    input that requires grad in grad mode (the op's autograd formula runs, or its refusal: it has none)."""
+    return _get_current_dispatch_mode() is not None or (torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 # torch's own eager path of a triton_op runs its function with this switch off (wrap_triton launching the kernel
 # itself, not through the higher-order op, whose dispatch torch puts at ~1 ms and which files every launch in a
@@ -115,9 +123,7 @@ def kernel_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[F], F
         def call(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling():
                 return box[0](*args, **kwargs) if box else fn(*args, **kwargs)
-            if (mutates_args or _direct is None or _get_current_dispatch_mode() is not None
-                    or (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
-                                                        for a in (*args, *kwargs.values())))):
+            if mutates_args or _direct is None or op_required(*args, *kwargs.values()):
                 return custom_op()(*args, **kwargs)
             with _direct(False):
                 return fn(*args, **kwargs)

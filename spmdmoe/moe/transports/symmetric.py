@@ -29,6 +29,7 @@ from torch._library.effects import EffectType
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ...autograd import always_recorded
+from ...kernels.backend import op_required
 from ...kernels.peer_rows import PeerRows, pull_rows, pull_sum
 from ...agreement import Problem
 from ...types.errors import MoEConfigError
@@ -280,11 +281,11 @@ class _PeerOp:
             self.op.register_autograd(backward, setup_context=setup)
 
     def __call__(self, *args: Any) -> Any:
-        grad = torch.is_grad_enabled()
-        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or (
-                self.backward is None and grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+        if self.backward is None:  # the launchers' rule (kernels/backend.py)
+            return self.op(*args) if torch.compiler.is_compiling() or op_required(*args) else self.fn(*args)
+        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
             return self.op(*args)
-        return _Eager.apply(self, *args) if self.backward is not None and grad else self.fn(*args)
+        return _Eager.apply(self, *args) if torch.is_grad_enabled() else self.fn(*args)
 
 
 class _Eager(torch.autograd.Function):
