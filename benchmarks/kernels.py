@@ -5,7 +5,8 @@
 MoE shapes (bf16): T tokens, K=6 copies, D=2048; SwiGLU over R = T*K rows of
 F=1408. Bytes = what a kernel must read and write at least (each row once);
 TB/s against the 4.2 TB/s device-to-device copy ceiling (H200, REFERENCE.md).
-Rows: the dispatch fan-out (x_TD into N expert-major rows), its backward (the
+Rows: the expert order of the N copies (each copy's row, the groups' ends; ids in, rows out), the dispatch
+fan-out (x_TD into N expert-major rows), its backward (the
 sum over K copies), the combine (weighted sum over K rows, fp32) and its
 backward (weighted fan-out + the weights' gradient dots), SwiGLU forward and
 backward (alone, and fused with the rowwise FP8 of their output, beside the
@@ -29,8 +30,9 @@ import torch
 
 import importlib
 
-fo, gs, sw, fr, fc, sq, fg, fw = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in (
-    "fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols", "swiglu_fp8", "fingerprint", "fp8_weights"))
+fo, gs, sw, fr, fc, sq, fg, fw, eo = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in (
+    "fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols", "swiglu_fp8", "fingerprint", "fp8_weights",
+    "expert_order"))
 from timing import report, timed
 
 CEILING = 4.2e12
@@ -84,6 +86,15 @@ def main() -> None:
             T * D * e + N * D * (e + 1) + 4 * N),
     }
     E = 64
+    # the expert order of N copies: a rank's own (int64 ids, every expert here), and EP 2's received rows (the fp32
+    # ids beside the weights of 2T rows, half the experts here, every id counted); bytes: the ids in, the rows out
+    ids = torch.randint(0, E, (T, K), device=dev)
+    meta = torch.cat([w, w, ids.float(), torch.randint(0, E, (T, K), device=dev).float()], 1).view(2 * T, 2 * K)
+    cases["expert order, all here (N int64 ids)"] = (lambda: eo.expert_order_triton(ids, 0, E, N, E),
+                                                     lambda: eo.expert_order_reference(ids, 0, E, N, E), N * 16)
+    cases["expert order, EP 2 received (2N fp32 ids, E/2 here)"] = (
+        lambda: eo.expert_order_triton(meta[:, K:], E // 2, E // 2, 2 * N, E),
+        lambda: eo.expert_order_reference(meta[:, K:], E // 2, E // 2, 2 * N, E), 2 * N * 12)
     sizes = torch.distributions.Multinomial(N, torch.ones(E)).sample().to(torch.int64)
     offs = sizes.cumsum(0).to(device=dev, dtype=torch.int32)
     gy = torch.randn(N, D, device=dev, dtype=bf)

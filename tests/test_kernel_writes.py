@@ -64,6 +64,10 @@ def _cases() -> dict[str, tuple[Callable[..., Any], Callable[[], tuple], set[str
         "quantize_cols_pair": (K.quantize_cols_pair_triton,
                                lambda: (torch.randn(R, D, dtype=bf), torch.randn(R, F, dtype=bf), offs()), set()),
         "quantize_weight_pair": (K.quantize_weight_pair_triton, lambda: (torch.randn(e, D, F, dtype=f32),), set()),
+        "expert_order": (K.expert_order_triton, lambda: (idx() % 4, 0, 4, R, 4), set()),
+        "expert_order, fp32 ids beside the weights": (
+            K.expert_order_triton, lambda: (torch.cat([torch.rand(R // 3, 3), (idx() % 6).float()], 1)[:, 3:], 2, 2,
+                                            R, 6), set()),
     }
 
 
@@ -99,7 +103,7 @@ def _audit() -> dict[str, dict[str, list[str]]]:
             return launch
 
     import importlib
-    for mod in ("fan_out", "gather_sum", "swiglu", "swiglu_fp8", "fp8_rows", "fp8_cols", "fp8_weights"):
+    for mod in ("fan_out", "gather_sum", "swiglu", "swiglu_fp8", "fp8_rows", "fp8_cols", "fp8_weights", "expert_order"):
         importlib.import_module(f"spmdmoe.kernels.{mod}").wrap_triton = _Recorder
 
     def written(kernel: Any, kwargs: dict[str, Any]) -> set[str]:

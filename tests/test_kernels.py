@@ -225,3 +225,37 @@ def test_peer_rows(dtype, n, t_max, D):
         torch.testing.assert_close(pull_sum_triton(peers, need, t_max, D, offset),
                                    pull_sum_reference(peers, need, t_max, D, offset),
                                    **({"rtol": 0, "atol": 0} if exact else _ulp(dtype)))
+
+
+ORDER_SHAPES = [(7, 3, 0, 4, 4), (50, 6, 8, 8, 16), (300, 6, 4, 4, 16), (0, 2, 0, 3, 3), (129, 1, 0, 5, 5),
+                (40, 8, 0, 64, 64), (33, 6, 96, 32, 128)]
+if DEVICE == "cuda":
+    ORDER_SHAPES += [(8192, 6, 32, 32, 64), (65536, 8, 16, 16, 128)]
+
+
+@pytest.mark.parametrize("M,J,first,e,E", ORDER_SHAPES)
+@pytest.mark.parametrize("ids_as", ["int64", "fp32 beside the weights"])
+@pytest.mark.parametrize("spare", [5, 0, -7])
+def test_expert_order(M, J, first, e, E, ids_as, spare):
+    """``kernels/expert_order.py`` against its reference, exactly: ids of every rank (``-1`` among them, as
+    int64 or as the fp32 column slice of a ``(M, 2J)`` ids-and-weights tensor), into a buffer with room to
+    spare, exactly full, or too small (the copies past it dropped); and the order itself: the local copies'
+    rows are the inverse of a stable sort of their experts."""
+    gen = torch.Generator().manual_seed(M * 7 + J + first + e)
+    ids = torch.randint(-1, E, (M, J), generator=gen)
+    local = ((ids >= first) & (ids < first + e)).sum().item()
+    rows = max(local + spare, 0)
+    x = ids.to(DEVICE)
+    if ids_as != "int64":
+        x = torch.cat([torch.rand(M, J, generator=gen).to(DEVICE), x.to(torch.float32)], 1)[:, J:]
+    got = K.expert_order_triton(x, first, e, rows, E)
+    want = K.expert_order_reference(x, first, e, rows, E)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    pos, ends, totals = (t.cpu() for t in got)
+    assert torch.equal(totals, torch.bincount(ids[ids >= 0], minlength=E))
+    here = (ids >= first) & (ids < first + e)
+    keys = torch.where(here, ids - first, e).flatten()
+    stable = torch.empty_like(keys).scatter_(0, torch.argsort(keys, stable=True), torch.arange(keys.numel()))
+    assert torch.equal(pos.flatten(), torch.where(here.flatten() & (stable < rows), stable, -1))
+    assert torch.equal(ends, totals[first: first + e].cumsum(0).clamp(max=rows).to(torch.int32))

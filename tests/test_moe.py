@@ -12,7 +12,8 @@ from spmdmoe.moe import MoE, MoEConfig, route
 from spmdmoe.moe.routing.balance import aux_loss
 from spmdmoe.moe.experts.grouped import grouped_swiglu
 from spmdmoe.moe.experts.gemm import grouped_mm, native_grouped_mm_ok
-from spmdmoe.moe.routing.permute import scatter_rows, sort_by_expert, weighted_combine
+from spmdmoe.kernels import expert_order
+from spmdmoe.moe.routing.permute import scatter_rows, weighted_combine
 from spmdmoe.moe.transports.routed import RoutedTokens
 
 CONFIGS = [
@@ -130,8 +131,9 @@ def test_fp32_gate_runs_in_fp32_inside_autocast():
 def test_scatter_rows_backward_is_the_index_select_gradient():
     src = torch.randn(5, 3, requires_grad=True)
     ids = torch.randint(0, 4, (5, 2))
-    pos, counts = sort_by_expert(ids, 4)
+    pos, ends, counts = expert_order(ids, 0, 4, 10)
     assert counts.tolist() == torch.bincount(ids.flatten(), minlength=4).tolist()
+    assert ends.tolist() == counts.cumsum(0).tolist()
     order = torch.empty(10, dtype=torch.int64).scatter_(0, pos.flatten(), torch.arange(10))
     assert torch.equal(ids.flatten()[order], ids.flatten().sort(stable=True).values)
     out = scatter_rows(src, pos)

@@ -7,6 +7,7 @@ elsewhere; :mod:`spmdmoe.kernels.backend`).
 
 * :func:`fan_out`: rows into ``J`` copies each (dispatch permute; combine backward);
 * :func:`gather_sum`: the fp32 sum of ``J`` rows each, optionally weighted (combine; permute backward);
+* :func:`expert_order`: each routed copy's row in a stable expert-major buffer, the groups' ends, the counts;
 * :func:`swiglu_forward` / :func:`swiglu_backward`: offset-aware SwiGLU over the valid rows only;
 * :func:`swiglu_quant_forward` / :func:`swiglu_quant_backward`: SwiGLU (backward) fused with the rowwise FP8 of its result;
 * :func:`quantize_rows`: rowwise FP8 scale+cast in one pass, valid rows only;
@@ -21,6 +22,7 @@ elsewhere; :mod:`spmdmoe.kernels.backend`).
 """
 
 from .backend import COMPILED, kernel_backend, set_kernel_backend, use_triton
+from .expert_order import expert_order, expert_order_reference, expert_order_triton
 from .fan_out import fan_out, fan_out_fp8, fan_out_fp8_reference, fan_out_fp8_triton, fan_out_reference, fan_out_triton
 from .fingerprint import fingerprint_, fingerprint_reference, fingerprint_triton
 from .fp8_cols import quantize_cols_pair, quantize_cols_pair_reference, quantize_cols_pair_triton
@@ -56,6 +58,7 @@ __all__ = [
     "COMPILED", "kernel_backend", "set_kernel_backend", "use_triton",
     "fan_out", "fan_out_fp8", "fan_out_fp8_reference", "fan_out_fp8_triton", "fan_out_reference", "fan_out_triton",
     "gather_sum", "gather_sum_reference", "gather_sum_triton",
+    "expert_order", "expert_order_reference", "expert_order_triton",
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
     "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",

@@ -39,10 +39,13 @@ COMPILED: dict[str, Literal["triton", "torch"]] = {
     "fp8_cols": "triton",
     "fp8_weights": "triton",
     "fingerprint": "triton",
+    # the reference: inductor compiles it, and sync EP's row count is data-dependent there (no new kernel to
+    # trace with an unbacked grid); the host cost it saves is gone under compile anyway
+    "expert_order": "torch",
 }
 
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64)  # ints: expert_order's ids
 
 
 def set_kernel_backend(backend: Backend) -> None:

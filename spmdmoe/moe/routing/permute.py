@@ -26,7 +26,7 @@ import torch
 from ...autograd import differentiable
 from ...kernels import fan_out, fan_out_fp8, gather_sum
 
-__all__ = ["scatter_rows", "scatter_rows_fp8", "count_per_expert", "sort_by_expert", "spread_weights",
+__all__ = ["scatter_rows", "scatter_rows_fp8", "count_per_expert", "spread_weights",
            "weighted_combine"]
 
 
@@ -90,19 +90,6 @@ def count_per_expert(ids_TK: torch.Tensor, num_experts: int, keep_T: Optional[to
     ones_N = torch.ones_like(ids_N) if keep_T is None else keep_T.to(torch.int64).unsqueeze(1).expand_as(ids_TK).reshape(-1)
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
     return counts_E.scatter_add_(0, ids_N, ones_N)
-
-
-def sort_by_expert(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(pos_TK, counts_E)``: where each routed copy sits in stable expert order, and the copies per expert.
-
-    Copy ``(t, k)`` goes to row ``pos_TK[t, k]``; rows are grouped by expert,
-    and within an expert by ``t*K + k``. On the ids' device, no host sync.
-    """
-    ids_N = ids_TK.reshape(-1)
-    order_N = torch.argsort(ids_N, stable=True)
-    pos_N = torch.empty_like(order_N)
-    pos_N.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
-    return pos_N.view(ids_TK.shape), count_per_expert(ids_N, num_experts)
 
 
 class _WeightedCombine(torch.autograd.Function):

@@ -28,10 +28,11 @@ from typing import Callable, Optional
 import torch
 
 from ...collectives.alltoall import exchange_launched, exchanged_op
+from ...kernels import expert_order
 from ...types.mesh import MeshAxis
 from ..routing.permute import scatter_rows, weighted_combine
 
-__all__ = ["destinations", "send_positions", "pack_meta", "unpack_meta", "launch_tokens", "Sent", "launch_back",
+__all__ = ["destinations", "send_positions", "pack_meta", "received_order", "launch_tokens", "Sent", "launch_back",
            "send_back"]
 
 
@@ -74,35 +75,34 @@ def pack_meta(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     return torch.cat([weights_TK.to(dtype), ids_TK.to(dtype)], dim=1)
 
 
-def unpack_meta(meta_QW: torch.Tensor, rank: int, local_experts: int, valid_Q: Optional[torch.Tensor] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(local_QK, weights_QK)`` of the received rows: each copy's expert on this rank (``0 <= l < e``) or
-    ``-1`` (another rank's, or a row ``valid_Q`` marks dead: a sync-free slot's unused tail), and the
-    weights (differentiable)."""
+def received_order(meta_QW: torch.Tensor, rank: int, local_experts: int, rows: int,
+                   valid_Q: Optional[torch.Tensor] = None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(order, weights_QK)`` of the received rows: :func:`spmdmoe.kernels.expert_order` of their ids for this
+    rank's experts into ``rows`` (a copy of another rank's expert, or of a row ``valid_Q`` marks dead: a
+    sync-free slot's unused tail, has none), and the weights (differentiable)."""
     K = meta_QW.shape[1] // 2
-    local_QK = meta_QW[:, K:].detach().to(torch.int64) - rank * local_experts
-    here_QK = (local_QK >= 0) & (local_QK < local_experts)
+    ids_QK = meta_QW[:, K:].detach()
     if valid_Q is not None:
-        here_QK = here_QK & valid_Q.unsqueeze(1)
-    return torch.where(here_QK, local_QK, -1), meta_QW[:, :K]
+        ids_QK = torch.where(valid_Q.unsqueeze(1), ids_QK, -1.0)
+    return expert_order(ids_QK, rank * local_experts, local_experts, rows)[:2], meta_QW[:, :K]
 
 
-Received = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Received = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def launch_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, pos_Tn: torch.Tensor,
-                  send: list[int], recv: list[int], axis: MeshAxis, local_experts: int,
+                  send: list[int], recv: list[int], axis: MeshAxis, local_experts: int, rows: int,
                   live_Q: Optional[torch.Tensor] = None) -> Callable[[], Received]:
     """Each token to the ranks ``pos_Tn`` names (:func:`send_positions`), with its ids and weights, started
-    now; the call it returns waits and gives ``(x_QD, local_QK, weights_QK)``: the rows received
-    (source-major, ``recv`` from each rank), each copy's expert here or ``-1`` (another rank's, or a row
-    ``live_Q`` marks dead), and the weights (differentiable). Two ``all_to_all_single`` over ``axis``
-    (``send`` rows to each rank), the rows and the ids-and-weights, in flight until that call
+    now; the call it returns waits and gives ``(x_QD, order, weights_QK)``: the rows received (source-major,
+    ``recv`` from each rank), their copies' order for this rank's experts in ``rows`` rows (:func:`received_order`;
+    a row ``live_Q`` marks dead has none), and the weights (differentiable). Two ``all_to_all_single`` over
+    ``axis`` (``send`` rows to each rank), the rows and the ids-and-weights, in flight until that call
     (:func:`spmdmoe.collectives.alltoall.exchange_launched`); their reverse in the backward."""
-    rows = sum(send)
-    x_wait = exchange_launched(scatter_rows(x_TD, pos_Tn, rows), send, recv, axis, 0)
-    meta_wait = exchange_launched(scatter_rows(pack_meta(ids_TK, weights_TK), pos_Tn, rows), send, recv, axis, 0)
-    return lambda: (x_wait(), *unpack_meta(meta_wait(), axis.rank, local_experts, live_Q))
+    sent = sum(send)
+    x_wait = exchange_launched(scatter_rows(x_TD, pos_Tn, sent), send, recv, axis, 0)
+    meta_wait = exchange_launched(scatter_rows(pack_meta(ids_TK, weights_TK), pos_Tn, sent), send, recv, axis, 0)
+    return lambda: (x_wait(), *received_order(meta_wait(), axis.rank, local_experts, rows, live_Q))
 
 
 @dataclass(frozen=True)

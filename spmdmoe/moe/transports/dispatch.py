@@ -32,6 +32,7 @@ import torch
 
 from ...agreement import GRAD_OFF, Problem, ProblemSink, grad_mode_codes, raise_problems
 from ...collectives.alltoall import exchange_split_sizes
+from ...kernels import expert_order
 from ...types.mesh import MeshAxis
 from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
 from ..routing.permute import count_per_expert, weighted_combine
@@ -167,8 +168,9 @@ class LocalTransport(Dispatching):
         """The copies of this rank's rows (:meth:`Transport.launch_dispatch`), made now: nothing travels."""
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
-        routed = routed_copies(x_TD, ids_TK, weights_TK, self.num_experts, ids_TK.numel(), fp8_rows=fp8_rows,
-                               all_here=True)  # its handle: the copies (the combine's)
+        N = ids_TK.numel()
+        routed = routed_copies(x_TD, expert_order(ids_TK, 0, self.num_experts, N)[:2], weights_TK, N,
+                               fp8_rows=fp8_rows, all_here=True)  # its handle: the copies (the combine's)
         return lambda: routed
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
@@ -227,8 +229,8 @@ class AllToAllTransport(Dispatching):
                 raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
             problem.record(mine, x_TD.device)
         pos_Tn = send_positions(need_Tn)
-        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e)
-        return lambda: routed_copies(*received(), e, sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
+        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e, sum(sizes))
+        return lambda: routed_copies(*received(), sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
                                      handle=Sent(pos_Tn, send, recv))
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:

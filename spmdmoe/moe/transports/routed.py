@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..routing.permute import scatter_rows, scatter_rows_fp8, sort_by_expert, spread_weights
+from ..routing.permute import scatter_rows, scatter_rows_fp8, spread_weights
 
 __all__ = ["RoutedTokens", "routed_copies", "Dispatching"]
 
@@ -70,40 +70,31 @@ class RoutedTokens:
             object.__setattr__(self, "valid_rows", self.group_offsets[-1:])
 
 
-def routed_copies(x_MD: torch.Tensor, experts_MJ: torch.Tensor, weights_MJ: torch.Tensor, experts: int, rows: int,
+def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor], weights_MJ: torch.Tensor, rows: int,
                   *, fp8_rows: bool = False, group_sizes: Optional[list[int]] = None, handle: Any = None,
                   all_here: bool = False) -> RoutedTokens:
     """The copies of ``M`` rows for this rank's experts, in expert-major order, with the routing weights folded
     into the experts (they return each row's weighted sum of its copies: ``copies_TK``). Every transport ends
     its dispatch here: the local one on its own tokens, the EP ones on the rows they received (a token once
-    per rank, with all its ``J = K`` expert ids, those of other ranks marked ``-1``).
+    per rank, with all its ``J = K`` expert ids, those of other ranks no copy here).
 
     Args:
         x_MD: ``(M, D)``, the rows (bf16 / fp32); ``M`` may be 0.
-        experts_MJ: int64 ``(M, J)``: the local expert (``0 <= l < experts``) of row ``s``'s ``j``-th copy, or
-            ``-1``: no copy here. A row's ids are distinct.
-        weights_MJ: fp32 ``(M, J)`` routing weights (differentiable); those of ``-1`` copies are unused.
-        experts: ``e``, the experts here.
+        order: ``(pos_MJ, offsets)`` of :func:`spmdmoe.kernels.expert_order` for the rows' ids and ``rows``:
+            copy ``(s, j)``'s row (int64, ``-1``: no copy here, or dropped past ``rows``) and the experts'
+            int32 group ends. Order: by local expert, then by row (so by source rank for received rows),
+            then by ``j``.
+        weights_MJ: fp32 ``(M, J)`` routing weights (differentiable); those of copies not here are unused.
         rows: host int, the experts' buffer rows: at least the copies (the exact count, or a static capacity
-            whose rows past ``valid_rows`` are never read), or fewer: the copies past it, in expert-major
-            order, are dropped (a sync-free capacity; the transport records that overflow).
+            whose rows past ``valid_rows`` are never read), or fewer: the copies past it were dropped by
+            ``order`` (a sync-free capacity; the transport records that overflow).
         fp8_rows: also the rowwise e4m3 of the copies, quantized once per row (``RoutedTokens.fp8_rows``).
         group_sizes, handle: what the transport knows on the host and needs in its combine.
-        all_here: the caller knows that every copy has an expert here (no ``-1``) and ``rows == M * J`` (the local
-            transport): the masks that mark copies elsewhere or past the buffer are skipped (14 ATen ops fewer,
-            counted by a dispatch mode on CPU: most are launches and host time on a GPU, the step's time at small
-            token counts); the local transport's ``handle`` is then the copies' positions (its combine's).
+        all_here: every copy has its row (no ``-1``) and ``rows == M * J`` (the local transport): the weights
+            are spread with one scatter, and the ``handle`` is the copies' positions (its combine's).
 
-    Order: by local expert, then by row (so by source rank for received rows), then by ``j``; the stable sort
-    of :func:`permute.sort_by_expert`. No host sync."""
-    if all_here:
-        pos_MJ, counts = sort_by_expert(experts_MJ, experts)
-        offsets = counts.cumsum(0).to(torch.int32)
-    else:
-        key_MJ = torch.where(experts_MJ >= 0, experts_MJ, experts)  # no copy here: a last bucket, sorted last
-        pos_MJ, counts = sort_by_expert(key_MJ, experts + 1)
-        pos_MJ = torch.where((key_MJ < experts) & (pos_MJ < rows), pos_MJ, -1)
-        offsets = counts[:experts].cumsum(0).clamp(max=rows).to(torch.int32)
+    No host sync."""
+    pos_MJ, offsets = order
     q = None
     if fp8_rows:
         x_RD, q_RD, s_R = scatter_rows_fp8(x_MD, pos_MJ, rows)

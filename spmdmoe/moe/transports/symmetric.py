@@ -29,13 +29,13 @@ from torch._library.effects import EffectType
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ...autograd import always_recorded
+from ...kernels import expert_order
 from ...kernels.backend import op_required
 from ...kernels.peer_rows import PeerRows, pull_rows, pull_sum
 from ...agreement import Problem
 from ...types.errors import MoEConfigError
 from ...types.mesh import MeshAxis
-from .dedup import destinations, pack_meta, unpack_meta
-from ..routing.permute import count_per_expert
+from .dedup import destinations, pack_meta
 from .routed import RoutedTokens, routed_copies
 from .sync_free import SyncFreeTransport
 
@@ -383,13 +383,12 @@ class SymmetricTransport(SyncFreeTransport):
         need_Tn = destinations(ids_TK, e, n)
         x_QD, meta_QW, mask_Q = peer_dispatch(always_recorded(x_TD), meta_TW, need_Tn, self.axis.group.group_name,
                                               t_max, me * e, me * e + e)
-        local_QK, weights_QK = unpack_meta(meta_QW, me, e)
         # every rank read every rank's ids: the same demand and verdict everywhere, with no other collective
-        ids_QK = meta_QW[:, K:].detach().to(torch.int64)
-        copies_E = count_per_expert(torch.where(ids_QK >= 0, ids_QK, E), E + 1)[:E]
+        ids_QK = meta_QW[:, K:].detach()
+        pos_QK, offsets, copies_E = expert_order(ids_QK, me * e, e, R, E)
         self._record((ids_QK[:, 0] >= 0).view(n, t_max).sum(1).max(),
                      copies_E.view(n, e).sum(1).max(), t_max, R, t_max)
-        routed = routed_copies(x_QD, local_QK, weights_QK, e, R, fp8_rows=fp8_rows,
+        routed = routed_copies(x_QD, (pos_QK, offsets), meta_QW[:, :K], R, fp8_rows=fp8_rows,
                                handle=_Handle(need_Tn, mask_Q, t_max, rows))
         return lambda: routed
 

@@ -121,8 +121,8 @@ class SyncFreeTransport(Dispatching):
         # received slot i's first min(rows sent, S) rows are live, the rest of it never read
         live_Q = (torch.arange(S, device=x_TD.device) < table[:, E + me, None]).reshape(Q)
         sent = Sent(pos_Tn, [S] * n, [S] * n)
-        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, sent.send, sent.recv, self.axis, e, live_Q)
-        return lambda: routed_copies(*received(), e, R, fp8_rows=fp8_rows, handle=sent)
+        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, sent.send, sent.recv, self.axis, e, R, live_Q)
+        return lambda: routed_copies(*received(), R, fp8_rows=fp8_rows, handle=sent)
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
         """:meth:`Transport.launch_combine`: the rows back (the reverse even exchange, launched now), a token's
