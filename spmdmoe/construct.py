@@ -1,7 +1,7 @@
 """Building ``SPMDTensor``s: ``shard``, ``from_local`` and ``padded_empty``.
 
-``from_local`` verifies a layout across ranks with ONE small all-gather (the
-agreement exchange of ``spmdmoe.agreement``): each rank sends a few int64
+``from_local`` verifies a layout across ranks with ONE check exchange (an
+``all_to_all_single`` of ``spmdmoe.agreement``): each rank sends a few int64
 describing what it holds, every rank evaluates the same rules on the same
 table, so a bad input makes every rank raise the same error together (never
 one rank raising while the others wait in a collective).

@@ -1,13 +1,9 @@
 """``all_to_all``: Varying rows with per-destination counts -> Varying (EP dispatch/combine).
 
-Sync mode: split sizes must be host ints for ``all_to_all_single``. When only
-device-side counts exist, they are exchanged on device (one small
-``all_to_all_single``) and then read back with ONE explicit host transfer of
-both send and receive splits (``spmdmoe.host.to_host``, counted). Problems
-with the counts travel in the same exchange (agreement mode (a), see
-``spmdmoe.agreement``), so a bad input on one rank raises on every rank with no
-extra collective. The sync-free path (static capacity, no host read) is
-``spmdmoe.moe.transports.sync_free``.
+Per rank one ``all_to_all_single`` of the rows, no padding; backward: the reverse exchange (:func:`all_to_all`).
+Sync mode: the splits are host ints; device-side counts are exchanged on device first and read back in ONE counted
+host transfer (``spmdmoe.host.to_host``), their problems riding that exchange (``spmdmoe.agreement`` mode (a)).
+The sync-free path (no host read) is ``spmdmoe.moe.transports.sync_free``.
 """
 
 from __future__ import annotations
@@ -58,9 +54,9 @@ _exchanged_op = collective_op(_AllToAll, exchanged)
 
 
 def exchanged_op(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int) -> torch.Tensor:
-    """:func:`exchanged` with its backward (the reverse exchange), recorded on every rank whenever grad
-    mode is on. Under ``torch.compile`` the split sizes are traced scalars (``capture_scalar_outputs``),
-    so the exchange is torch's functional ``all_to_all_single_autograd`` on an input made to require grad (``always_recorded``)."""
+    """:func:`exchanged` with its backward (the reverse exchange), recorded on every rank whenever grad mode is on.
+    Under ``torch.compile`` (split sizes traced scalars): torch's functional ``all_to_all_single_autograd`` on an
+    input made to require grad (``always_recorded``)."""
     if not torch.compiler.is_compiling():
         return _exchanged_op(local, send, recv, axis, dim)
     rows = always_recorded(rows_view(local, dim))
@@ -79,8 +75,7 @@ def _launched(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshA
 
 
 class _InFlight:
-    """One launched exchange, between its two autograd nodes: its splits, the forward's work, and the reverse
-    exchange the backward launches (:class:`_Waited`) and waits for (:class:`_AllToAllLaunched`)."""
+    """One launched exchange between its two autograd nodes: its splits, the forward's work, the reverse exchange."""
 
     def __init__(self, send: list[int], recv: list[int], axis: MeshAxis, dim: int):
         self.send, self.recv, self.axis, self.dim = send, recv, axis, dim
@@ -89,8 +84,7 @@ class _InFlight:
 
 
 class _AllToAllLaunched(torch.autograd.Function):
-    """:class:`_AllToAll` issued asynchronously: its output is read only through :class:`_Waited`, which waits
-    for it. Backward: the reverse exchange that :class:`_Waited`'s backward launched, waited for here."""
+    """:class:`_AllToAll` issued asynchronously, read through :class:`_Waited`; backward waits for the reverse."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, flight: _InFlight, grad_leaf: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -110,9 +104,7 @@ class _AllToAllLaunched(torch.autograd.Function):
 
 
 class _Waited(torch.autograd.Function):
-    """The rows of a launched exchange, once it has finished. Backward: launches the reverse exchange of the
-    gradient (``_AllToAllLaunched``'s backward waits for it), so what autograd runs between the two nodes
-    (the backward of what ran while the rows travelled: the shared experts) runs while it travels too."""
+    """The rows of a launched exchange, once it has finished; backward launches the reverse exchange."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, flight: _InFlight) -> torch.Tensor:  # type: ignore[override]
@@ -131,20 +123,16 @@ class _Waited(torch.autograd.Function):
 
 def exchange_launched(local: torch.Tensor, send: list[int], recv: list[int], axis: MeshAxis, dim: int
                       ) -> Callable[[], torch.Tensor]:
-    """:func:`exchanged_op` started now and finished by the call it returns, which gives its rows: work issued
-    in between runs while the rows travel (eagerly, NCCL moves them on its own stream; e.g. the shared
-    experts under the EP combine). Nothing may read the rows before that call. The backward, recorded as
-    :func:`exchanged_op` records it, is the reverse exchange, launched where the gradient reaches the wait's
-    node and waited for at the launch's: the backward of the work issued in between (autograd runs the
-    nodes made later first) runs while it travels. First order only (``once_differentiable``, as the MoE
-    layer's kernels). Under ``torch.compile`` it is :func:`exchanged_op` (a functional collective, whose wait
-    inductor places).
+    """:func:`exchanged_op` started now and finished by the call it returns, which gives its rows (nothing may
+    read them before): work issued in between runs while they travel (e.g. the shared experts under the EP
+    combine). Backward, recorded as :func:`exchanged_op` records it: the reverse exchange, launched at the wait's
+    node and waited for at the launch's (docs/design.md §5, step 3). First order only (``once_differentiable``).
+    Under ``torch.compile`` it is :func:`exchanged_op`.
 
     The wait must be called on every path that launched: a forward that stops between launch and wait (a
-    non-reentrant checkpoint's recomputation ends once it has the tensors it needs) leaves the exchange
-    unjoined. The MoE layer's waits are each followed by an op that saves tensors for the backward (after the
-    dispatch's, the experts; after the combine's, its sum over ranks, ``permute.weighted_combine``, which saves
-    its positions), so a recomputation of the layer reaches every wait."""
+    non-reentrant checkpoint's recomputation ends once it has the tensors it needs) leaves the exchange unjoined.
+    The MoE layer's waits are each followed by an op that saves tensors for the backward (the experts; the
+    combine's ``permute.weighted_combine``), so a recomputation of the layer reaches every wait."""
     if torch.compiler.is_compiling():
         out = exchanged_op(local, send, recv, axis, dim)
         return lambda: out
@@ -184,12 +172,10 @@ def exchange_with_codes(
 ) -> tuple[list[int], list[int], list[int], torch.Tensor]:
     """Agreement mode (a): one check exchange of ``(n, W)`` counts plus the problem bits, one host read.
 
-    ``W`` must be the same on every rank (a fact the caller has agreed). Returns
-    this rank's flat send counts, the flat received counts (``W`` per source,
-    source-major) and every rank's problem bits (the same list on every rank),
-    so callers raise together without another collective; and the received
-    counts still on the device, ``(n, W)`` (for device-side index building).
-    A rank in another check exchange of the same width raises on every rank.
+    ``W`` must be the same on every rank (a fact the caller has agreed). Returns this rank's flat send counts, the
+    flat received counts (``W`` per source, source-major), every rank's problem bits (the same list on every rank,
+    so callers raise together) and the received counts still on the device, ``(n, W)``. A rank in another check
+    exchange of the same width raises on every rank.
     """
     width = counts_nW.shape[1]
     payload, received = _counts_with_codes(counts_nW, code, axis, op)
@@ -253,17 +239,12 @@ def exchange_counts(
 ) -> tuple[list[int], list[int]]:
     """Device-side count exchange, then ONE host transfer: ``(send, recv)`` as flat host lists.
 
-    ``send_counts`` is an int tensor of shape ``(n,)``, or ``(n, k)`` for ``k``
-    counts per destination (e.g. per local expert); the returned ``recv`` has
-    the same layout with ``recv[src]`` what rank ``src`` sends here. Problems
-    travel with the counts (a negative count, counts that do not sum to
-    ``rows``, a wrong leading size): ``SPMDLayoutError`` on every rank, carried
-    by the count exchange itself. The width ``k`` decides the size of that
-    exchange, so it is agreed before it, in every checking mode: one tiny
-    all-gather and host read more (mode (b)), which turns counts of different
-    shapes on different ranks into an error on every rank rather than a size
-    mismatch inside the collective. A fixed-width caller (the MoE layer, whose width ``e`` was agreed at
-    ``parallelize_moe``) uses the exchange directly.
+    ``send_counts`` is an int tensor of shape ``(n,)``, or ``(n, k)`` for ``k`` counts per destination (e.g. per
+    local expert); ``recv`` has the same layout, ``recv[src]`` what rank ``src`` sends here. A negative count,
+    counts that do not sum to ``rows`` or a wrong leading size raise ``SPMDLayoutError`` on every rank, carried by
+    the count exchange itself. The width ``k`` sizes that exchange, so it is agreed first, in every checking mode
+    (mode (b): one small check exchange and host read more). A fixed-width caller (the MoE layer, whose ``e`` was
+    agreed at ``parallelize_moe``) uses the exchange directly.
     """
     axis = mesh_axis(mesh)
     n = axis.size
@@ -286,26 +267,16 @@ def all_to_all(
 ) -> SPMDTensor:
     """Varying -> Varying: the first ``send_counts[0]`` rows go to rank 0, the next to rank 1, ...
 
-    Per rank: one ``all_to_all_single`` of the rows, received source-major
-    (``recv_counts[src]`` rows from each ``src``). No padding.
+    Per rank: one ``all_to_all_single`` of the rows, received source-major (``recv_counts[src]`` rows from each
+    ``src``). No padding. Backward: the reverse all_to_all (splits swapped), recorded on every rank whenever grad
+    mode is on.
 
-    Counts: host lists (Python or NumPy ints) are used as given. Without
-    ``recv_counts`` (or with ``send_counts`` as a device tensor of shape
-    ``(n,)``) they are exchanged on device and read back with one explicit host
-    transfer (:func:`exchange_counts`' exchange, without its width agreement:
-    the width is 1).
-
-    Checks: count lists of the wrong length, negative counts, or a
-    ``send_counts`` sum that is not this rank's row count raise
-    ``SPMDLayoutError`` on every rank together. When counts are exchanged this
-    rides along with the exchange (free); with both host lists given it costs
-    an ``all_to_all_single`` of ``n`` counts, one tiny all-gather and one sync
-    (in every checking mode: the setting never decides whether a collective
-    runs), and also catches a ``recv_counts`` that contradicts what the peers
-    send to this rank.
-
-    Backward: the reverse all_to_all (send and receive splits swapped),
-    recorded on every rank whenever grad mode is on.
+    Counts: host lists (Python or NumPy ints) are used as given. Without ``recv_counts`` (or with ``send_counts`` a
+    device tensor of shape ``(n,)``) they are exchanged on device and read back in one host transfer
+    (:func:`exchange_counts`' exchange at width 1). Count lists of the wrong length, negative counts, or a
+    ``send_counts`` sum that is not this rank's row count raise ``SPMDLayoutError`` on every rank: riding the count
+    exchange, or with both host lists a check exchange of the send counts and one agreement (every checking mode;
+    docs/design.md §6), which also catches a ``recv_counts`` that contradicts what the peers send.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -334,10 +305,9 @@ def _ints(counts: Sequence[Any]) -> list[Any]:
 
 
 def _check_host_counts(send: list[int], recv: list[int], rows: int, axis: MeshAxis) -> None:
-    """Collective verdict on caller-given host counts: one check exchange of the send counts (each rank
-    learns what every peer sends to it: ``n`` ints per rank) and its host read, then the problem bits'
-    agreement (mode (b)). A ``recv_counts`` that contradicts what the peers send is a problem of the
-    receiving rank, so every rank raises instead of the one gloo error and the others' hang."""
+    """Collective verdict on caller-given host counts: a check exchange of the send counts (each rank learns what
+    every peer sends it) and its host read, then the bits' agreement (mode (b)). A ``recv_counts`` that contradicts
+    the peers' is the receiving rank's problem, raised on every rank (not one gloo error and the others' hang)."""
     n = axis.size
     problem = (
         _count_problem(send, n, "send_counts")

@@ -1,9 +1,7 @@
 """The dual pair ``all_gather`` (Shard -> Replicate) and ``reduce_scatter`` (Partial -> Shard).
 
-Each one's backward is the other, on the same token count ``T`` (never
-re-derived from shapes). Which ``torch.distributed`` call runs depends only on
-facts every rank shares (``T``, the axis size): never on rank-local state such
-as a spare buffer or ``requires_grad`` (see ``spmdmoe.autograd``).
+Each one's backward is the other, on the same token count ``T`` (never re-derived from shapes). Which call runs
+depends only on ``T`` and the axis size, never on rank-local state (a spare buffer, ``requires_grad``).
 
 =================  ===============================================  ==========================
 op                 per rank                                         padding
@@ -15,11 +13,8 @@ op                 per rank                                         padding
                    (one view per rank's chunk)                      reduces), no copy
 =================  ===============================================  ==========================
 
-Under ``torch.compile`` the calls are traced as functional collectives, and
-the graph must not depend on ``T`` (no recompilation from step to step): both
-always take the padded tensor form, ``all_gather`` sending ``p`` rows (zeros
-appended on a short rank) and ``reduce_scatter`` summing ``p*n`` rows (zeros
-appended when ``T % n != 0``; the traced collectives have no list form).
+Under ``torch.compile`` (functional collectives, one graph for every ``T``) both take the padded tensor form: ``p``
+rows gathered, ``p*n`` summed, zeros appended where short (the traced collectives have no list form).
 """
 
 from __future__ import annotations
@@ -62,13 +57,8 @@ def gather_padded(local: torch.Tensor, buffer: Optional[torch.Tensor], axis: Mes
 
 
 def scatter_block(local: torch.Tensor, axis: MeshAxis, total: int, dim: int) -> torch.Tensor:
-    """This rank's chunk of the sum over ranks, in a ``p``-row block (valid: its ``local_tokens`` rows).
-
-    ``T % n == 0``: one ``reduce_scatter_single``. Otherwise the list form of
-    ``reduce_scatter`` on row views of the input, the output written into the
-    block's first rows, so the block's spare tail lets a later gather skip its
-    padding copy. No autograd.
-    """
+    """This rank's chunk of the sum over ranks, in a ``p``-row block (valid: its ``local_tokens`` rows), by the
+    module docstring's rule; the block's spare tail lets a later gather skip its padding copy. No autograd."""
     n = axis.size
     p = layout.padded_local_tokens(total, n)
     rows = rows_view(local, dim)
@@ -124,23 +114,18 @@ scatter_block_op = collective_op(_ReduceScatter, scatter_block)
 def all_gather(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
     """Shard(tokens) -> Replicate: every rank gets all ``global_tokens`` rows.
 
-    Per rank: sends ``padded_local_tokens`` rows and receives
-    ``padded_global_tokens`` rows through one ``all_gather_single``
-    (``all_gather_into_tensor``); the result is the view ``[:T]`` of that buffer.
+    Per rank: sends ``padded_local_tokens`` rows and receives ``padded_global_tokens`` rows through one
+    ``all_gather_single`` (``all_gather_into_tensor``); the result is the view ``[:T]`` of that buffer.
 
-    Padding: only a rank holding fewer than ``padded_local_tokens`` rows copies
-    its rows (at most one such rank under the chunk rule, plus ranks with no
-    rows): on CUDA straight into its slot of the output, gathered in place; on
-    CPU into an ``empty`` send buffer. Full ranks send their tensor as is, and a
-    ``Shard`` backed by a padded ``buffer`` (a ``reduce_scatter`` result,
-    :func:`spmdmoe.padded_empty`) is sent without a copy. A token dim other
-    than 0 costs a copy to move it first.
+    Padding: only a rank holding fewer than ``padded_local_tokens`` rows copies its rows (at most one such rank
+    under the chunk rule, plus ranks with no rows): on CUDA straight into its slot of the output, gathered in
+    place; on CPU into an ``empty`` send buffer. Full ranks send their tensor as is, and a ``Shard`` backed by a
+    padded ``buffer`` (a ``reduce_scatter`` result, :func:`spmdmoe.padded_empty`) is sent without a copy. A token
+    dim other than 0 costs a copy to move it first.
 
-    Backward: reduce-scatter (sum) of the gradient (a ``Replicate``'s gradient
-    is ``Partial``) back to this rank's rows. Recorded on every rank whenever
-    grad mode is on (``spmdmoe.autograd``), so every rank runs it.
-
-    ``mesh``, if given, must be the tensor's own axis (else ``SPMDMeshError``).
+    Backward: reduce-scatter (sum) of the gradient (a ``Replicate``'s gradient is ``Partial``) back to this rank's
+    rows, recorded on every rank whenever grad mode is on. ``mesh``, if given, must be the tensor's own axis (else
+    ``SPMDMeshError``).
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -158,20 +143,13 @@ def all_gather(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
 def reduce_scatter(x: SPMDTensor, *, mesh: Optional[MeshLike] = None) -> SPMDTensor:
     """Partial (T rows on every rank) -> Shard(tokens) with the chunk rule.
 
-    Per rank: contributes its ``T`` rows and receives the sum over ranks of its
-    chunk. ``T % n == 0``: one ``reduce_scatter_single``
-    (``reduce_scatter_tensor``). Otherwise: the list form of ``reduce_scatter``
-    on row views of the input, one per rank's chunk (NCCL runs it as grouped
-    reduces; measured on 2x H200 as fast as the padded tensor collective, see
-    ``benchmarks/ARCHIVE.md``). The choice depends on ``T`` and the axis size
-    only, the same on every rank.
+    Per rank: contributes its ``T`` rows and receives the sum over ranks of its chunk. ``T % n == 0``: one
+    ``reduce_scatter_single`` (``reduce_scatter_tensor``); otherwise the list form of ``reduce_scatter`` on row
+    views of the input, one per rank's chunk (NCCL: grouped reduces).
 
-    Padding: none is ever copied. The result is backed by a ``p``-row block
-    (``.buffer``), so gathering it again needs no padding copy.
-
-    Backward: all-gather of the gradient rows (the gradient of each rank's
-    summand is the whole gradient), recorded on every rank whenever grad mode
-    is on.
+    Padding: none is ever copied. The result is backed by a ``p``-row block (``.buffer``), so gathering it again
+    needs no padding copy. Backward: all-gather of the gradient rows (each rank's summand's gradient is the whole
+    gradient), recorded on every rank whenever grad mode is on.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()

@@ -1,29 +1,23 @@
 """Expert order of routed copies: each copy's row in a stable expert-major buffer, the groups' ends, the counts.
 
 Legend: ``M`` source rows, ``J`` copies per source row (a row's expert ids), ``e`` local experts (ids
-``first .. first + e - 1``), ``E`` the ids counted (``total``), ``R`` rows of the experts' buffer, ``P`` chunks
-of ``C`` copies.
+``first .. first + e - 1``), ``E`` the ids counted (``total``), ``R`` the buffer's rows, ``C`` copies a chunk.
 
-Copy ``(s, j)`` of an id ``i`` with ``first <= i < first + e`` goes to row ``pos[s, j]``: grouped by local expert,
-and within an expert by ``s * J + j`` (a stable sort of the local ids); ``-1`` for any other id (another rank's
-expert, ``-1`` for none) and for a copy whose row would be ``>= R`` (a capacity's overflow, dropped).
-``offsets[l]`` is the int32 end row of expert ``l``'s group, clamped at ``R`` (``grouped_mm``'s ``offs``);
-``totals[i]`` the copies of every id ``0 <= i < E`` (int64: every rank's demand, where the ids are every rank's).
-The ids may be any dtype holding exact integers (int64, or the fp32 ids that travel beside the routing weights)
-and any row stride (a column slice of a wider tensor: nothing is copied).
+Copy ``(s, j)`` of a local id goes to row ``pos[s, j]``, grouped by expert, within one by ``s * J + j`` (a stable
+sort); ``-1`` for any other id (another rank's expert; ``-1``) and past ``R`` rows (a capacity's overflow, dropped).
+``offsets``: the int32 group ends, clamped at ``R`` (``grouped_mm``'s ``offs``); ``totals``: the copies of every id
+``< E`` (every rank's demand, where the ids are every rank's). Ids: any dtype holding exact integers (the fp32 ids
+beside the routing weights too), any row stride (a column slice: nothing copied).
 
-Three launches, no host sync: per chunk of ``C`` copies its counts per id (``tl.histogram``); one program
-sums them into the totals and each chunk's first row per local expert (a running sum over the chunks in order,
-written over the counts) and the groups' ends; per chunk each copy's row, its chunk's first row for its expert plus
-the copies of that expert before it in the chunk. Integers only: exact and deterministic. They replace about
-twenty small torch ops (a stable argsort, its inverse permutation, a scatter-add of the counts, the masks, a
-cumsum), each a launch and host time in an eager step (issue 61).
+Three launches, no host sync, integers only (exact, deterministic): each chunk's counts (``tl.histogram``); one
+program sums them into the totals, the group ends and each chunk's first row per expert (written over its
+counts); each chunk's rows (its first row for the expert plus the copies of it before, in the chunk). They
+replace about twenty small torch ops, each a launch and host time in an eager step (issue 61).
 
-Measured (H200, torch 2.11, Triton 3.6, E=64, K=6; ``benchmarks/kernels.py --only "expert order"``): a rank's
-own N = 24,576 copies (T=4,096, int64 ids, every expert here) 0.088 ms, against the reference's 0.358 ms eager and
-0.264 ms compiled; EP 2's received 2N (fp32 ids beside the weights, 32 experts here) 0.098 ms (0.376 / 0.268); at
-T=16,384 0.092 and 0.136 ms (0.369 / 0.274, 0.406 / 0.345). The bytes are few (ids in, rows out: 0.02 TB/s):
-the time is the three launches' latency, not bandwidth.
+Measured (H200, torch 2.11, Triton 3.6, E=64, K=6; ``benchmarks/kernels.py --only "expert order"``): N = 24,576
+int64 ids, every expert here, 0.088 ms (the reference: 0.358 eager, 0.264 compiled); EP 2's received 2N fp32
+ids, 32 experts here, 0.098 ms (0.376 / 0.268); at T=16,384 0.092 and 0.136 ms (0.369 / 0.274, 0.406 / 0.345).
+Latency-bound (0.02 TB/s: ids in, rows out): the time is its three launches.
 """
 
 from __future__ import annotations
@@ -45,9 +39,7 @@ CHUNK = 128  # copies a program orders (its rank-within-chunk compares C x C)
 
 @triton.jit
 def _chunk(p, MJ, J, C: tl.constexpr):
-    """Chunk ``p``'s copies: their rank in it, flat index, whether they exist, and their row and column.
-    (An index helper takes no pointer: torch's write analysis counts a helper's results as derived from every
-    argument it was given, ``tests/test_kernel_writes.py``.)"""
+    """Chunk ``p``'s copies: rank in it, flat index, existence, row, column (no pointer: test_kernel_writes.py)."""
     r = tl.arange(0, C)
     i = p * C + r
     m = i // J

@@ -1,32 +1,11 @@
 """Layout assertions, the ``@layout_checked`` decorator and the global switch.
 
-Checking is on by default. ``spmdmoe.set_checks(False)`` (or the environment
-variable ``SPMDMOE_CHECKS=0`` at import, or ``with spmdmoe.checks(False):``)
-turns off the checks that cost time per call (the MoE layer's input comparison
-and non-finite pass, ``@layout_checked``, ``assert_layout``, the problem bits the
-layers record); the cross-rank exchanges still run, with the same payloads. ``spmdmoe.set_checks("collectives")`` (or
-``SPMDMOE_CHECKS=collectives``) turns every check on and adds the
-collective-checking mode, a debugging aid (:mod:`spmdmoe.collective_check`):
-before each spmdmoe collective the ranks compare the collective and its input's
-metadata, and a ``Replicate`` input's content, and every rank raises the same
-error, naming the rank and the field or the rank that never arrived:
-
-==================================  =============================================  =====================
-what                                cost when on                                   cost when off
-==================================  =============================================  =====================
-``@layout_checked``                 binds the arguments and compares placements,   one flag read per call
-                                    counts and meshes: a few microseconds per call
-``assert_layout``                   a few attribute comparisons, under a us        one flag read
-collectives (``"collectives"``      one exchange of a small record through the     -
-mode only)                          process group's store per call, and a host
-                                    copy of a ``Replicate`` input (measured:
-                                    ``benchmarks/ARCHIVE.md``)
-==================================  =============================================  =====================
-
-``from_local`` always exchanges (one check exchange of 8 int64 per rank and one
-device-to-host copy of them, a sync on CUDA), in every mode. Collectives never
-re-check: they trust the type. (Measured figures are in
-``benchmarks/ARCHIVE.md``.)
+Checking is on by default. ``spmdmoe.set_checks(False)`` (or ``SPMDMOE_CHECKS=0`` at import, or ``with
+spmdmoe.checks(False):``) turns off the checks that cost time per call (the MoE layer's input comparison and
+non-finite pass, ``@layout_checked``, ``assert_layout``, the problem bits the layers record); the cross-rank
+exchanges still run, with the same payloads (``from_local``'s among them). ``spmdmoe.set_checks("collectives")``
+(or ``SPMDMOE_CHECKS=collectives``) turns every check on and adds the collective-checking mode, a debugging aid
+(:mod:`spmdmoe.collective_check`). What each costs, on and off: ``docs/design.md`` §3; what the mode compares: §6.
 """
 
 from __future__ import annotations
@@ -78,12 +57,9 @@ def set_checks(enabled: Union[bool, str]) -> Union[bool, str]:
     """Turn all layout checking on or off, or on with the collective-checking mode (``"collectives"``);
     returns the previous setting (a bool, or ``"collectives"``).
 
-    The setting is rank-local, but it never decides whether a collective runs
-    or how large its payload is (``from_local``, ``parallelize_moe``, the bias
-    update and the count checks exchange the same in every mode; where the
-    setting matters to a verdict it is exchanged and compared). The
-    collective-checking mode must be on on every rank or none: a rank in it
-    waits for its peers' records before each collective.
+    The setting is rank-local, but it never decides whether a collective runs or how large its payload is
+    (docs/design.md §6). The collective-checking mode must be on on every rank or none: a rank in it waits for
+    its peers' records before each collective. Another string raises ``ValueError``.
 
     >>> import spmdmoe
     >>> previous = spmdmoe.set_checks("collectives")

@@ -4,8 +4,8 @@ Legend: ``E`` experts, ``F`` expert hidden dim, ``D`` model dim, ``K`` top-k.
 
 Every rank fingerprints what it was given (the checks setting, the config, the plan, the parameters' dtype and
 device type, an exact fingerprint of the weights) and one agreement exchange (``spmdmoe.agreement.agree``: one
-all-gather of 19 int64 per rank, once per layer) compares them over ``agree_over``: the world by default, a
-pipeline stage's group when stages build different layers. Problems a rank finds on its own (``E % ep``, gather
+check exchange, an ``all_to_all_single`` of 19 int64 a rank, once per layer) compares them over ``agree_over``:
+the world by default, a pipeline stage's group when stages build different layers. Problems a rank finds on its own (``E % ep``, gather
 mode without SP, ...) travel as problem bits in the same exchange, so every rank raises the same error, and
 ``parallelize_moe`` is a collective over ``agree_over``: every rank of it calls it for the same layers in the same
 order. The fields and their errors: ``docs/design.md`` §6 (the table's ``parallelize_moe`` row).

@@ -64,22 +64,18 @@ def sync_grads(tensors: Sequence[torch.Tensor], mesh: MeshLike,
                agreed: Optional[Sequence[bool]] = None) -> list[torch.Tensor]:
     """Views of ``tensors`` whose backward sums their fresh gradients over ``mesh``.
 
-    Use the returned views in place of the parameters in the forward; every
-    rank of the axis must call this once per forward, with the same tensors
-    in the same order (also a rank with no tokens). ``dtypes``: cast the views
-    (e.g. a bf16 router weight read in fp32); the gradients are then summed in
-    that dtype and rounded once. A 1-rank axis, or grad mode off, returns
-    the tensors (cast) without a reduction.
+    Use the returned views in place of the parameters in the forward; every rank of the axis must call this once
+    per forward, with the same tensors in the same order (also a rank with no tokens). ``dtypes``: cast the views
+    (e.g. a bf16 router weight read in fp32); the gradients are then summed in that dtype and rounded once. A
+    1-rank axis, or grad mode off, returns the tensors (cast) without a reduction.
 
-    Which tensors need a gradient is agreed once, eagerly: ``agreed`` is the
-    set :func:`agree_grad_set` returned for these tensors on this axis
-    (``parallelize_moe`` and ``replicate_grads`` keep it as a plain attribute).
-    Without ``agreed`` an eager call agrees at its call site's first call, in any
-    grad mode (one small all-gather and a host read); ranks that differ raise the
-    same ``SPMDLayoutError`` on every rank. Freeze parameters before the set is
-    agreed. Inside a joined call covering ``tensors`` (``spmdmoe.moe.params.overlap``)
-    the sum is launched asynchronously and waited for at the call's input. Under
-    ``torch.compile``, later calls, grad mode: ``docs/design.md`` §5 and §6.
+    Which tensors need a gradient is agreed once, eagerly: ``agreed`` is the set :func:`agree_grad_set` returned
+    for these tensors on this axis (``parallelize_moe`` and ``replicate_grads`` keep it as a plain attribute; one
+    of another length raises ``ValueError``). Without ``agreed`` an eager call agrees at its call site's first
+    call, in any grad mode (one small check exchange and a host read); ranks that differ raise the same
+    ``SPMDLayoutError`` on every rank. Freeze parameters before the set is agreed. Inside a joined call covering
+    ``tensors`` (``spmdmoe.moe.params.overlap``) the sum is launched asynchronously and waited for at the call's
+    input. Under ``torch.compile``, later calls, grad mode: ``docs/design.md`` §5 and §6.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -124,11 +120,11 @@ _SET = Field("set of tensors that need a gradient", show=lambda v: f"#{v:x}",
 
 
 def agree_grad_set(tensors: Sequence[torch.Tensor], mesh: MeshLike) -> tuple[bool, ...]:
-    """Agree now, eagerly, on which of ``tensors`` need a gradient; returns the agreed set (one bool per
-    tensor) for the :func:`sync_grads` calls over these tensors and ``mesh`` to pass as ``agreed``
-    (``replicate_grads`` and ``parallelize_moe`` do it when they wrap and keep the set as a plain attribute,
-    so a forward under ``torch.compile`` reads a constant). Every rank must call it alike; ranks whose sets
-    differ raise the same ``SPMDLayoutError``: one small all-gather and a host read (none on a 1-rank axis).
+    """Agree now, eagerly, on which of ``tensors`` need a gradient; returns the agreed set (one bool per tensor)
+    to pass as ``agreed`` to the :func:`sync_grads` calls over these tensors and ``mesh`` (``replicate_grads`` and
+    ``parallelize_moe`` keep it as a plain attribute). Every rank must call it alike, outside ``torch.compile``
+    (else ``RuntimeError``); ranks whose sets differ raise the same ``SPMDLayoutError``: one small check exchange
+    and a host read (none on a 1-rank axis).
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -177,13 +173,11 @@ def replicate_grads(
 ) -> nn.Module:
     """Make ``module``'s replicated parameters get SP-summed gradients; returns ``module``.
 
-    Wraps ``module.forward`` (in place; parameter names, ``state_dict`` and
-    optimizers are unchanged): during each call the parameters (those whose
-    name ``include`` accepts, default all that require grad) are swapped for
-    :func:`sync_grads` views. For model code such as attention and norm
-    weights replicated along the SP axis. Call it once per module. Each call is
-    a joined call on its first tensor argument (``spmdmoe.moe.params.overlap``):
-    the sums wait at that input's gradient, or at an enclosing
+    Wraps ``module.forward`` (in place; parameter names, ``state_dict`` and optimizers are unchanged): during each
+    call the parameters (those whose name ``include`` accepts, default all that require grad) are swapped for
+    :func:`sync_grads` views. For model code such as attention and norm weights replicated along the SP axis. Call
+    it once per module (twice raises ``SPMDLayoutError``). Each call is a joined call on its first tensor argument
+    (``spmdmoe.moe.params.overlap``): the sums wait at that input's gradient, or at an enclosing
     :func:`spmdmoe.moe.overlap_grads` module's; ``overlap=False``: at their use.
 
     >>> import torch, spmdmoe
@@ -254,13 +248,10 @@ def _replicated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 class GradReduction(NamedTuple):
     """What a parameter's gradient still needs after ``backward``: a sum over ``axis``, then ``/ divide_factor``.
 
-    ``axis`` is ``None`` when no other rank holds a replica seeing other
-    batches; the division still applies. ``axes`` are the mesh axes ``axis``
-    spans (e.g. ``(dp, ep)``: ``axis`` is their product group), for a sum in
-    stages. ``divide_factor`` is the number of batches one optimizer step
-    sees, so the result is the gradient of the mean of the per-batch losses
-    (each batch's loss as the single-device model computes it). ``mesh`` is
-    the axis as a 1-D ``DeviceMesh`` (for ``fully_shard``).
+    ``axis`` is ``None`` when no other rank holds a replica seeing other batches; the division still applies.
+    ``axes`` are the mesh axes ``axis`` spans (e.g. ``(dp, ep)``: ``axis`` is their product group), for a sum in
+    stages. ``divide_factor`` is the number of batches one optimizer step sees (docs/guide.md, "The MoE layer").
+    ``mesh`` is the axis as a 1-D ``DeviceMesh`` (for ``fully_shard``).
     """
 
     axis: Optional[MeshAxis]
@@ -275,12 +266,10 @@ class GradReduction(NamedTuple):
 def batch_reductions(batches: tuple[MeshAxis, ...], ep: Optional[MeshAxis]) -> tuple[GradReduction, GradReduction]:
     """``(dense, experts)`` of a layer whose ranks on ``batches`` hold other batches (its ``batch_axes``).
 
-    Dense parameters are replicated over every batch axis; the experts
-    already hold every EP batch's contribution, so they need only the batch
-    axes other than ``ep``. Both divide by the number of batches one step sees
-    (the product of the batch axes' sizes), which turns the summed gradient
-    into that of the mean of the per-batch losses. A collective over the world
-    when the product group is new (:func:`spmdmoe.product_axis`).
+    Dense parameters are replicated over every batch axis; the experts already hold every EP batch's contribution,
+    so they need only the batch axes other than ``ep``. Both divide by the number of batches one step sees (the
+    product of the batch axes' sizes). A collective over the world when the product group is new
+    (:func:`spmdmoe.product_axis`).
     """
     factor = 1
     for a in batches:

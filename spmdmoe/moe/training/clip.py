@@ -1,25 +1,9 @@
 """Gradient clipping by the norm of the whole model's gradient, over every axis it is laid out on.
 
-``torch.nn.utils.clip_grad_norm_`` on one rank sees that rank's tensors: its EP block of experts, its slice
-of each expert's hidden dim (gather mode), and gradients that every rank of an SP or dp axis holds whole.
-Each rank then computes its own norm and its own clip coefficient, and replicated weights drift apart.
-:func:`clip_grad_norm_` counts every element of the model's gradient once and gives every rank the same
-coefficient (docs/design.md §5):
-
-* a parameter is *sharded* on some axes and *replicated* on the others. Sharded: routed experts on their
-  layer's EP axis (``ParallelMoE.expert_slice``) and, in gather mode, on its SP axis (``hidden_slice``);
-  a DTensor on the mesh dims of its ``Shard`` placements (FSDP2, the torchtitan adapter). Replicated on
-  every other axis: dense layer weights, ``replicate_grads`` modules, plain modules, and the dp replicas
-  of DDP / ``reduce_grads`` (their reduction has made them equal);
-* the axes: the ``sp`` / ``ep`` / ``dp`` of the model's ``ParallelMoE`` layers (also one held as a plain
-  attribute, as the torchtitan adapter holds its layer), the axis of each ``replicate_grads`` module and
-  every mesh dim of its DTensors; a mesh dim that is the product of such axes (FSDP2's ``dp x ep``) is
-  taken as those axes;
-* each rank takes the parameters it is the first replica of (rank 0 on every axis the parameter is not
-  sharded on) and raises their norm (``torch.nn.utils.get_total_norm``) to the power ``p``; one
-  all-reduce (sum; max for ``inf``) of that scalar over the product of the axes and the ``p``-th root
-  give the norm: every shard counted once, the same bits on every rank. The clip multiplies on the
-  device, as torch's does; nothing is read on the host unless ``error_if_nonfinite``.
+``torch.nn.utils.clip_grad_norm_`` on one rank sees that rank's tensors only, so each rank computes its own clip
+coefficient and replicated weights drift apart. :func:`clip_grad_norm_` counts every element of the model's
+gradient once and gives every rank the same coefficient. Which parameter is sharded on which axis, which axes the
+model names, and how the norm is reduced: ``docs/design.md`` §5 ("Clipping").
 """
 
 from __future__ import annotations
@@ -52,25 +36,23 @@ def clip_grad_norm_(module_or_params: Parameters, max_norm: float, norm_type: fl
                     model: Optional[nn.Module] = None) -> torch.Tensor:
     """Clip the gradients of ``module_or_params`` in place by their global norm; return that norm.
 
-    ``torch.nn.utils.clip_grad_norm_`` for a model laid out over SP, EP and dp axes (module docstring):
-    the norm of the whole model's gradient (the single-device model's, each element once), the same
-    on every rank, then every gradient times ``min(max_norm / (norm + 1e-6), 1)``. Pass the model
-    (its spmdmoe layers say how each parameter is laid out); for a subset of its parameters (e.g. one
-    optimizer group) pass them with ``model=``. Call it on every rank with the same parameters, after
-    the gradients are complete: after ``backward`` (which sums SP-replicated gradients over SP) and
-    the dp reduction (DDP and FSDP2 reduce in ``backward``; ``reduce_grads`` by hand), before
-    ``optimizer.step()``. One all-reduce of one scalar over the product of the model's axes (none
-    when it has none: then it is torch's function, bit for bit); the first call for a set of axes
-    may build their product group (``spmdmoe.product_axis``, a collective over the world).
+    ``torch.nn.utils.clip_grad_norm_`` for a model laid out over SP, EP and dp axes (docs/design.md §5): the norm
+    of the whole model's gradient (the single-device model's, each element once), the same on every rank, then
+    every gradient times ``min(max_norm / (norm + 1e-6), 1)``. Pass the model (its spmdmoe layers say how each
+    parameter is laid out); for a subset of its parameters (e.g. one optimizer group) pass them with ``model=``.
+    Call it on every rank with the same parameters, after the gradients are complete: after ``backward`` (which
+    sums SP-replicated gradients over SP) and the dp reduction (DDP and FSDP2 reduce in ``backward``;
+    ``reduce_grads`` by hand), before ``optimizer.step()``. One all-reduce of one scalar over the product of the
+    model's axes (none when it has none: then it is torch's function, bit for bit); the first call for a set of
+    axes may build their product group (``spmdmoe.product_axis``, a collective over the world).
 
-    ``norm_type``: a positive number or ``inf`` (the largest element, a max over the axes). A
-    ``None`` gradient counts as zeros and stays ``None``, as in torch; the collectives do not depend
-    on it. Returns the norm as a 0-d tensor, without a host read: on the device of the model's axes,
-    float32 or wider (without axes: torch's). ``error_if_nonfinite``: read the norm on the host and raise
-    ``RuntimeError`` on every rank if it is NaN or infinite. ``foreach``: as torch's. Axes that no
-    layer, ``replicate_grads`` module or DTensor names (replicas made by hand) are not reduced over:
-    each replica computes the norm from its own copy. Raises ``ValueError`` for another
-    ``norm_type``, ``TypeError`` for parameters without their model on several ranks,
+    ``norm_type``: a positive number or ``inf`` (the largest element, a max over the axes). A ``None`` gradient
+    counts as zeros and stays ``None``, as in torch; the collectives do not depend on it. Returns the norm as a 0-d
+    tensor, without a host read: on the device of the model's axes, float32 or wider (without axes: torch's).
+    ``error_if_nonfinite``: read the norm on the host and raise ``RuntimeError`` on every rank if it is NaN or
+    infinite. ``foreach``: as torch's. Axes that no layer, ``replicate_grads`` module or DTensor names (replicas
+    made by hand) are not reduced over: each replica computes the norm from its own copy. Raises ``ValueError``
+    for another ``norm_type``, ``TypeError`` for parameters without their model on several ranks,
     ``SPMDMeshError`` for axes that are neither orthogonal nor products of each other.
 
     >>> import torch, spmdmoe

@@ -1,30 +1,11 @@
 """Data parallelism around parallel MoE layers: DDP, FSDP2, or a plain reduction.
 
-After ``backward`` a model's gradients are complete along its SP axis
-(``grads.py``) and, for the experts, along EP (the all-to-all brought them every
-EP batch's tokens). What is left is the sum across *batches*: ranks that hold
-replicas of a parameter but saw other data. A layer's batch axes are its
-``dp_mesh`` and its EP axis when that is not the SP axis (EP-only and 2-D plans:
-each EP rank routes its own batch).
-
-==========================  ============================  ===================
-parameter                   sum over                      divide by
-==========================  ============================  ===================
-dense (router, shared,      every batch axis (dp x ep)    number of batches
-attention, embeddings...)
-routed experts              batch axes but EP (dp)        number of batches
-==========================  ============================  ===================
-
-The number of batches is the product of the batch axes' sizes, so the result is
-the gradient of the mean of the per-batch losses; each batch's loss is what the
-single-device model computes for it (with SP, summed over the SP ranks'
-shares). For a mean over all of the step's tokens instead (uneven batches
-weighted by their sizes), make each batch's loss ``token_sum * n_batches /
-step_tokens``. :func:`grad_reductions` gives this per parameter name;
-:func:`reduce_grads` applies it by hand, :func:`ddp` sets DDP up with it and
-:func:`spmdmoe.moe.training.fsdp.fully_shard_moe` FSDP2. Parameters outside the MoE layers that are
-replicated along SP must get their SP sum from
-:func:`spmdmoe.moe.replicate_grads` first, as without data parallelism.
+After ``backward`` a model's gradients are complete along its SP axis (``grads.py``) and, for the experts, along
+EP. What is left is the sum across *batches*, over a layer's batch axes (its ``dp_mesh``, and its EP axis when that
+is not the SP axis): dense parameters over every batch axis, routed experts over the batch axes but EP, both
+divided by the number of batches (docs/guide.md, "The MoE layer"). :func:`grad_reductions` gives this per
+parameter name; :func:`reduce_grads` applies it by hand, :func:`ddp` sets DDP up with it and
+:func:`spmdmoe.moe.training.fsdp.fully_shard_moe` FSDP2.
 """
 
 from __future__ import annotations
@@ -55,12 +36,10 @@ def grad_reductions(model: nn.Module) -> Reductions:
     """Per parameter name of ``model``: its :class:`GradReduction` (every parameter, also one that does
     not require grad here: the table must not depend on what one rank freezes).
 
-    Parameters of :class:`ParallelMoE` submodules follow
-    :meth:`ParallelMoE.batch_reductions` (routed experts: the experts'
-    reduction, the rest: the dense one); every other parameter is treated as
-    dense (replicated over all batch axes). Every MoE layer must have the same
-    batch axes. Collective over the world on the first call; call it on every
-    rank, before wrapping (names are the unwrapped model's).
+    Parameters of :class:`ParallelMoE` submodules follow :meth:`ParallelMoE.batch_reductions` (routed experts: the
+    experts' reduction, the rest: the dense one); every other parameter is treated as dense (replicated over all
+    batch axes). Every MoE layer must have the same batch axes. Collective over the world on the first call; call
+    it on every rank, before wrapping (names are the unwrapped model's).
 
     >>> import spmdmoe
     >>> from spmdmoe.moe import MoE, MoEConfig, parallelize_moe
@@ -95,15 +74,11 @@ def grad_reductions(model: nn.Module) -> Reductions:
 def reduce_grads(model: nn.Module, reductions: Optional[Reductions] = None) -> None:
     """Apply ``reductions`` (default :func:`grad_reductions`) to ``model``'s ``.grad`` in place.
 
-    Call on every rank after the last ``backward`` of a step, before the
-    optimizer: one all-reduce per (group, dtype), gradients flattened into it.
-    A parameter without a gradient takes part with zeros (its ``.grad`` is set).
-    The payload is every parameter in ``reductions``, also one that does not
-    require grad on this rank (zeros, its ``.grad`` left alone), so a rank that
-    froze a parameter its peers train still makes the same collectives; each
-    group also all-gathers one int64 per rank, a hash of which of its
-    parameters this rank trains, and a rank whose set is not a strict
-    majority's (every rank, when none is) is recorded (no host read) and raised, on every rank, by the
+    Call on every rank after the last ``backward`` of a step, before the optimizer: one all-reduce per (group,
+    dtype), gradients flattened into it. A parameter without a gradient takes part with zeros (its ``.grad`` is
+    set); so does one that does not require grad on this rank (its ``.grad`` left alone), so a rank that froze a
+    parameter its peers train still makes the same collectives. Each group also compares, on the device, which
+    of its parameters each rank trains (docs/design.md §6): a rank that differs is raised, on every rank, by the
     next :func:`spmdmoe.check_errors` (call it before ``optimizer.step()``).
     """
     reductions = grad_reductions(model) if reductions is None else reductions
@@ -141,14 +116,11 @@ def _agree_on_trained(axis: MeshAxis, trained: list[bool]) -> None:
 def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: Any) -> DistributedDataParallel:
     """``DistributedDataParallel(module)`` whose comm hook applies ``reductions`` per parameter.
 
-    DDP reduces every parameter over one group; here its group is the widest
-    reduction group (dense parameters: dp x ep) and a comm hook reduces each
-    bucket's parameters over their own group with their own divide factor.
-    Set for you: ``init_sync=False`` (experts differ across EP ranks of that
-    group: build the model identically on every rank instead, same seed) and
-    no buffer broadcast in forward (``tokens_per_expert`` counts are per rank).
-    ``kwargs`` go to DDP (e.g. ``device_ids``, ``bucket_cap_mb``); ``no_sync()``
-    works as usual.
+    DDP reduces every parameter over one group; here its group is the widest reduction group (dense parameters:
+    dp x ep) and a comm hook reduces each bucket's parameters over their own group with their own divide factor.
+    Set for you: ``init_sync=False`` (experts differ across EP ranks of that group: build the model identically on
+    every rank instead, same seed) and no buffer broadcast in forward (``tokens_per_expert`` counts are per rank).
+    ``kwargs`` go to DDP (e.g. ``device_ids``, ``bucket_cap_mb``); ``no_sync()`` works as usual.
     """
     reductions = grad_reductions(module) if reductions is None else reductions
     _check_covered(module, reductions)

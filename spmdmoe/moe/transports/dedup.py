@@ -45,26 +45,17 @@ def destinations(ids_TK: torch.Tensor, local_experts: int, ranks: int) -> torch.
 def send_positions(need_Tn: torch.Tensor, slot: Optional[int] = None) -> torch.Tensor:
     """int64 ``(T, n)``: token ``t``'s row in the send buffer for rank ``d``, or ``-1`` (not sent there).
 
-    Rows for rank ``d`` in token order; ``slot=None``: the blocks packed (rank ``d``'s block starts after
-    the rows for ranks ``< d``: the sync transport's exact buffer); ``slot=S``: rank ``d``'s block at
-    ``d * S``, and a token past its block's ``S`` rows is not sent (``-1``: dropped, the sync-free
-    capacity's overflow).
-
-    One stable sort of the table's destination ranks (row-major, the entries not needed last) puts every
-    entry at its packed row: rank-major, then token order. No scan over the 2-D table: inductor (torch
-    2.11, CUDA, static shapes) raised ``TypeError: list indices must be integers or slices, not NoneType``
-    generating code for one along either dim, and torch's eager scan along dim 0 took 1.6 ms at
-    ``T = 16k``, ``n = 2`` on an H100 (issues 41, 42).
-    """
+    Rows for rank ``d`` in token order (:func:`spmdmoe.kernels.expert_order` with the ranks as the experts);
+    ``slot=None``: the blocks packed (rank ``d``'s block starts after the rows for ranks ``< d``: the sync
+    transport's exact buffer); ``slot=S``: rank ``d``'s block at ``d * S``, and a token past its block's ``S``
+    rows is not sent (``-1``: dropped, the sync-free capacity's overflow). No scan over the 2-D table (inductor
+    on torch 2.11 failed to generate one; torch's eager scan took 1.6 ms at ``T = 16k``, issues 41, 42)."""
     T, n = need_Tn.shape
     rank_n = torch.arange(n, device=need_Tn.device)
-    key_Tn = torch.where(need_Tn, rank_n, n)
-    order = torch.argsort(key_Tn.reshape(-1), stable=True)  # flat (T * n): entry order[i] goes to row i
-    packed_Tn = torch.empty_like(order).scatter_(0, order, torch.arange(T * n, device=order.device)).view(T, n)
+    packed_Tn, ends_n, rows_n = expert_order(torch.where(need_Tn, rank_n, -1), 0, n, T * n)
     if slot is None:
-        return torch.where(need_Tn, packed_Tn, -1)
-    rows_n = need_Tn.sum(0)
-    within_Tn = packed_Tn - (rows_n.cumsum(0) - rows_n)
+        return packed_Tn
+    within_Tn = packed_Tn - (ends_n - rows_n)
     return torch.where(need_Tn & (within_Tn < slot), rank_n * slot + within_Tn, -1)
 
 

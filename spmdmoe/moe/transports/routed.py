@@ -75,23 +75,19 @@ def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor], 
                   all_here: bool = False) -> RoutedTokens:
     """The copies of ``M`` rows for this rank's experts, in expert-major order, with the routing weights folded
     into the experts (they return each row's weighted sum of its copies: ``copies_TK``). Every transport ends
-    its dispatch here: the local one on its own tokens, the EP ones on the rows they received (a token once
-    per rank, with all its ``J = K`` expert ids, those of other ranks no copy here).
+    its dispatch here, on its own tokens or on the rows it received (a token once per rank, with all its ids).
 
     Args:
         x_MD: ``(M, D)``, the rows (bf16 / fp32); ``M`` may be 0.
-        order: ``(pos_MJ, offsets)`` of :func:`spmdmoe.kernels.expert_order` for the rows' ids and ``rows``:
-            copy ``(s, j)``'s row (int64, ``-1``: no copy here, or dropped past ``rows``) and the experts'
-            int32 group ends. Order: by local expert, then by row (so by source rank for received rows),
-            then by ``j``.
+        order: ``(pos_MJ, offsets)`` of :func:`spmdmoe.kernels.expert_order` for the rows' ids into ``rows``:
+            copy ``(s, j)``'s row (int64; ``-1``: none here, or dropped past ``rows``) and the int32 group ends.
         weights_MJ: fp32 ``(M, J)`` routing weights (differentiable); those of copies not here are unused.
-        rows: host int, the experts' buffer rows: at least the copies (the exact count, or a static capacity
-            whose rows past ``valid_rows`` are never read), or fewer: the copies past it were dropped by
-            ``order`` (a sync-free capacity; the transport records that overflow).
+        rows: host int, the experts' buffer rows: the copies' exact count, or a static capacity (rows past
+            ``valid_rows`` never read; fewer than the copies: ``order`` dropped the rest, the transport records it).
         fp8_rows: also the rowwise e4m3 of the copies, quantized once per row (``RoutedTokens.fp8_rows``).
         group_sizes, handle: what the transport knows on the host and needs in its combine.
-        all_here: every copy has its row (no ``-1``) and ``rows == M * J`` (the local transport): the weights
-            are spread with one scatter, and the ``handle`` is the copies' positions (its combine's).
+        all_here: no ``-1`` and ``rows == M * J`` (the local transport): the weights spread with one scatter,
+            and the ``handle`` is the copies' positions (its combine's).
 
     No host sync."""
     pos_MJ, offsets = order

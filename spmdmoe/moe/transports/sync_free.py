@@ -87,9 +87,8 @@ class SyncFreeTransport(Dispatching):
         overflowed), the slot and expert rows needed, ``T_max``."""
         state = self.overflow
         balanced = max(t_max * self.top_k, 1)  # an experts' buffer's balanced rows; a slot's: that / n
-        # (the host ints folded first: each tensor op is a launch)
-        excess = torch.maximum(((slot_needed - S) * (self.axis.size * 1000) + (balanced - 1)) // balanced,
-                               ((rows_needed - R) * 1000 + (balanced - 1)) // balanced)
+        # ceil(1000 * max(n * slot excess, rows excess) / balanced): the max of the two ratios, ceil being monotone
+        excess = (torch.maximum((slot_needed - S) * self.axis.size, rows_needed - R) * 1000 + (balanced - 1)) // balanced
         now = torch.stack([excess, slot_needed, rows_needed, torch.full_like(excess, t_max)])
         state.copy_(torch.where(excess > state[0], now, state))
 
