@@ -17,7 +17,7 @@ from .._dist import all_to_all_single
 from ..agreement import (BIT, Field, Problem, agree, check_exchange, check_payload, raise_mixed_ops,
                          raise_problems)
 from ..autograd import GRAD_LEAF, always_recorded, collective_op, written
-from ..host import to_host
+from ..host import DelayedRead, to_host, tracing
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
 from ..types.placement import Varying
 from ..types.tensor import SPMDTensor, parse_count
@@ -189,24 +189,31 @@ def exchange_with_codes(
 def exchange_split_sizes(
     copies_ne: torch.Tensor, rows_n: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis,
     details: Sequence[str] = (),
-) -> tuple[list[int], list[int], list[int], list[int]]:
+) -> Callable[[], tuple[list[int], list[int], list[int], list[int]]]:
     """The EP dispatch's count exchange: :func:`exchange_with_codes` of ``(n, e + 1)`` counts per destination
     rank (the copies for each of its ``e`` local experts, then the rows sent to it: ``moe/transports/dedup.py`` sends a
     token once per rank), with the sums the dispatch needs taken on the device first, so the one host read
-    carries ``4n + e`` ints and no host loop grows with ``n * e``. Returns the rows to send to and receive
-    from each rank, the copies received per local expert, and every rank's problem bits. Eager, a rank in
-    another check exchange (``from_local`` on its peers, say) raises on every rank, with ``details`` (this
-    rank's problem) in the message; traced, the tags are not read (no data-dependent raise in a graph)."""
+    carries ``4n + e`` ints and no host loop grows with ``n * e``. Started now; the call it returns makes that
+    read (on CUDA a copy started now, :class:`spmdmoe.host.DelayedRead`: the host issues what comes between while
+    the counts travel, and waits for the copy alone) and gives the rows to send to and receive from each rank, the
+    copies received per local expert, and every rank's problem bits. Eager, a rank in another check exchange
+    (``from_local`` on its peers, say) raises on every rank, with ``details`` (this rank's problem) in the
+    message; traced, the tags are not read (no data-dependent raise in a graph)."""
     n, e = copies_ne.shape
     payload, received = _counts_with_codes(torch.cat([copies_ne, rows_n.view(n, 1)], dim=1), code, axis,
                                            "MoE dispatch")
     traced = torch.compiler.is_compiling()
-    host = to_host(torch.cat([payload[:, 2 + e], received[:, 2 + e], received[:, 2:2 + e].sum(0), received[:, 1],
-                              *(() if traced else (received[:, 0],))]))
-    codes = host[2 * n + e:3 * n + e]
-    if not traced:
-        raise_mixed_ops("MoE dispatch", list(zip(host[3 * n + e:], codes)), details, axis.ranks)
-    return host[:n], host[n:2 * n], host[2 * n:2 * n + e], codes
+    table = torch.cat([payload[:, 2 + e], received[:, 2 + e], received[:, 2:2 + e].sum(0), received[:, 1],
+                       *(() if traced else (received[:, 0],))])
+    read = (lambda: to_host(table)) if tracing() else DelayedRead(table).get
+
+    def read_split_sizes() -> tuple[list[int], list[int], list[int], list[int]]:
+        host = read()
+        codes = host[2 * n + e:3 * n + e]
+        if not traced:
+            raise_mixed_ops("MoE dispatch", list(zip(host[3 * n + e:], codes)), details, axis.ranks)
+        return host[:n], host[n:2 * n], host[2 * n:2 * n + e], codes
+    return read_split_sizes
 
 
 def _exchange(send_counts: torch.Tensor, axis: MeshAxis, rows: Optional[int], width: int, op: str,

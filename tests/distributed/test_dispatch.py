@@ -99,6 +99,24 @@ def test_all_to_all_transport(world, device, tokens_of, skew, nan_empty):
     assert_close_everywhere(w_TK.grad, ref_w.grad, rtol=1e-12, atol=1e-12, name="routing weights' gradient")
 
 
+def test_sync_dispatch_issues_its_sends_before_the_host_read(world, device, monkeypatch):
+    """Sync EP reads its count exchange on the host only after it has issued the send positions and the
+    ids-and-weights (``exchange_split_sizes`` returns its read; on CUDA the read waits for the counts' copy
+    alone): the host's Python for them runs while the counts travel. One read a dispatch."""
+    import spmdmoe.moe.transports.dispatch as dispatch
+
+    seen = []
+    for name in ("send_positions", "pack_meta"):
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, real=real, name=name: seen.append(name) or real(*a))
+    get = spmdmoe.host.DelayedRead.get
+    monkeypatch.setattr(spmdmoe.host.DelayedRead, "get", lambda self: seen.append("read") or get(self))
+    n, r = world.size(), world.get_local_rank()
+    x_TD, ids_TK, w_TK = (t.to(device) for t in _inputs(r, [5] * n, 2 * n, 3))
+    AllToAllTransport(spmdmoe.mesh_axis(world), 2 * n).dispatch(x_TD, ids_TK, w_TK)
+    assert seen == ["send_positions", "pack_meta", "read"], seen
+
+
 @pytest.mark.parametrize("T", [0, 1, 6])
 @pytest.mark.parametrize("skew", [False, True])
 def test_local_transport(device, T, skew):

@@ -23,7 +23,7 @@ from spmdmoe.testing import all_ranks_agree, reference_tensor
 
 # The documented reads, by call site (``HostReads``' names), with where each is documented:
 # sync EP's count exchange: spmdmoe/collectives/alltoall.py's docstring and moe/transports/dispatch.py's table
-SPLITS = "spmdmoe/collectives/alltoall.py:exchange_split_sizes via host"
+SPLITS = "spmdmoe/collectives/alltoall.py:read_split_sizes via host"
 # an SP layer over the whole job (no EP, or sync-free EP on the SP axis): the forward's exchange read in its
 # backward (spmdmoe.host.DelayedRead): moe/parallel/ride.py's docstring
 RIDE = "spmdmoe/moe/parallel/ride.py:_raise via host"

@@ -34,7 +34,7 @@ from ...agreement import GRAD_OFF, Problem, ProblemSink, grad_mode_codes, raise_
 from ...collectives.alltoall import exchange_split_sizes
 from ...kernels import expert_order
 from ...types.mesh import MeshAxis
-from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
+from .dedup import Sent, destinations, launch_back, launch_tokens, pack_meta, send_back, send_positions
 from ..routing.permute import count_per_expert, weighted_combine
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .symmetric import SymmetricTransport, symmetric_usable
@@ -205,16 +205,18 @@ class AllToAllTransport(Dispatching):
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
                         problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
-        """:meth:`Transport.launch_dispatch`: the count exchange and its host read now, then the rows and
-        their ids and weights launched."""
+        """:meth:`Transport.launch_dispatch`: the count exchange and its host read now (the send positions and
+        the ids-and-weights issued while the counts travel), then the rows and their ids and weights launched."""
         problem = problem if problem is not None else Problem()
         n, e = self.axis.size, self.local_experts
         need_Tn = destinations(ids_TK, e, n)
         counts = count_per_expert(ids_TK, self.num_experts).view(n, e)
         dev = self.axis.metadata_device()
         marker = 0 if torch.is_grad_enabled() else GRAD_OFF  # grad mode rides too: a mix would hang backward
-        send, recv, sizes, codes = exchange_split_sizes(counts.to(dev), need_Tn.sum(0).to(dev),
-                                                        problem.bits | marker, self.axis, problem.details)
+        read_sizes = exchange_split_sizes(counts.to(dev), need_Tn.sum(0).to(dev), problem.bits | marker, self.axis,
+                                          problem.details)
+        pos_Tn, meta_TW = send_positions(need_Tn), pack_meta(ids_TK, weights_TK)  # issued while the counts travel
+        send, recv, sizes, codes = read_sizes()
         if torch.compiler.is_compiling():
             problem.record(problem.bits, x_TD.device)  # no data-dependent raise in a graph: the step boundary raises
             for c in send + recv + sizes:  # facts about the traced counts that the tracer cannot see
@@ -228,8 +230,7 @@ class AllToAllTransport(Dispatching):
             if self.raises:
                 raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
             problem.record(mine, x_TD.device)
-        pos_Tn = send_positions(need_Tn)
-        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e, sum(sizes))
+        received = launch_tokens(x_TD, meta_TW, pos_Tn, send, recv, self.axis, e, sum(sizes))
         return lambda: routed_copies(*received(), sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
                                      handle=Sent(pos_Tn, send, recv))
 

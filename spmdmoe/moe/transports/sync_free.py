@@ -28,7 +28,7 @@ from ..._dist import all_gather_single
 from ...agreement import BIT, Problem, ProblemSink
 from ...host import to_host
 from ...types.mesh import MeshAxis
-from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
+from .dedup import Sent, destinations, launch_back, launch_tokens, pack_meta, send_back, send_positions
 from ..routing.permute import count_per_expert
 from .routed import Dispatching, RoutedTokens, routed_copies
 
@@ -120,7 +120,8 @@ class SyncFreeTransport(Dispatching):
         # received slot i's first min(rows sent, S) rows are live, the rest of it never read
         live_Q = (torch.arange(S, device=x_TD.device) < table[:, E + me, None]).reshape(Q)
         sent = Sent(pos_Tn, [S] * n, [S] * n)
-        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, sent.send, sent.recv, self.axis, e, R, live_Q)
+        received = launch_tokens(x_TD, pack_meta(ids_TK, weights_TK), pos_Tn, sent.send, sent.recv, self.axis, e, R,
+                                 live_Q)
         return lambda: routed_copies(*received(), R, fp8_rows=fp8_rows, handle=sent)
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
