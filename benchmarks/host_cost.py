@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 1 benchmarks/host_cost.py [--shape dsv3-debug] [--tokens 1024,4096,16384] [--out FILE]
     torchrun --nproc-per-node N benchmarks/host_cost.py ...     # EP over the N GPUs
     torchrun --nproc-per-node 2 benchmarks/host_cost.py --smoke # CPU (gloo), tiny: the op counts, no timing
+    ... --ops                                                  # also each stage's host time op by op (profiler)
 
 Per candidate and token count (T tokens a rank, bf16, the same weights; columns):
 
@@ -25,11 +26,13 @@ against the same layer eager, with each one's step peak memory.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,34 +81,50 @@ STAGES = ("admission.admit", "weights", "rows.gather", "_route", "_dispatch", "e
           "_shared", "rows.scatter", "admission.release")
 
 
-def stage_us(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, steps: int = 30) -> dict[str, float]:
-    """Host us a step by stage of our layer's forward (``layer.py``'s ``forward`` / ``_moe``: each stage's method
-    wrapped in a timer for this measurement only; ``_combine`` includes the wait it returns), the whole forward and
-    the backward; each step from an idle device, median over ``steps``."""
-    spent: dict[str, list[float]] = {name: [] for name in (*STAGES, "forward", "backward")}
+@contextlib.contextmanager
+def stages_wrapped(layer: torch.nn.Module, wrap: Callable[[str, Callable], Callable]) -> Iterator[None]:
+    """Each of our layer's stage methods (``STAGES``) replaced by ``wrap(stage, method)`` for this measurement
+    only (instance attributes, removed after: the class's methods again)."""
     wrapped = []
-
-    def timer(name: str, fn: Callable) -> Callable:
-        def timed_call(*a: object, **k: object) -> object:
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            if callable(out) and name == "_combine":  # the wait, called later
-                wait = out
-                def out() -> object:  # noqa: E306
-                    t1 = time.perf_counter()
-                    r = wait()
-                    spent[name][-1] += time.perf_counter() - t1
-                    return r
-            spent[name].append(time.perf_counter() - t0)
-            return out
-        return timed_call
-
     for stage in STAGES:
         owner_name, _, attr = stage.rpartition(".")
         owner = getattr(layer, owner_name) if owner_name else layer
         wrapped.append((owner, attr))
-        setattr(owner, attr, timer(stage, getattr(owner, attr)))
+        setattr(owner, attr, wrap(stage, getattr(owner, attr)))
     try:
+        yield
+    finally:
+        for owner, attr in wrapped:
+            delattr(owner, attr)
+
+
+def with_wait(name: str, fn: Callable, around: Callable[[str, Callable], object]) -> Callable:
+    """``fn`` called through ``around(name, call)``; for ``_combine`` its returned wait too (the combine's)."""
+    def call(*a: object, **k: object) -> object:
+        out = around(name, lambda: fn(*a, **k))
+        if callable(out) and name == "_combine":
+            wait = out
+            return lambda: around(name + " wait", wait)
+        return out
+    return call
+
+
+def stage_us(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, steps: int = 30) -> dict[str, float]:
+    """Host us a step by stage of our layer's forward (``layer.py``'s ``forward`` / ``_moe``; ``_combine``
+    includes the wait it returns), the whole forward and the backward; each step from an idle device, median
+    over ``steps``."""
+    spent: dict[str, list[float]] = {name: [] for name in (*STAGES, "forward", "backward")}
+
+    def timer(name: str, call: Callable) -> object:
+        t0 = time.perf_counter()
+        out = call()
+        if name.endswith(" wait"):
+            spent[name[:-5]][-1] += time.perf_counter() - t0
+        else:
+            spent[name].append(time.perf_counter() - t0)
+        return out
+
+    with stages_wrapped(layer, lambda name, fn: with_wait(name, fn, timer)):
         for _ in range(steps + 3):
             layer.zero_grad(set_to_none=True)
             x.grad = None
@@ -117,10 +136,40 @@ def stage_us(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, steps: in
             t2 = time.perf_counter()
             spent["forward"].append(t1 - t0)
             spent["backward"].append(t2 - t1)
-    finally:
-        for owner, attr in wrapped:  # the instance attribute set above: the class's method again
-            delattr(owner, attr)
     return {name: statistics.median(v[3:]) * 1e6 for name, v in spent.items() if v}
+
+
+def op_tables(layer: torch.nn.Module, step: Callable[[], None], steps: int = 3, top: int = 8) -> list[str]:
+    """Where each stage's host time goes (``--ops``): per stage of our layer's forward, its top-level ops (ATen
+    ops, autograd Functions, collectives) by host us, and the backward's autograd nodes, from ``torch.profiler``
+    (CPU activity, ``steps`` steps after one warm-up, means a step). The profiler adds its own cost to every op:
+    this says where the time goes, ``stage_us`` how much."""
+    def marked(name: str, call: Callable) -> object:
+        with torch.profiler.record_function("stage: " + name):
+            return call()
+
+    with stages_wrapped(layer, lambda name, fn: with_wait(name, fn, marked)):
+        step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # each step from an idle device, as issued_us times it
+                step()
+    groups: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for e in prof.events():
+        if e.name.startswith("stage: "):
+            for child in e.cpu_children:
+                groups[e.name[7:]][child.name].append(child.cpu_time_total)
+        elif e.name.startswith("autograd::engine::evaluate_function: "):
+            groups["backward"][e.name[37:]].append(e.cpu_time_total)
+    lines = []
+    for stage, ops in groups.items():
+        total = sum(map(sum, ops.values())) / steps
+        ranked = sorted(ops.items(), key=lambda kv: -sum(kv[1]))
+        lines.append(f"| {stage} | {sum(map(len, ops.values())) / steps:.0f} | {total:.0f} | " + ", ".join(
+            f"{name} {sum(v) / steps:.0f} ({len(v) / steps:g}x)" for name, v in ranked[:top]) + " |")
+    return ["| stage | top-level ops a step | their host us | the largest (us, calls a step) |", "|---|---|---|---|",
+            *lines]
 
 
 def graphed(layer: torch.nn.Module, eager_step: Callable[[], None], x: torch.Tensor, g: torch.Tensor) -> str:
@@ -154,6 +203,7 @@ def main() -> None:
     ap.add_argument("--shared", type=int, default=None, help="shared experts (of F each); default: the debug "
                     "model's 2 at dsv3-debug, else 0")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--ops", action="store_true", help="also where each stage's host time goes, op by op (op_tables)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torchtitan_ready("host_cost"):
@@ -215,11 +265,14 @@ def main() -> None:
         steps = {name: step_of(name, layer) for name, layer in layers.items()}
         ops = {name: ops_per_step(s) for name, s in steps.items()}
         lines.append(f"\nT = {T} tokens a rank")
+        ours = [name for name in layers if name.startswith("ours, EP")]
+        tables = [line for name in ours if args.ops for line in (f"\n{name}: host time by op\n",
+                                                                  *op_tables(layers[name], steps[name]))]
         if args.smoke:
-            lines += [f"| {name} | {ops[name]} ATen ops |" for name in steps]
+            lines += [f"| {name} | {ops[name]} ATen ops |" for name in steps] + tables
             continue
         gpu = timed(steps, iters=5, reps=9)
-        stages = {name: stage_us(layers[name], x, g) for name in layers if name.startswith("ours, EP")}
+        stages = {name: stage_us(layers[name], x, g) for name in ours}
         host = issued_us(steps)
         launches = {name: launches_per_step(s) for name, s in steps.items()}
         base = host["torchtitan MoE"]
@@ -235,6 +288,7 @@ def main() -> None:
         lines.append("| candidate | " + " | ".join(columns) + " |")
         lines.append("|" + "---|" * (len(columns) + 1))
         lines += [f"| {name} | " + " | ".join(f"{v:.0f}" for v in row.values()) + " |" for name, row in stages.items()]
+        lines += tables
     if dist.get_rank() == 0:
         report("\n".join(lines), args.out)
 

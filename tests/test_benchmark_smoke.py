@@ -77,15 +77,19 @@ def test_vs_torchtitan_ep_benchmark_smoke():
 
 @pytest.mark.timeout(200)
 def test_host_cost_benchmark_smoke():
-    """``benchmarks/host_cost.py --smoke`` on 2 gloo processes: torchtitan's EP layer and ours (sync, sync-free)
-    each step, and their ATen ops a step are counted (the GPU columns are CUDA-only)."""
+    """``benchmarks/host_cost.py --smoke --ops`` on 2 gloo processes: torchtitan's EP layer and ours (sync,
+    sync-free) each step, and their ATen ops a step are counted (the GPU columns are CUDA-only); ours' host time
+    op by op, stage by stage, the backward's nodes included."""
     pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: pip install '.[torchtitan]'")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(ROOT / "benchmarks" / "host_cost.py"), "--smoke"],
+                          str(ROOT / "benchmarks" / "host_cost.py"), "--smoke", "--ops"],
                          cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     for row in ("torchtitan MoE", "ours, EP 2 sync", "ours, EP 2 sync_free (no max_tokens)"):
         assert re.search(rf"\| {re.escape(row)} \| [1-9][0-9]* ATen ops \|", out.stdout), out.stdout[-2000:]
+    for stage in ("_route", "_dispatch", "experts.forward", "backward"):  # twice: sync, sync-free
+        assert len(re.findall(rf"^\| {re.escape(stage)} \| [1-9][0-9]* \| [0-9]+ \| ", out.stdout, re.M)) == 2, \
+            out.stdout[-3000:]
 
 
 @pytest.mark.timeout(300)
