@@ -85,11 +85,11 @@ def launch_tokens(x_TD: torch.Tensor, meta_TW: torch.Tensor, pos_Tn: torch.Tenso
                   axis: MeshAxis, local_experts: int, rows: int, live_Q: Optional[torch.Tensor] = None
                   ) -> Callable[[], Received]:
     """Each token to the ranks ``pos_Tn`` names (:func:`send_positions`), with its ids and weights (``meta_TW``,
-    :func:`pack_meta`), started now; the call it returns waits and gives ``(x_QD, order, weights_QK)``: the rows received (source-major,
-    ``recv`` from each rank), their copies' order for this rank's experts in ``rows`` rows (:func:`received_order`;
-    a row ``live_Q`` marks dead has none), and the weights (differentiable). Two ``all_to_all_single`` over
-    ``axis`` (``send`` rows to each rank), the rows and the ids-and-weights, in flight until that call
-    (:func:`spmdmoe.collectives.alltoall.exchange_launched`); their reverse in the backward."""
+    :func:`pack_meta`), started now; the call it returns waits and gives ``(x_QD, order, weights_QK)``: the rows
+    received (source-major, ``recv`` from each rank), their copies' order for this rank's experts in ``rows`` rows
+    (:func:`received_order`; a row ``live_Q`` marks dead has none), and the weights (differentiable). Two
+    ``all_to_all_single`` over ``axis`` (``send`` rows to each rank), the rows and the ids-and-weights, in flight
+    until that call (:func:`spmdmoe.collectives.alltoall.exchange_launched`); their reverse in the backward."""
     sent = sum(send)
     x_wait = exchange_launched(scatter_rows(x_TD, pos_Tn, sent), send, recv, axis, 0)
     meta_wait = exchange_launched(scatter_rows(meta_TW, pos_Tn, sent), send, recv, axis, 0)

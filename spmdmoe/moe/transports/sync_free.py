@@ -88,7 +88,8 @@ class SyncFreeTransport(Dispatching):
         state = self.overflow
         balanced = max(t_max * self.top_k, 1)  # an experts' buffer's balanced rows; a slot's: that / n
         # ceil(1000 * max(n * slot excess, rows excess) / balanced): the max of the two ratios, ceil being monotone
-        excess = (torch.maximum((slot_needed - S) * self.axis.size, rows_needed - R) * 1000 + (balanced - 1)) // balanced
+        worst = torch.maximum((slot_needed - S) * self.axis.size, rows_needed - R)
+        excess = (worst * 1000 + (balanced - 1)) // balanced
         now = torch.stack([excess, slot_needed, rows_needed, torch.full_like(excess, t_max)])
         state.copy_(torch.where(excess > state[0], now, state))
 
