@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: the single-process suite only) | suite4 | suite2 | files4 | files2 | compile4 | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf | whole (these two not in all) | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: the single-process suite only) | suite4 | suite2 | files4 | files2 | compile4 | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf | whole | host (these three not in all) | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 # The tests, a part per call (device time is scarce: each fits one call; `timeout 590 bash ...` around it):
 #   single     the whole single-process suite (`pytest`: tests/ and the package's doctests; the training runs too)
@@ -380,6 +380,23 @@ if [ "$PART" = overlap ] || [ "$PART" = all ]; then
     timeout --foreground -k 10 240 torchrun --nproc-per-node "$NGPU" benchmarks/sp_grad_overlap.py --out "$OUT/bench_sp_grad_overlap.md" \
       > "$OUT/log_overlap.txt" 2>&1; tail -2 "$OUT/log_overlap.txt"
   fi
+fi
+if [ "$PART" = host ]; then
+  # issue 61's host-cost table: benchmarks/host_cost.py (ours against torchtitan's MoE, eager; with --ops, where each
+  # stage's host time goes, op by op) at each EP in HOST_EPS (default 1 2 4: those this host has) and each
+  # shape:tokens in HOST_SHAPES (default the debug model's at 1k and 4k, DeepSeek-MoE-16B's at 4k and 16k): about a
+  # minute a run, so a call of 600 s takes one EP size (HOST_EPS=2)
+  peer_wheels
+  for ep in ${HOST_EPS:-1 2 4}; do
+    [ "$ep" -le "$NGPU" ] || continue
+    for st in ${HOST_SHAPES:-dsv3-debug:1024,4096 dsmoe16b:4096,16384}; do
+      echo "== host cost, EP $ep, ${st%%:*} at ${st#*:} tokens a GPU"
+      CUDA_VISIBLE_DEVICES=$(gpus "$ep") timeout --foreground -k 10 240 torchrun --standalone --nproc-per-node "$ep" \
+        benchmarks/host_cost.py --shape "${st%%:*}" --tokens "${st#*:}" --ops --out "$OUT/bench_host_cost.md" \
+        > "$OUT/log_host_cost_${ep}_${st%%:*}.txt" 2>&1; grep "host vs torchtitan\|^| ours\|^| torchtitan" \
+        "$OUT/log_host_cost_${ep}_${st%%:*}.txt" | head -4
+    done
+  done
 fi
 if [ "$PART" = hf ]; then
   # transformers' Qwen3-MoE, swapped vs unswapped (issue 45); transformers from the carried .whl/ (hf_wheels.sh)
