@@ -67,18 +67,19 @@ def pack_meta(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
 
 
 def received_order(meta_QW: torch.Tensor, rank: int, local_experts: int, rows: int,
-                   valid_Q: Optional[torch.Tensor] = None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+                   valid_Q: Optional[torch.Tensor] = None, total: Optional[int] = None
+                   ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """``(order, weights_QK)`` of the received rows: :func:`spmdmoe.kernels.expert_order` of their ids for this
-    rank's experts into ``rows`` (a copy of another rank's expert, or of a row ``valid_Q`` marks dead: a
-    sync-free slot's unused tail, has none), and the weights (differentiable)."""
+    rank's experts into ``rows``, counting the ids below ``total`` (a copy of another rank's expert, or of a row
+    ``valid_Q`` marks dead: a sync-free slot's unused tail, has none), and the weights (differentiable)."""
     K = meta_QW.shape[1] // 2
     ids_QK = meta_QW[:, K:].detach()
     if valid_Q is not None:
         ids_QK = torch.where(valid_Q.unsqueeze(1), ids_QK, -1.0)
-    return expert_order(ids_QK, rank * local_experts, local_experts, rows)[:2], meta_QW[:, :K]
+    return expert_order(ids_QK, rank * local_experts, local_experts, rows, total), meta_QW[:, :K]
 
 
-Received = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]
+Received = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def launch_tokens(x_TD: torch.Tensor, meta_TW: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int],

@@ -169,7 +169,7 @@ class LocalTransport(Dispatching):
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         N = ids_TK.numel()
-        routed = routed_copies(x_TD, expert_order(ids_TK, 0, self.num_experts, N)[:2], weights_TK, N,
+        routed = routed_copies(x_TD, expert_order(ids_TK, 0, self.num_experts, N), weights_TK, N,
                                fp8_rows=fp8_rows, all_here=True)  # its handle: the copies (the combine's)
         return lambda: routed
 

@@ -70,8 +70,8 @@ class RoutedTokens:
             object.__setattr__(self, "valid_rows", self.group_offsets[-1:])
 
 
-def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor], weights_MJ: torch.Tensor, rows: int,
-                  *, fp8_rows: bool = False, group_sizes: Optional[list[int]] = None, handle: Any = None,
+def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weights_MJ: torch.Tensor,
+                  rows: int, *, fp8_rows: bool = False, group_sizes: Optional[list[int]] = None, handle: Any = None,
                   all_here: bool = False) -> RoutedTokens:
     """The copies of ``M`` rows for this rank's experts, in expert-major order, with the routing weights folded
     into the experts (they return each row's weighted sum of its copies: ``copies_TK``). Every transport ends
@@ -79,8 +79,8 @@ def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor], 
 
     Args:
         x_MD: ``(M, D)``, the rows (bf16 / fp32); ``M`` may be 0.
-        order: ``(pos_MJ, offsets)`` of :func:`spmdmoe.kernels.expert_order` for the rows' ids into ``rows``:
-            copy ``(s, j)``'s row (int64; ``-1``: none here, or dropped past ``rows``) and the int32 group ends.
+        order: :func:`spmdmoe.kernels.expert_order` of the rows' ids into ``rows``: copy ``(s, j)``'s row (int64;
+            ``-1``: none here, or dropped past ``rows``), the int32 group ends (and the counts, unused here).
         weights_MJ: fp32 ``(M, J)`` routing weights (differentiable); those of copies not here are unused.
         rows: host int, the experts' buffer rows: the copies' exact count, or a static capacity (rows past
             ``valid_rows`` never read; fewer than the copies: ``order`` dropped the rest, the transport records it).
@@ -90,7 +90,7 @@ def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor], 
             and the ``handle`` is the copies' positions (its combine's).
 
     No host sync."""
-    pos_MJ, offsets = order
+    pos_MJ, offsets, _ = order
     q = None
     if fp8_rows:
         x_RD, q_RD, s_R = scatter_rows_fp8(x_MD, pos_MJ, rows)

@@ -29,13 +29,12 @@ from torch._library.effects import EffectType
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ...autograd import always_recorded
-from ...kernels import expert_order
 from ...kernels.backend import op_required
 from ...kernels.peer_rows import PeerRows, pull_rows, pull_sum
 from ...agreement import Problem
 from ...types.errors import MoEConfigError
 from ...types.mesh import MeshAxis
-from .dedup import destinations, pack_meta
+from .dedup import destinations, pack_meta, received_order
 from .routed import RoutedTokens, routed_copies
 from .sync_free import SyncFreeTransport
 
@@ -384,11 +383,10 @@ class SymmetricTransport(SyncFreeTransport):
         x_QD, meta_QW, mask_Q = peer_dispatch(always_recorded(x_TD), meta_TW, need_Tn, self.axis.group.group_name,
                                               t_max, me * e, me * e + e)
         # every rank read every rank's ids: the same demand and verdict everywhere, with no other collective
-        ids_QK = meta_QW[:, K:].detach()
-        pos_QK, offsets, copies_E = expert_order(ids_QK, me * e, e, R, E)
-        self._record((ids_QK[:, 0] >= 0).view(n, t_max).sum(1).max(),
-                     copies_E.view(n, e).sum(1).max(), t_max, R, t_max)
-        routed = routed_copies(x_QD, (pos_QK, offsets), meta_QW[:, :K], R, fp8_rows=fp8_rows,
+        order, weights_QK = received_order(meta_QW, me, e, R, total=E)  # its counts: every rank's demand
+        self._record((meta_QW[:, K] >= 0).view(n, t_max).sum(1).max(),
+                     order[2].view(n, e).sum(1).max(), t_max, R, t_max)
+        routed = routed_copies(x_QD, order, weights_QK, R, fp8_rows=fp8_rows,
                                handle=_Handle(need_Tn, mask_Q, t_max, rows))
         return lambda: routed
 
