@@ -43,6 +43,7 @@ from shapes import SHAPES, Shape  # noqa: E402
 from timing import issued_us, report, timed  # noqa: E402
 from vs_torchtitan import build_torchtitan, on_backend, torchtitan_ready  # noqa: E402
 
+import spmdmoe  # noqa: E402
 from spmdmoe.moe import MoE, MoEConfig, parallelize_moe  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
@@ -234,17 +235,19 @@ def main() -> None:
         return parallelize_moe(m, ep_mesh=dist.group.WORLD, **options) if ep else m
 
     sync, plain = f"ours, EP {world} sync", "ours, plain MoE (no parallel wrapper)"
-    layers: dict[str, torch.nn.Module] = {
-        "torchtitan MoE": build_torchtitan(cfg, state, dtype, device, mesh if world > 1 else None),
-        sync: ours(),
-        f"ours, EP {world} sync_free (no max_tokens)": ours(ep_mode="sync_free"),
-    }
-    if world == 1:
-        layers[plain] = ours(ep=False)
     lines = [f"host cost of one layer step (forward + backward, eager), {shape.D} / {shape.F} / {shape.E} / "
              f"{shape.K}, {shared} shared, {world} rank(s), {dtype}, torch {torch.__version__}, "
              f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}"]
     for T in tokens:
+        # fresh layers for each T: a sync-free layer without max_tokens sizes its buffers on its first forward, and
+        # a later forward that routes more stands in zero rows and records a capacity problem (checked below)
+        layers: dict[str, torch.nn.Module] = {
+            "torchtitan MoE": build_torchtitan(cfg, state, dtype, device, mesh if world > 1 else None),
+            sync: ours(),
+            f"ours, EP {world} sync_free (no max_tokens)": ours(ep_mode="sync_free"),
+        }
+        if world == 1:
+            layers[plain] = ours(ep=False)
         gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
         x = torch.randn(T, shape.D, device=device, dtype=dtype, generator=gen).requires_grad_()
         g = torch.randn(T, shape.D, device=device, dtype=dtype, generator=gen)
@@ -270,31 +273,33 @@ def main() -> None:
                                                                   *op_tables(layers[name], steps[name]))]
         if args.smoke:
             lines += [f"| {name} | {ops[name]} ATen ops |" for name in steps] + tables
-            continue
-        gpu = timed(steps, iters=5, reps=9)
-        stages = {name: stage_us(layers[name], x, g) for name in ours}
-        host = issued_us(steps)
-        launches = {name: launches_per_step(s) for name, s in steps.items()}
-        base = host["torchtitan MoE"]
-        lines.append("| candidate | host us | GPU ms | host / GPU | launches | ATen ops | host vs torchtitan |")
-        lines.append("|---|---|---|---|---|---|---|")
-        for name in steps:
-            lines.append(f"| {name} | {host[name]:.0f} | {gpu[name]:.3f} | {host[name] / 1e3 / gpu[name]:.2f}"
-                         f" | {launches[name]:.0f} | {ops[name]} | {host[name] / base:.2f}x |")
-        if world == 1:
-            lines.append(graphed(layers[plain], steps[plain], x, g))
-        columns = next(iter(stages.values()))
-        lines.append("\nhost us a step by stage (forward stages, then the whole forward and backward):\n")
-        lines.append("| candidate | " + " | ".join(columns) + " |")
-        lines.append("|" + "---|" * (len(columns) + 1))
-        lines += [f"| {name} | " + " | ".join(f"{v:.0f}" for v in row.values()) + " |" for name, row in stages.items()]
-        lines += tables
+        else:
+            gpu = timed(steps, iters=5, reps=9)
+            stages = {name: stage_us(layers[name], x, g) for name in ours}
+            host = issued_us(steps)
+            launches = {name: launches_per_step(s) for name, s in steps.items()}
+            base = host["torchtitan MoE"]
+            lines.append("| candidate | host us | GPU ms | host / GPU | launches | ATen ops | host vs torchtitan |")
+            lines.append("|---|---|---|---|---|---|---|")
+            for name in steps:
+                lines.append(f"| {name} | {host[name]:.0f} | {gpu[name]:.3f} | {host[name] / 1e3 / gpu[name]:.2f}"
+                             f" | {launches[name]:.0f} | {ops[name]} | {host[name] / base:.2f}x |")
+            if world == 1:
+                lines.append(graphed(layers[plain], steps[plain], x, g))
+            columns = next(iter(stages.values()))
+            lines.append("\nhost us a step by stage (forward stages, then the whole forward and backward):\n")
+            lines.append("| candidate | " + " | ".join(columns) + " |")
+            lines.append("|" + "---|" * (len(columns) + 1))
+            lines += [f"| {name} | " + " | ".join(f"{v:.0f}" for v in row.values()) + " |"
+                      for name, row in stages.items()]
+            lines += tables
+        # raises on every rank if a layer recorded a problem (a sync-free buffer too small: a step that stood in
+        # zero rows would have been timed)
+        spmdmoe.check_errors()
     if dist.get_rank() == 0:
         report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":
-    import spmdmoe
-
     main()
     spmdmoe.shutdown(0)  # flush, tear the groups down, leave: no gloo exit abort

@@ -91,6 +91,26 @@ def test_gather_sum_ignores_unnamed_rows(S, J, D, dtype, weighted, skips):
     torch.testing.assert_close(got.double(), exact.to(dtype).double(), **_ulp(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S,J,D", [(7, 3, 33), (3, 2, 1500)])
+def test_row_kernels_read_a_column_slice(S, J, D, dtype):
+    """The row kernels read a column slice of a wider buffer in place (``backend.unit_rows``: no copy; the EP
+    dispatch's received rows, ``moe/transports/dedup.py``): the same result as from a contiguous copy."""
+    gen = torch.Generator().manual_seed(S + J + D)
+    rows = S * J + 2
+    wide = torch.randn(rows, D + 21, generator=gen).to(DEVICE, dtype)
+    src = wide[:rows, 5:5 + D]
+    assert K.backend.unit_rows(src) is src and not src.is_contiguous()
+    index = _perm(S, J, rows, gen, skips=True)
+    torch.testing.assert_close(K.gather_sum_triton(src, index), K.gather_sum_triton(src.contiguous(), index),
+                               rtol=0, atol=0)
+    first = src[:S]
+    for got, want in ((K.fan_out_triton(first, index, rows), K.fan_out_triton(first.contiguous(), index, rows)),
+                      (K.fan_out_fp8_triton(first, index, rows), K.fan_out_fp8_triton(first.contiguous(), index, rows))):
+        named = _named(index, rows)
+        torch.testing.assert_close(got[0][named], want[0][named], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("R,F,valid", [(9, 24, 6), (5, 7, 5), (4, 16, 0), (0, 8, 0), (17, 1408 if DEVICE == "cuda" else 40, 13),

@@ -22,7 +22,8 @@ import torch._library.triton
 from torch.library import triton_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["set_kernel_backend", "kernel_backend", "use_triton", "cast", "kernel_op", "op_required", "COMPILED"]
+__all__ = ["set_kernel_backend", "kernel_backend", "use_triton", "cast", "unit_rows", "kernel_op", "op_required",
+           "COMPILED"]
 
 Backend = Literal["auto", "triton", "torch"]
 _backend: list[Backend] = ["auto"]
@@ -66,6 +67,12 @@ def use_triton(kernel: str, t: torch.Tensor) -> bool:
     if _backend[0] == "triton" or not torch.compiler.is_compiling():
         return True
     return COMPILED[kernel] == "triton"
+
+
+def unit_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D ``t`` as the row kernels read it (rows ``t.stride(0)`` apart, unit-stride within): ``t`` itself when
+    so (a column slice of a wider buffer: ``moe/transports/dedup.py``'s rows), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

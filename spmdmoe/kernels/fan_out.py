@@ -36,7 +36,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true, statically_known_true
 from torch.library import wrap_triton
 
-from .backend import cast, kernel_op, use_triton
+from .backend import cast, kernel_op, unit_rows, use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
 
@@ -118,7 +118,7 @@ def fan_out_triton(
     """The Triton launcher (see the module docstring); ``dots`` is empty without ``other_RD``."""
     M, J = index_MJ.shape
     D = src_MD.shape[1]
-    src_MD = src_MD.contiguous()
+    src_MD = unit_rows(src_MD)
     index_MJ = index_MJ.contiguous()
     out_RD = _output(src_MD, rows, M * J)
     dots_MJ = torch.empty((M, J) if other_RD is not None else (0, J), dtype=torch.float32, device=src_MD.device)
@@ -145,7 +145,7 @@ def fan_out_fp8_triton(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, 
     ``(0, D)``), for a caller that made the bf16 copies earlier and freed them."""
     M, J = index_MJ.shape
     D = src_MD.shape[1]
-    src_MD = src_MD.contiguous()
+    src_MD = unit_rows(src_MD)
     index_MJ = index_MJ.contiguous()
     out_RD = _output(src_MD, rows, M * J) if copies else src_MD.new_empty((0, D))
     q_RD = torch.empty((rows, D), dtype=FP8, device=src_MD.device)

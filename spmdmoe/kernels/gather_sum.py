@@ -31,7 +31,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import wrap_triton
 
-from .backend import kernel_op, use_triton
+from .backend import kernel_op, unit_rows, use_triton
 
 __all__ = ["gather_sum", "gather_sum_reference", "gather_sum_triton"]
 
@@ -68,7 +68,7 @@ def gather_sum_triton(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_MJ: 
     """The Triton launcher (see the module docstring)."""
     M, J = index_MJ.shape
     D = src_RD.shape[1]
-    src_RD = src_RD.contiguous()
+    src_RD = unit_rows(src_RD)
     index_MJ = index_MJ.contiguous()
     out_MD = torch.empty((M, D), dtype=src_RD.dtype, device=src_RD.device)
     w = weights_MJ.contiguous() if weights_MJ is not None else index_MJ

@@ -100,13 +100,13 @@ def test_all_to_all_transport(world, device, tokens_of, skew, nan_empty):
 
 
 def test_sync_dispatch_issues_its_sends_before_the_host_read(world, device, monkeypatch):
-    """Sync EP reads its count exchange on the host only after it has issued the send positions and the
-    ids-and-weights (``exchange_split_sizes`` returns its read; on CUDA the read waits for the counts' copy
-    alone): the host's Python for them runs while the counts travel. One read a dispatch."""
+    """Sync EP reads its count exchange on the host only after it has issued the send positions
+    (``exchange_split_sizes`` returns its read; on CUDA the read waits for the counts' copy alone): the host's
+    Python for them runs while the counts travel. One read a dispatch."""
     import spmdmoe.moe.transports.dispatch as dispatch
 
     seen = []
-    for name in ("send_positions", "pack_meta"):
+    for name in ("send_positions", "launch_tokens"):
         real = getattr(dispatch, name)
         monkeypatch.setattr(dispatch, name, lambda *a, real=real, name=name: seen.append(name) or real(*a))
     get = spmdmoe.host.DelayedRead.get
@@ -114,7 +114,7 @@ def test_sync_dispatch_issues_its_sends_before_the_host_read(world, device, monk
     n, r = world.size(), world.get_local_rank()
     x_TD, ids_TK, w_TK = (t.to(device) for t in _inputs(r, [5] * n, 2 * n, 3))
     AllToAllTransport(spmdmoe.mesh_axis(world), 2 * n).dispatch(x_TD, ids_TK, w_TK)
-    assert seen == ["send_positions", "pack_meta", "read"], seen
+    assert seen == ["send_positions", "read", "launch_tokens"], seen
 
 
 @pytest.mark.parametrize("T", [0, 1, 6])
@@ -154,8 +154,8 @@ def test_problem_bits_ride_the_count_exchange(world, device):
 @pytest.mark.parametrize("options", [{}, {"ep_mode": "sync_free", "max_tokens": 16}], ids=["sync", "sync_free"])
 def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkeypatch, options):
     """``docs/design.md``: of an EP forward autograd keeps the index maps and the experts' own tensors,
-    nothing of the send or receive buffers (the rows and the ids-and-weights each way, the combine's rows).
-    Every buffer the dedup exchange makes (``dedup.scatter_rows``' send buffers, the received rows of
+    nothing of the send or receive buffers (the rows with their ids and weights each way, the combine's rows).
+    Every buffer the dedup exchange makes (``dedup._pack``'s send buffer, the received rows of
     ``dedup.exchange_launched`` and ``dedup.exchanged_op``) is recorded, and so is every tensor autograd saves
     in the forward: none of the saved ones may share a buffer's storage. A second forward records the
     buffers by weak references only: the dispatch's are gone when the experts run (their rows are in the
@@ -181,7 +181,7 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
             return out
         return call
 
-    monkeypatch.setattr(dedup, "scatter_rows", recorded(dedup.scatter_rows, dispatch=True))
+    monkeypatch.setattr(dedup, "_pack", recorded(dedup._pack, dispatch=True))
     monkeypatch.setattr(dedup, "exchanged_op", recorded(dedup.exchanged_op, inputs=True))
     launch = dedup.exchange_launched  # the dispatch's exchanges: their input now, their rows at the wait
     monkeypatch.setattr(dedup, "exchange_launched",
@@ -200,7 +200,7 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         y = plan.layer(plan.wrap(leaf))
-    assert len(buffers) == 8, f"expected 2 send buffers and 3 exchanges (input, output), recorded {len(buffers)}"
+    assert len(buffers) == 5, f"expected a send buffer and 2 exchanges (input, output), recorded {len(buffers)}"
     storages = {b.untyped_storage().data_ptr() for b, _, _ in buffers}
     held = [tuple(t.shape) for t in saved if t.numel() and t.untyped_storage().data_ptr() in storages]
     assert saved and not held, f"rank {rank}: autograd keeps exchange buffers of shapes {held}"
@@ -222,11 +222,11 @@ def test_autograd_keeps_no_send_or_receive_buffer(world, device, request, monkey
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
 @pytest.mark.parametrize("options", [{}, {"ep_mode": "sync_free", "max_tokens": 16}], ids=["sync", "sync_free"])
 def test_shared_experts_run_while_the_combine_travels(world, device, request, monkeypatch, options, grad):
-    """``Transport.launch_dispatch`` / ``launch_combine``: the layer issues the dispatch's two exchanges (the
-    rows, their ids and weights) asynchronously and waits for them, then launches the combine's exchange, runs
+    """``Transport.launch_dispatch`` / ``launch_combine``: the layer issues the dispatch's exchange (the rows
+    with their ids and weights) asynchronously and waits for it, then launches the combine's exchange, runs
     its shared experts, and only then waits for the rows; in the backward the combine's reverse exchange is
-    launched before the shared experts' backward and waited for after it, and the dispatch's two reverse
-    exchanges are launched before the routed experts' up-projection weight gradients (``wgrad_later.py``) and
+    launched before the shared experts' backward and waited for after it, and the dispatch's reverse
+    exchange is launched before the routed experts' up-projection weight gradients (``wgrad_later.py``) and
     waited for after them. The output and the gradients are the same as with each move waited for at once
     (``Transport.dispatch`` / ``combine``) and as with one node making the experts' input and weight
     gradients, bit for bit."""
@@ -278,13 +278,13 @@ def test_shared_experts_run_while_the_combine_travels(world, device, request, mo
     plan.layer.shared_experts.w1.weight.register_hook(lambda g: events.append("shared backward"))
     plan.layer.experts.w1.register_hook(lambda g: events.append("experts wgrad"))
     launched = step()
-    bwd = ["launch", "shared backward", "wait", "launch", "launch", "experts wgrad", "wait", "wait"]
-    assert events == ["launch", "launch", "wait", "wait", "launch", "shared", "wait"] + (
+    bwd = ["launch", "shared backward", "wait", "launch", "experts wgrad", "wait"]
+    assert events == ["launch", "wait", "launch", "shared", "wait"] + (
         ["backward"] + bwd if grad else []), events
     monkeypatch.setattr(GroupedExperts, "later_wgrad", lambda self: None)  # one node: dx, dw1 and dw3
     events.clear()
     one_node = step()
-    if grad:  # before the dispatch's reverse exchanges are launched (after the combine's wait)
+    if grad:  # before the dispatch's reverse exchange is launched (after the combine's wait)
         backward = events[events.index("backward"):]
         assert backward.index("experts wgrad") < backward.index("launch", backward.index("wait")), events
     monkeypatch.setattr(layer_module._Layer, "forward", _waited_at_once(layer_module._Layer.forward))

@@ -16,21 +16,23 @@ Summation order: a token's output is ``sum_rank round(sum_k w_k * y_k)``: each r
 once to the rows' dtype (it travels in it) before the sender's fp32 sum over ranks, the same order on every
 transport (so the synced and sync-free transports agree bit for bit).
 
-The routing weights and ids travel beside the rows in one fp32 ``(rows, 2K)`` tensor (ids are exact in fp32
-below 2**24 experts; fp64 with fp64 weights), differentiable in the weights: their gradient comes back in that exchange's backward.
+A token's routing weights and ids travel in its row: :func:`launch_tokens` sends one buffer of the rows' dtype,
+``P`` columns a row: the row's ``D``, then from column ``round_up(D, 16)`` the bits of its fp32 ``(2K,)`` weights
+and ids (ids exact in fp32 below 2**24 experts; fp64 with fp64 weights), the rest unspecified (``P`` a multiple of
+16: aligned rows). One exchange each way; the weights' gradient comes back in its backward, summed in their dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ...collectives.alltoall import exchange_launched, exchanged_op
-from ...kernels import expert_order
+from ...kernels import expert_order, fan_out, gather_sum
 from ...types.mesh import MeshAxis
-from ..routing.permute import scatter_rows, weighted_combine
+from ..routing.permute import weighted_combine
 
 __all__ = ["destinations", "send_positions", "pack_meta", "received_order", "launch_tokens", "Sent", "launch_back",
            "send_back"]
@@ -82,19 +84,73 @@ def received_order(meta_QW: torch.Tensor, rank: int, local_experts: int, rows: i
 Received = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def launch_tokens(x_TD: torch.Tensor, meta_TW: torch.Tensor, pos_Tn: torch.Tensor, send: list[int], recv: list[int],
-                  axis: MeshAxis, local_experts: int, rows: int, live_Q: Optional[torch.Tensor] = None
-                  ) -> Callable[[], Received]:
-    """Each token to the ranks ``pos_Tn`` names (:func:`send_positions`), with its ids and weights (``meta_TW``,
-    :func:`pack_meta`), started now; the call it returns waits and gives ``(x_QD, order, weights_QK)``: the rows
+def _meta(rows_P: torch.Tensor, D: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``(rows, 2K)`` weights-and-ids view (``dtype``) of a packed buffer (the module docstring)."""
+    start = -(-D // 16) * 16
+    return rows_P[:, start:start + 2 * K * dtype.itemsize // rows_P.dtype.itemsize].view(dtype)
+
+
+def _pack(x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, pos_Tn: torch.Tensor, sent: int,
+          dtype: torch.dtype) -> torch.Tensor:
+    """The send buffer ``(sent, P)``: each row with its weights and ids (``dtype``) at its positions."""
+    (T, D), K = x_TD.shape, ids_TK.shape[1]
+    rows_TP = x_TD.new_empty((T, -(-(-(-D // 16) * 16 + 2 * K * dtype.itemsize // x_TD.dtype.itemsize) // 16) * 16))
+    rows_TP[:, :D] = x_TD
+    meta_TW = _meta(rows_TP, D, K, dtype)
+    meta_TW[:, :K], meta_TW[:, K:] = weights_TK, ids_TK
+    return fan_out(rows_TP, pos_Tn, sent)[0]
+
+
+class _Pack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,  # type: ignore[override]
+                pos_Tn: torch.Tensor, sent: int, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(pos_Tn)
+        ctx.shape = (x_TD.shape[1], ids_TK.shape[1], dtype, weights_TK.dtype)
+        return _pack(x_TD, weights_TK, ids_TK, pos_Tn, sent, dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_SP: torch.Tensor) -> Any:  # type: ignore[override]
+        (pos_Tn,), (D, K, dtype, w_dtype) = ctx.saved_tensors, ctx.shape
+        g_TK = gather_sum(_meta(g_SP, D, K, dtype)[:, :K], pos_Tn).to(w_dtype)
+        return gather_sum(g_SP[:, :D], pos_Tn), g_TK, None, None, None, None
+
+
+class _Unpack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rows_QP: torch.Tensor, D: int, K: int, dtype: torch.dtype  # type: ignore[override]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
+        ctx.shape, ctx.like = (D, K, dtype), rows_QP.new_empty((0, rows_QP.shape[1]))
+        return rows_QP[:, :D], _meta(rows_QP, D, K, dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_QD: Optional[torch.Tensor], g_QW: Optional[torch.Tensor]) -> Any:  # type: ignore[override]
+        (D, K, dtype), rows = ctx.shape, (g_QD if g_QD is not None else g_QW).shape[0]  # type: ignore[union-attr]
+        g_QP = ctx.like.new_empty((rows, ctx.like.shape[1]))  # a column past both parts: unspecified, never read
+        for part, g in ((g_QP[:, :D], g_QD), (_meta(g_QP, D, K, dtype), g_QW)):
+            part.copy_(g) if g is not None else part.zero_()
+        return g_QP, None, None, None
+
+
+def launch_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, pos_Tn: torch.Tensor,
+                  send: list[int], recv: list[int], axis: MeshAxis, local_experts: int, rows: int,
+                  live_Q: Optional[torch.Tensor] = None) -> Callable[[], Received]:
+    """Each token to the ranks ``pos_Tn`` names (:func:`send_positions`), with its ids and weights in its row (the
+    module docstring), started now; the call it returns waits and gives ``(x_QD, order, weights_QK)``: the rows
     received (source-major, ``recv`` from each rank), their copies' order for this rank's experts in ``rows`` rows
-    (:func:`received_order`; a row ``live_Q`` marks dead has none), and the weights (differentiable). Two
-    ``all_to_all_single`` over ``axis`` (``send`` rows to each rank), the rows and the ids-and-weights, in flight
-    until that call (:func:`spmdmoe.collectives.alltoall.exchange_launched`); their reverse in the backward."""
-    sent = sum(send)
-    x_wait = exchange_launched(scatter_rows(x_TD, pos_Tn, sent), send, recv, axis, 0)
-    meta_wait = exchange_launched(scatter_rows(meta_TW, pos_Tn, sent), send, recv, axis, 0)
-    return lambda: (x_wait(), *received_order(meta_wait(), axis.rank, local_experts, rows, live_Q))
+    (:func:`received_order`; a row ``live_Q`` marks dead has none), and the weights (differentiable). One
+    ``all_to_all_single`` over ``axis`` (``send`` rows to each rank), in flight until that call
+    (:func:`spmdmoe.collectives.alltoall.exchange_launched`); its reverse in the backward."""
+    D, K, dtype = x_TD.shape[1], ids_TK.shape[1], torch.promote_types(weights_TK.dtype, torch.float32)
+    wait = exchange_launched(_Pack.apply(x_TD, weights_TK, ids_TK, pos_Tn, sum(send), dtype), send, recv, axis, 0)
+
+    def received() -> Received:
+        x_QD, meta_QW = _Unpack.apply(wait(), D, K, dtype)
+        return (x_QD, *received_order(meta_QW, axis.rank, local_experts, rows, live_Q))
+    return received
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ transport              a layer with                  collectives per forward (ov
 =====================  ============================  ========================================  ==========
 ``LocalTransport``     no EP (or an EP axis of 1)    none                                      none
 ``AllToAllTransport``  EP, ``ep_mode="sync"``        counts and problem bits all-to-all; rows  1
-                                                     and their ids / weights all-to-all (exact
-                                                     sizes); the combine's rows all-to-all
-``SyncFreeTransport``  EP, ``ep_mode="sync_free"``   counts all-gather; the same three         none
+                                                     with their ids and weights all-to-all
+                                                     (exact sizes); the combine's rows back
+``SyncFreeTransport``  EP, ``ep_mode="sync_free"``   counts all-gather; the same two           none
 (``sync_free.py``)     (gloo, several hosts)         all-to-alls, ``S`` rows per rank pair
 ``SymmetricTransport`` EP, ``ep_mode="sync_free"``   no NCCL: ids, then rows read from the     none
 (``symmetric.py``)     (NCCL, one host)              peers' symmetric buffers (only the rows
@@ -34,7 +34,7 @@ from ...agreement import GRAD_OFF, Problem, ProblemSink, grad_mode_codes, raise_
 from ...collectives.alltoall import exchange_split_sizes
 from ...kernels import expert_order
 from ...types.mesh import MeshAxis
-from .dedup import Sent, destinations, launch_back, launch_tokens, pack_meta, send_back, send_positions
+from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
 from ..routing.permute import count_per_expert, weighted_combine
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .symmetric import SymmetricTransport, symmetric_usable
@@ -186,7 +186,7 @@ class AllToAllTransport(Dispatching):
     Dispatch: each token once to each rank holding any of its experts (``dedup.py``); exchange the
     ``(n, e + 1)`` counts (copies per remote expert, rows per rank) and every rank's problem bits with one
     ``all_to_all_single`` plus ONE explicit host transfer (the documented sync of sync mode, counted by
-    ``spmdmoe.host.host_sync_count``); ``all_to_all_single`` of the rows and of their ids and weights;
+    ``spmdmoe.host.host_sync_count``); ``all_to_all_single`` of the rows with their ids and weights;
     then the received rows fanned out to the local experts (``routed.routed_copies``). ``raises``: whether
     a problem reported by any rank raises at the exchange (the axis spans every rank the layer talks to)
     or is recorded for the step boundary (see the module docstring). Combine: the experts' row per
@@ -205,8 +205,8 @@ class AllToAllTransport(Dispatching):
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
                         problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
-        """:meth:`Transport.launch_dispatch`: the count exchange and its host read now (the send positions and
-        the ids-and-weights issued while the counts travel), then the rows and their ids and weights launched."""
+        """:meth:`Transport.launch_dispatch`: the count exchange and its host read now (the send positions
+        issued while the counts travel), then the rows with their ids and weights launched."""
         problem = problem if problem is not None else Problem()
         n, e = self.axis.size, self.local_experts
         need_Tn = destinations(ids_TK, e, n)
@@ -215,7 +215,7 @@ class AllToAllTransport(Dispatching):
         marker = 0 if torch.is_grad_enabled() else GRAD_OFF  # grad mode rides too: a mix would hang backward
         read_sizes = exchange_split_sizes(counts.to(dev), need_Tn.sum(0).to(dev), problem.bits | marker, self.axis,
                                           problem.details)
-        pos_Tn, meta_TW = send_positions(need_Tn), pack_meta(ids_TK, weights_TK)  # issued while the counts travel
+        pos_Tn = send_positions(need_Tn)  # issued while the counts travel
         send, recv, sizes, codes = read_sizes()
         if torch.compiler.is_compiling():
             problem.record(problem.bits, x_TD.device)  # no data-dependent raise in a graph: the step boundary raises
@@ -230,7 +230,7 @@ class AllToAllTransport(Dispatching):
             if self.raises:
                 raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
             problem.record(mine, x_TD.device)
-        received = launch_tokens(x_TD, meta_TW, pos_Tn, send, recv, self.axis, e, sum(sizes))
+        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e, sum(sizes))
         return lambda: routed_copies(*received(), sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
                                      handle=Sent(pos_Tn, send, recv))
 

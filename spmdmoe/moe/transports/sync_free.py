@@ -10,9 +10,8 @@ and ``R``: :func:`capacity_rows`), so a forward and backward make no host sync a
 token goes once to each rank holding any of its experts (``dedup.py``), and the results equal
 ``AllToAllTransport``'s bit for bit. Collectives per forward (over EP): one ``all_gather`` of every rank's ``(E,)``
 expert counts and ``(n,)`` rows per destination (every rank computes from that ``(n, E + n)`` table, on the device,
-the same demands and overflow verdict); two even ``all_to_all_single`` of ``S`` rows a rank pair, the rows
-(``(Q, D)``) and their ids and weights (``(Q, 2K)`` fp32), every slot padded to ``S`` rows; the combine's reverse
-one. Backward: the same moves reversed. Overflow is kept in the transport's ``overflow`` buffer and raised on every
+the same demands and overflow verdict); an even ``all_to_all_single`` of ``S`` rows a rank pair, the rows with
+their ids and weights (``dedup.launch_tokens``), every slot padded to ``S`` rows; the combine's reverse one. Backward: the same moves reversed. Overflow is kept in the transport's ``overflow`` buffer and raised on every
 rank at the step boundary, problem bits go to the sticky flag. Sizes, steps and overflow: ``docs/design.md`` §5.1.
 """
 
@@ -28,7 +27,7 @@ from ..._dist import all_gather_single
 from ...agreement import BIT, Problem, ProblemSink
 from ...host import to_host
 from ...types.mesh import MeshAxis
-from .dedup import Sent, destinations, launch_back, launch_tokens, pack_meta, send_back, send_positions
+from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
 from ..routing.permute import count_per_expert
 from .routed import Dispatching, RoutedTokens, routed_copies
 
@@ -106,8 +105,8 @@ class SyncFreeTransport(Dispatching):
         The call returns ``RoutedTokens`` with ``x_RD`` ``(R, D)``, ``R`` from :func:`capacity_rows`: this rank's ``e``
         experts' copies in expert-major order (source rank order within an expert), rows past the int32
         ``group_offsets[-1]`` unspecified; ``capacity = R``; ``group_sizes = None`` (never on the host).
-        Collectives: one all-gather of the ``(E + n,)`` counts and three even all-to-alls of ``S`` rows per
-        rank pair over EP (rows, their ids and weights, and the combine's rows; their reverse in the
+        Collectives: one all-gather of the ``(E + n,)`` counts and two even all-to-alls of ``S`` rows per
+        rank pair over EP (the rows with their ids and weights, and the combine's rows; their reverse in the
         backward)."""
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
@@ -121,8 +120,7 @@ class SyncFreeTransport(Dispatching):
         # received slot i's first min(rows sent, S) rows are live, the rest of it never read
         live_Q = (torch.arange(S, device=x_TD.device) < table[:, E + me, None]).reshape(Q)
         sent = Sent(pos_Tn, [S] * n, [S] * n)
-        received = launch_tokens(x_TD, pack_meta(ids_TK, weights_TK), pos_Tn, sent.send, sent.recv, self.axis, e, R,
-                                 live_Q)
+        received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, sent.send, sent.recv, self.axis, e, R, live_Q)
         return lambda: routed_copies(*received(), R, fp8_rows=fp8_rows, handle=sent)
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
