@@ -363,11 +363,9 @@ def agree(
 ) -> list[list[int]]:
     """Mode (b): exchange ``[bits, *fields, *extra]`` and raise the same error everywhere, or return the table.
 
-    Raises when any rank found a problem (the most specific kind's error type,
-    naming every offending rank, with this rank's own details) or when a field
-    differs between ranks. ``extra`` columns are returned for the caller's own
-    rules, which it must derive from the table alone so every rank agrees.
-    Ranks are named by their index in ``axis``, or by their global rank.
+    Raises when any rank found a problem (the most specific kind's error type, naming every offending rank, with this
+    rank's details) or a field differs between ranks. ``extra`` columns are returned for the caller's own rules, which
+    it must derive from the table alone so every rank agrees. Ranks are named by index in ``axis`` (or global rank).
     """
     if checks_mode() == "collectives":  # a rank in another check meets this one's record (not a hang)
         check_collective(op, world_axis() if axis is None else axis, None, None, {"grad_enabled": None})

@@ -1,10 +1,8 @@
 """Building ``SPMDTensor``s: ``shard``, ``from_local`` and ``padded_empty``.
 
-``from_local`` verifies a layout across ranks with ONE check exchange (an
-``all_to_all_single`` of ``spmdmoe.agreement``): each rank sends a few int64
-describing what it holds, every rank evaluates the same rules on the same
-table, so a bad input makes every rank raise the same error together (never
-one rank raising while the others wait in a collective).
+``from_local`` verifies a layout across ranks with ONE check exchange (an ``all_to_all_single`` of
+``spmdmoe.agreement``): each rank sends a few int64 describing what it holds, every rank evaluates the same rules on the
+same table, so a bad input makes every rank raise the same error together (not one while the others wait).
 """
 
 from __future__ import annotations
@@ -38,14 +36,12 @@ def _strict_problem(total: int, axis: MeshAxis) -> Optional[str]:
 def shard(x: torch.Tensor, mesh: MeshLike, *, dim: int = 0, strict: bool = False) -> SPMDTensor:
     """This rank's chunk of ``x`` along ``dim`` under the chunk rule. No communication.
 
-    ``x`` is the full tensor, identical on every rank. The result's ``local`` is
-    a view of ``x`` (autograd flows back to ``x``); with ``T = x.shape[dim]`` on
-    ``n`` ranks, rank ``r`` holds rows ``[min(r*p, T), min((r+1)*p, T))`` with
+    ``x`` is the full tensor, identical on every rank. The result's ``local`` is a view of ``x`` (autograd flows back to
+    ``x``); with ``T = x.shape[dim]`` on ``n`` ranks, rank ``r`` holds rows ``[min(r*p, T), min((r+1)*p, T))`` with
     ``p = ceil(T/n)``: T=5 on 4 ranks gives 2, 2, 1, 0 rows.
 
-    Raises ``SPMDMeshError`` (mesh not 1-D), ``SPMDLayoutError`` (``dim`` out of
-    range; ``strict`` and ``T % n != 0``), ``SPMDDeviceError`` (``x`` on a device
-    the backend cannot use). Every rank sees the same ``x``, so every rank raises.
+    Raises ``SPMDMeshError`` (mesh not 1-D), ``SPMDLayoutError`` (``dim`` out of range; ``strict`` and ``T % n != 0``),
+    ``SPMDDeviceError`` (``x`` on a device the backend cannot use). Every rank sees the same ``x``, so all raise.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -75,9 +71,8 @@ def padded_empty(
 ) -> SPMDTensor:
     """An uninitialised ``SPMDTensor`` backed by a buffer with the padded row count.
 
-    Write the valid rows through ``.local`` (a view); a collective then sends
-    ``.buffer`` without a padding copy. The token dimension is 0; ``row_shape``
-    is the shape of one row. Spare rows are ``empty``: never read.
+    Write the valid rows through ``.local`` (a view); a collective then sends ``.buffer`` without a padding copy. The
+    token dimension is 0; ``row_shape`` is the shape of one row. Spare rows are ``empty``: never read.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -146,24 +141,17 @@ def from_local(
 ) -> SPMDTensor:
     """Wrap an already-local tensor, verifying the layout across ranks.
 
-    One agreement exchange (``spmdmoe.agreement.agree``: a check exchange of a
-    few int64 per rank and one host transfer of them): every rank evaluates
-    the same verdict, so a bad input raises on every rank. Caught: rows that
-    break the chunk rule for the declared T (also a split that is plausible on
-    each rank but jointly wrong, like 1,2,3,4 rows for T=10), T, placement,
-    token dim, dtype, feature shape or ``strict`` differing between ranks, bad
-    T values (not an int, negative, past int64), tensors on the wrong device,
-    and ``strict`` with ``T % n != 0``.
+    One agreement exchange (``spmdmoe.agreement.agree``: a check exchange of a few int64 per rank and one host transfer
+    of them): every rank evaluates the same verdict, so a bad input raises on every rank. Caught: rows that break the
+    chunk rule for the declared T (also a split that is plausible on each rank but jointly wrong, like 1,2,3,4 rows for
+    T=10), T, placement, token dim, dtype, feature shape or ``strict`` differing between ranks, bad T values (not an
+    int, negative, past int64), tensors on the wrong device, and ``strict`` with ``T % n != 0``.
 
-    Without ``global_tokens``, ``T`` is the sum of the exchanged rows for
-    ``Shard`` (the rows for ``Replicate``/``Partial``) — never local × world.
-    The exchange and the verdict are the same in every checking mode
-    (:func:`spmdmoe.set_checks`): whether a collective runs never depends on a
-    rank-local setting. To wrap rows with no communication at all, use
-    ``SPMDTensor(local, mesh, placement, global_tokens=T)`` (it checks this
-    rank's rows only).
-
-    ``token_dim`` is the token dimension for non-``Shard`` placements.
+    Without ``global_tokens``, ``T`` is the sum of the exchanged rows for ``Shard`` (the rows for
+    ``Replicate``/``Partial``) — never local × world. The exchange and the verdict are the same in every checking mode
+    (:func:`spmdmoe.set_checks`): whether a collective runs never depends on a rank-local setting. To wrap rows with no
+    communication, use ``SPMDTensor(local, mesh, placement, global_tokens=T)`` (it checks this rank's rows only).
+    ``token_dim``: the token dimension of non-``Shard`` placements.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()

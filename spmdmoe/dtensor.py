@@ -16,12 +16,10 @@ DTensor              spmdmoe                 gradient convention at the boundary
 Anything else (``_StridedShard``, ``_MaskPartial``, other reduce ops, a token
 dim sharded over several mesh dims) is rejected with ``SPMDLayoutError``.
 
-``from_dtensor`` never trusts a DTensor's global shape blindly: DTensor infers
-``local x world`` when ``from_local`` gets no ``shape=`` (pytorch#110762), and
-accepts non-chunk splits when it does get one (pytorch#144109). The check is
-:func:`spmdmoe.from_local`'s: one check exchange of 8 int64 per rank and one
-host transfer, and every rank raises together. A DTensor made by
-:func:`to_dtensor` carries its verified layout and skips it.
+``from_dtensor`` never trusts a DTensor's global shape blindly: DTensor infers ``local x world`` when ``from_local``
+gets no ``shape=`` (pytorch#110762), and accepts non-chunk splits when it does get one (pytorch#144109). The check is
+:func:`spmdmoe.from_local`'s: one check exchange of 8 int64 per rank and one host transfer, and every rank raises
+together. A DTensor made by :func:`to_dtensor` carries its verified layout and skips it.
 """
 
 from __future__ import annotations
@@ -96,13 +94,11 @@ def _axis_and_placement(dt: DTensor) -> tuple[Any, Any]:
 def from_dtensor(dt: DTensor, *, token_dim: int = 0, check: bool = True) -> SPMDTensor:
     """The ``SPMDTensor`` of a DTensor, with the exact global token count, verified on all ranks.
 
-    ``token_dim`` is the token dimension for Replicate / Partial DTensors (a
-    Shard uses its own dim). The global token count is the DTensor's global
-    size along the token dim; every rank's local rows are checked against
-    the chunk rule for it, collectively (see the module docstring for the
-    cost). ``check=False`` trusts the DTensor (use only for DTensors built
-    with explicit, correct ``shape=``). Autograd flows through, with the
-    gradient convention converted (module table).
+    ``token_dim`` is the token dimension for Replicate / Partial DTensors (a Shard uses its own dim). The global token
+    count is the DTensor's global size along the token dim; every rank's local rows are checked against the chunk rule
+    for it, collectively (see the module docstring for the cost). ``check=False`` trusts the DTensor (use only for
+    DTensors built with explicit, correct ``shape=``). Autograd flows through, with the gradient convention converted
+    (module table).
     """
     if not isinstance(dt, DTensor):
         raise SPMDLayoutError(f"from_dtensor takes a DTensor, found {type(dt).__name__}")
@@ -144,10 +140,9 @@ def from_dtensor(dt: DTensor, *, token_dim: int = 0, check: bool = True) -> SPMD
 def to_dtensor(x: SPMDTensor) -> DTensor:
     """A DTensor with explicit ``shape=`` and ``stride=`` (DTensor never infers), sharing ``x.local``.
 
-    Round trips with :func:`from_dtensor` are exact for every token count,
-    including ``T`` smaller than the axis size. ``Varying`` has no DTensor
-    equivalent and raises ``SPMDLayoutError``. An axis given as a
-    ``ProcessGroup`` gets a ``DeviceMesh`` built on that group.
+    Round trips with :func:`from_dtensor` are exact for every token count, including ``T`` smaller than the axis size.
+    ``Varying`` has no DTensor equivalent and raises ``SPMDLayoutError``. An axis given as a ``ProcessGroup`` gets a
+    ``DeviceMesh`` built on that group.
     """
     if not isinstance(x, SPMDTensor):
         raise SPMDLayoutError(f"to_dtensor takes an SPMDTensor, found {type(x).__name__}")
@@ -173,11 +168,9 @@ def to_dtensor(x: SPMDTensor) -> DTensor:
 class DTensorAdapter(nn.Module):
     """Call a ``parallelize_moe`` layer from a model whose activations are DTensors.
 
-    ``forward(dt)`` converts with :func:`from_dtensor` (checked unless it came
-    from :func:`to_dtensor`), runs the layer and returns a DTensor with the
-    input's placements and global shape. Parameters keep their names under
-    ``layer.``. For an EP-only layer (no ``sp_mesh``) the DTensor's local rows
-    are this rank's batch.
+    ``forward(dt)`` converts with :func:`from_dtensor` (checked unless it came from :func:`to_dtensor`), runs the layer
+    and returns a DTensor with the input's placements and global shape. Parameters keep their names under ``layer.``.
+    For an EP-only layer (no ``sp_mesh``) the DTensor's local rows are this rank's batch.
     """
 
     def __init__(self, layer: nn.Module, *, token_dim: int = 0):

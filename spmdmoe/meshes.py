@@ -5,11 +5,10 @@ A mesh's vocabulary (``MeshAxis``, ``mesh_axis``) is ``spmdmoe.types.mesh``; wha
 the other ranks first (``spmdmoe.agreement``), so that a rank passing other arguments makes every rank
 raise the same error instead of leaving its peers waiting in ``new_group``.
 
-``product_axis``: data-parallel wrappers reduce a gradient over one process group; when the
-ranks that hold different batches of a replicated parameter lie on two axes
-(``dp`` x ``ep`` in an EP plan) that group is their product. DeviceMesh offers
-this as ``mesh["dp", "ep"]._flatten()`` (private, and only for dims of one
-mesh); :func:`product_axis` builds it from any axes, including ProcessGroups.
+``product_axis``: data-parallel wrappers reduce a gradient over one process group; when the ranks that hold different
+batches of a replicated parameter lie on two axes (``dp`` x ``ep`` in an EP plan) that group is their product.
+DeviceMesh offers this as ``mesh["dp", "ep"]._flatten()`` (private, and only for dims of one mesh); :func:`product_axis`
+builds it from any axes, including ProcessGroups.
 """
 
 from __future__ import annotations
@@ -59,12 +58,10 @@ def product_axis(*axes: Optional[MeshLike]) -> Optional[MeshAxis]:
     """The axis whose group is the product of ``axes`` (``None`` entries and 1-rank axes skipped).
 
     Returns ``None`` when nothing is left, the axis itself when one is left.
-    Otherwise a collective over the whole world the first time (one check exchange
-    of every rank's group members, then one ``new_group`` per product block,
-    created by every rank in the same order); cached per tuple of groups, so
-    every rank must make the same sequence of first calls. Raises
-    ``SPMDMeshError`` on every rank if the axes are not orthogonal (a block's
-    size is not the product of the axis sizes).
+    Otherwise a collective over the whole world the first time (one check exchange of every rank's group members, then
+    one ``new_group`` per product block, created by every rank in the same order); cached per tuple of groups, so every
+    rank must make the same sequence of first calls. Raises ``SPMDMeshError`` on every rank if the axes are not
+    orthogonal (a block's size is not the product of the axis sizes).
 
     >>> import spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -123,16 +120,13 @@ def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tu
               timeout: "timedelta | None" = None) -> DeviceMesh:
     """``init_device_mesh`` with the process groups created explicitly, one per row of each dim.
 
-    Same mesh (ranks laid out row-major), same named dims, every group made
-    by ``new_group`` in the same order on every rank (every rank must call
-    it). It does not prevent gloo's abort at interpreter exit ("terminate
-    called without an active exception": 8 of 15 four-process runs of a
-    1-D ``init_mesh`` script on torch 2.13 that ended with
+    Same mesh (ranks laid out row-major), same named dims, every group made by ``new_group`` in the same order on every
+    rank (every rank must call it). It does not prevent gloo's abort at interpreter exit ("terminate called without an
+    active exception": 8 of 15 four-process runs of a 1-D ``init_mesh`` script on torch 2.13 that ended with
     ``destroy_process_group()``); end jobs with :func:`spmdmoe.shutdown`.
 
-    ``timeout``: every group of the mesh is a new group with this timeout
-    (without it, a dim over every rank uses the default group and the others
-    the default timeout), e.g. to let one part of a job fail fast.
+    ``timeout``: every group of the mesh is a new group with this timeout (without it, a dim over every rank uses the
+    default group and the others the default timeout), e.g. to let one part of a job fail fast.
 
     Every rank first exchanges its ``shape`` and ``mesh_dim_names`` (one check exchange of 10 integers per
     rank): a rank that passes other ones makes every rank raise the same :class:`SPMDMeshError`, naming

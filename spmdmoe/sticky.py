@@ -1,14 +1,11 @@
 """Mode (c) of the agreement (``spmdmoe.agreement``): sticky flags.
 
-A forward's :class:`spmdmoe.agreement.Problem` (a bad input, non-finite router
-logits on this rank) goes to the layer's transport, which either sends the bits
-along its count exchange (mode (a)) or records them here (the problem's sink). A check
-whose verdict could differ between ranks and that has no exchange to ride (a
-single-device layer, SP modes, EP beside a ``dp_mesh``) records this rank's
-bits on the device, in the layer's :class:`ProblemFlag`: no sync, no
-collective. They are raised on every rank at once by the next exchange of
-flags: a layer's ``update_expert_bias`` (its count all-reduce carries them) or
-:func:`check_errors` (one check exchange of every rank's bits and one host read).
+A forward's :class:`spmdmoe.agreement.Problem` (a bad input, non-finite router logits on this rank) goes to the layer's
+transport, which either sends the bits along its count exchange (mode (a)) or records them here (the problem's sink). A
+check whose verdict could differ between ranks and that has no exchange to ride (a single-device layer, SP modes, EP
+beside a ``dp_mesh``) records this rank's bits on the device, in the layer's :class:`ProblemFlag`: no sync, no
+collective. They are raised on every rank at once by the next exchange of flags: a layer's ``update_expert_bias`` (its
+count all-reduce carries them) or :func:`check_errors` (one check exchange of every rank's bits and one host read).
 """
 
 from __future__ import annotations
@@ -32,10 +29,9 @@ def _world() -> tuple[int, int]:
 class ProblemFlag:
     """Mode (c): this rank's sticky problem bits, recorded without a sync, raised at an exchange.
 
-    Each MoE layer owns one (so its ``update_expert_bias`` raises exactly the
-    problems of the ranks it exchanges with); :func:`check_errors` exchanges
-    every flag of the process over the world. ``on_clear`` runs whenever the
-    flag is cleared after a raise (a layer drops the step's load counts).
+    Each MoE layer owns one (so its ``update_expert_bias`` raises exactly the problems of the ranks it exchanges with);
+    :func:`check_errors` exchanges every flag of the process over the world. ``on_clear`` runs whenever the flag is
+    cleared after a raise (a layer drops the step's load counts).
     """
 
     def __init__(self, on_clear: Optional[Callable[[], object]] = None,
@@ -112,16 +108,13 @@ def _raise_and_clear(op: str, slots: Sequence[int], flags: Sequence[ProblemFlag]
 def check_errors(mesh: Optional[MeshLike] = None) -> None:
     """Raise, on every rank at once, the problems any rank recorded since the last check.
 
-    A collective over ``mesh`` (default: the world): one check exchange
-    (``spmdmoe.agreement.check_exchange``) of every flag of this process OR-ed
-    into one int64, and one host read (a sync); a peer in another spmdmoe
-    check exchange meets it there and every rank raises. Call it where a step should fail if any
-    rank saw a problem its peers could not see, e.g. once per step before
-    ``optimizer.step()`` (each MoE layer's ``update_expert_bias`` does the
-    same for its own problems over its own axes), and at the end of an
-    evaluation pass. Without an initialised process group it reads this
-    process' flags. What was recorded is raised once, then cleared, and every
-    layer drops the load counts of the failed step.
+    A collective over ``mesh`` (default: the world): one check exchange (``spmdmoe.agreement.check_exchange``) of every
+    flag of this process OR-ed into one int64, and one host read (a sync); a peer in another spmdmoe check exchange
+    meets it there and every rank raises. Call it where a step should fail if any rank saw a problem its peers could not
+    see, e.g. once per step before ``optimizer.step()`` (each MoE layer's ``update_expert_bias`` does the same for its
+    own problems over its own axes), and at the end of an evaluation pass. Without an initialised process group it reads
+    this process' flags. What was recorded is raised once, then cleared, and every layer drops the load counts of the
+    failed step.
 
     >>> import spmdmoe
     >>> spmdmoe.check_errors()   # nothing recorded: returns

@@ -1,8 +1,7 @@
 """Helpers for testing parallel code against a single-device reference.
 
-Every helper that can fail makes its verdict collectively: a mismatch on one
-rank raises on every rank (naming the ranks that failed), so a failing test
-never leaves the other ranks waiting in the next test's collective.
+Every helper that can fail makes its verdict collectively: a mismatch on one rank raises on every rank (naming the ranks
+that failed), so a failing test never leaves the other ranks waiting in the next test's collective.
 
 * :func:`reference_tensor` — the same random tensor on every rank, from a seed.
 * :func:`assert_close_everywhere` — compare with a reference, fail on all ranks.
@@ -12,8 +11,7 @@ never leaves the other ranks waiting in the next test's collective.
 * :func:`single_process_group` — a world-size-1 gloo group for examples and doctests.
 * :func:`markdown_python_blocks` — the ``python`` code blocks of a Markdown file (docs run as tests).
 
-Every verdict goes through ``spmdmoe.agreement`` (one exchange of a small row
-per rank).
+Every verdict goes through ``spmdmoe.agreement`` (one exchange of a small row per rank).
 """
 
 from __future__ import annotations
@@ -75,13 +73,11 @@ def all_ranks_agree(ok: bool, mesh: Optional[MeshLike] = None) -> list[int]:
 def check_layout(x: SPMDTensor) -> None:
     """Raise the same ``SPMDLayoutError`` on every rank of ``x``'s axis unless its layout is one layout.
 
-    The local constructors (``SPMDTensor(...)``, ``SPMDTensor.from_buffer``,
-    ``with_local``, ``shard``) check only this rank's rows against this rank's
-    metadata; they cannot see a ``global_tokens``, dtype, feature shape or
-    placement that differs on another rank (the next collective would then
-    abort or hang). This runs :func:`spmdmoe.from_local`'s collective check on
-    ``x`` as it is, also with checks switched off: one check exchange of a few
-    int64 and one host read. Meant for tests and debugging.
+    The local constructors (``SPMDTensor(...)``, ``SPMDTensor.from_buffer``, ``with_local``, ``shard``) check only this
+    rank's rows against this rank's metadata; they cannot see a ``global_tokens``, dtype, feature shape or placement
+    that differs on another rank (the next collective would then abort or hang). This runs :func:`spmdmoe.from_local`'s
+    collective check on ``x`` as it is, also with checks switched off: one check exchange of a few int64 and one host
+    read. Meant for tests and debugging.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -184,8 +180,7 @@ def capture_training_step(step: Callable[[], Any], module: torch.nn.Module, *lea
 
 def markdown_python_blocks(path: "str | Path") -> list[tuple[int, str]]:
     r"""``(line, code)`` of each fenced ````python`` block of the Markdown file ``path``, in order; ``line`` is
-    the block's first code line (1-based), for error messages. Other fences (````text``, ````bash``) are
-    left out.
+    the block's first code line (1-based), for error messages. Other fences (````text``, ````bash``) are left out.
 
     >>> import tempfile
     >>> with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:

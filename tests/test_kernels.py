@@ -91,6 +91,21 @@ def test_gather_sum_ignores_unnamed_rows(S, J, D, dtype, weighted, skips):
     torch.testing.assert_close(got.double(), exact.to(dtype).double(), **_ulp(dtype))
 
 
+def test_overflow_record():
+    """The record kernel against its reference over random demands around the buffers (no overflow, exactly full,
+    over; a state that a forward does or does not beat), the excess a floor of negative values too."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        S, R, n, t_max = (int(v) for v in torch.randint(1, 300, (4,), generator=gen))
+        balanced = max(t_max * 6, 1)
+        slot, rows = (torch.randint(0, 2 * v + 1, (), generator=gen).to(DEVICE) for v in (S, R))
+        state = torch.randint(-5000, 5000, (4,), generator=gen).to(DEVICE)
+        want = state.clone()
+        K.overflow_record_reference(slot, rows, want, S, R, n, balanced, t_max)
+        K.overflow_record_triton(slot, rows, state, S, R, n, balanced, t_max)
+        assert torch.equal(state, want), (S, R, n, t_max, slot, rows)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("S,J,D", [(7, 3, 33), (3, 2, 1500)])
 def test_row_kernels_read_a_column_slice(S, J, D, dtype):

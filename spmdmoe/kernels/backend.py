@@ -43,6 +43,7 @@ COMPILED: dict[str, Literal["triton", "torch"]] = {
     # the reference: inductor compiles it, and sync EP's row count is data-dependent there (no new kernel to
     # trace with an unbacked grid); the host cost it saves is gone under compile anyway
     "expert_order": "torch",
+    "overflow_record": "torch",  # twelve scalar ops: inductor fuses them
 }
 
 

@@ -1,16 +1,13 @@
 """Per-group columnwise FP8 quantization of the two wgrad operands into a 16-row-aligned layout; hot groups split.
 
-Legend: ``R`` rows in the buffer (expert-major, a capacity), ``A`` / ``B`` the
-columns of the two operands (``C``: either one's, in the reference), ``e`` groups (local experts), ``P``
-padded rows.
+Legend: ``R`` rows in the buffer (expert-major, a capacity), ``A`` / ``B`` the columns of the two operands (``C``:
+either one's, in the reference), ``e`` groups (local experts), ``P`` padded rows.
 
-The weight gradient of an expert is ``a[g]^T @ b[g]`` over the rows of its
-group ``g`` (``rows [offsets[g-1], offsets[g])``): ``(grad_out, x)`` of the
-up-projection, ``(grad_out, h)`` of the down-projection. ``torch._scaled_grouped_mm``
-takes it as a 2-D x 2-D GEMM with the token dim contiguous in both operands
-(``a^T`` of shape ``(A, P)``, ``b^T`` of shape ``(B, P)``), every group starting at
-a multiple of 16 tokens and the total a multiple of 16, with one scale per
-(group, column) over that group's rows only. This kernel writes exactly that:
+The weight gradient of an expert is ``a[g]^T @ b[g]`` over the rows of its group ``g``
+(``rows [offsets[g-1], offsets[g])``): ``(grad_out, x)`` of the up-projection, ``(grad_out, h)`` of the down-projection.
+``torch._scaled_grouped_mm`` takes it as a 2-D x 2-D GEMM with the token dim contiguous in both operands (``a^T`` of
+shape ``(A, P)``, ``b^T`` of shape ``(B, P)``), every group starting at a multiple of 16 tokens and the total a multiple
+of 16, with one scale per (group, column) over that group's rows only. This kernel writes exactly that:
 
 * ``qa_AP``, ``qb_BP``: e4m3, transposed; group ``g``'s rows start at
   ``padded[g-1]`` (a multiple of 16) and are followed by zero rows up to
@@ -19,16 +16,14 @@ a multiple of 16 tokens and the total a multiple of 16, with one scale per
   :mod:`spmdmoe.kernels.fp8_common`; an empty group gets the all-zero scale);
 * ``padded_e``: the padded group ends (int32, on the device; no host sync).
 
-``P = round_up(R + 15 e, 16)``, a host int fixed by the buffer's shape, so
-nothing here depends on the routed counts on the host. This is the only
-padding of the FP8 path (forward and dgrad GEMMs take unaligned groups), and
-it is written here, by the quantizer: no separate pad or unpad copy. Rows
-past ``offsets[-1]`` (a capacity buffer's tail) are never read.
+``P = round_up(R + 15 e, 16)``, a host int fixed by the buffer's shape, so nothing here depends on the routed counts on
+the host. This is the only padding of the FP8 path (forward and dgrad GEMMs take unaligned groups), and it is written
+here, by the quantizer: no separate pad or unpad copy. Rows past ``offsets[-1]`` (a capacity buffer's tail) are never
+read.
 
-A group of at most ``SPLIT_ABOVE`` times the mean rows is read by one program per block of ``BLOCK_C``
-columns: its column amax, then scale, cast and transposed write walking the rows backwards (the rows read last
-are re-read first, from L2 if they are still there). A larger group (a hot expert) would serialise that
-program, so it takes two passes:
+A group of at most ``SPLIT_ABOVE`` times the mean rows is read by one program per block of ``BLOCK_C`` columns: its
+column amax, then scale, cast and transposed write walking the rows backwards (the rows read last are re-read first,
+from L2 if they are still there). A larger group (a hot expert) would serialise that program, so it takes two passes:
 
 1. the amax pass, a fixed grid of (block of columns, row program): each split group's row tiles dealt
    round-robin to the row programs, their column amax into ``m[g]`` by ``tl.atomic_max`` (order-independent:
@@ -43,11 +38,10 @@ hot expert: 0.711 / 0.722 / 0.789 / 1.263 ms, 0.93x / 1.12x / 1.54x / 3.17x the 
 1.43 TB/s counted (34 % of 4.2); torchao 0.18's ``triton_fp8_per_group_colwise_scales_dual`` (no 16-row
 layout) took 0.793 ms there (an earlier run of the same benchmark). V3's (131,072 rows of 7168 + 2048, e = 32): 2.227 / 2.250 / 2.274 / 2.695 ms, 0.94x / 1.04x / 1.27x /
 2.60x. The balanced loss (6-7 %) is not isolated; what differs from the old kernel there is the amax pass's
-launch (nothing to read), the zeroed amax buffers and the cast grid's idle parts.
-Every group's rows are read twice, which caps the counted bandwidth at 60 % of copy; taking the amax in the
-kernels that produce the operands instead was measured not to pay: an atomic max per element in a
-row-per-program producer adds 12-15 ms per GB read (1.6-2.3 ms per GB at 8 rows per program) against 0.3 ms per
-GB for a separate read (``benchmarks/producer_amax.py``).
+launch (nothing to read), the zeroed amax buffers and the cast grid's idle parts. Every group's rows are read twice,
+which caps the counted bandwidth at 60 % of copy; taking the amax in the kernels that produce the operands instead was
+measured not to pay: an atomic max per element in a row-per-program producer adds 12-15 ms per GB read (1.6-2.3 ms per
+GB at 8 rows per program) against 0.3 ms per GB for a separate read (``benchmarks/producer_amax.py``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """``MoE``: the single-device layer, and the route every layout shares (``_Layer.forward``).
 
-Legend: ``T`` tokens (valid rows only), ``D`` model dim, ``F`` expert hidden
-dim, ``E`` experts, ``e`` local experts, ``K`` top-k, ``Q`` rows the dispatch
-delivered (a token once per rank), ``R`` rows received by the local experts,
-``H`` the shared experts' hidden dim (``num_shared_experts * F``).
+Legend: ``T`` tokens (valid rows only), ``D`` model dim, ``F`` expert hidden dim, ``E`` experts, ``e`` local experts,
+``K`` top-k, ``Q`` rows the dispatch delivered (a token once per rank), ``R`` rows received by the local experts, ``H``
+the shared experts' hidden dim (``num_shared_experts * F``).
 
-The route (``docs/design.md``, MoE data flow): admit -> route the valid rows
-(count load, training only) -> dispatch (``RoutedTokens``) -> grouped SwiGLU
-experts -> combine (weighted gather-sum over the K copies) -> shared experts
+The route (``docs/design.md``, MoE data flow): admit -> route the valid rows (count load, training only) -> dispatch
+(``RoutedTokens``) -> grouped SwiGLU experts -> combine (weighted gather-sum over the K copies) -> shared experts
 -> release. A layer differs only in its collaborators: its admission (one
-device: the shape checks here; ``parallelize_moe``: ``parallel/admission.py``),
-its rows (its own, or gathered over SP), its transport, and its weights (a
-parallel layer's slices and gradient-synced views).
+device: the shape checks here; ``parallelize_moe``: ``parallel/admission.py``), its rows (its own, or gathered over SP),
+its transport, and its weights (a parallel layer's slices and gradient-synced views).
 
-Problems whose verdict could differ between ranks (input layout, width, dtype
-on one rank; non-finite router logits) are never raised here: they go to the
-transport as problem bits (``spmdmoe.agreement``), which either carries them
-in its count exchange or records them in the sticky flag.
+Problems whose verdict could differ between ranks (input layout, width, dtype on one rank; non-finite router logits) are
+never raised here: they go to the transport as problem bits (``spmdmoe.agreement``), which either carries them in its
+count exchange or records them in the sticky flag.
 """
 
 from __future__ import annotations
@@ -108,9 +104,8 @@ class _Layer(nn.Module):
     def weights(self) -> dict[str, torch.Tensor]:
         """The dense parameters the data path reads (router, shared experts), by name.
 
-        The router gate comes cast to the router's dtype (``MoEConfig.router_dtype``,
-        fp32 by default), so its gradient is made in fp32 and rounded once. The
-        routed experts read their own parameters (``GroupedExperts.forward``).
+        The router gate comes cast to the router's dtype (``MoEConfig.router_dtype``, fp32 by default), so its gradient
+        is made in fp32 and rounded once. The routed experts read their own parameters (``GroupedExperts.forward``).
         """
         return {n: cast(p, self.read_dtype(n, p)) for n, p in self.dense_params().items()}
 
@@ -131,11 +126,9 @@ class _Layer(nn.Module):
     def update_expert_bias(self) -> torch.Tensor:
         """Apply the aux-loss-free bias update and reset the counts; returns the summed load.
 
-        Call it once per optimizer step (e.g. from an optimizer pre-step
-        hook), on every rank of the layer's load axes, before the optimizer
-        step. Without ``load_balance_coeff`` it only sums and resets the
-        counts. It also raises, on every rank, any problem a rank recorded
-        during the step (``spmdmoe.sticky``: one host sync per call).
+        Call it once per optimizer step (e.g. from an optimizer pre-step hook), on every rank of the layer's load axes,
+        before the optimizer step. Without ``load_balance_coeff`` it only sums and resets the counts. It also raises, on
+        every rank, any problem a rank recorded during the step (``spmdmoe.sticky``: one host sync per call).
         """
         coeff = self.config.load_balance_coeff
         return balance.update_expert_bias(self.expert_bias, self.tokens_per_expert, coeff or 0.0, self.load_axes,
@@ -195,11 +188,11 @@ class _Layer(nn.Module):
                 total_E = balance.reduce_counts(counts_E, self.aux_axes)  # with grad off too: peers may train
                 own_scores = r.scores_TE if own_T is None else r.scores_TE * own_T.unsqueeze(1)
                 self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff) if grad else None
-        if checks_enabled():
-            finite_TE = torch.isfinite(r.logits_TE)
+        if checks_enabled():  # l - l: 0 where finite, NaN where not; their sum is 0 iff all are (T = 0 too)
+            nan_TE = r.logits_TE - r.logits_TE
             if own_T is not None:
-                finite_TE = finite_TE | ~own_T.unsqueeze(1)
-            problem.add_device(torch.where(finite_TE.all(), 0, BIT["nonfinite"]))  # int64, one kernel
+                nan_TE = torch.where(own_T.unsqueeze(1), nan_TE, 0.0)
+            problem.add_device(torch.where(nan_TE.sum() == 0, 0, BIT["nonfinite"]))  # int64
         return r.ids_TK, weights_TK
 
     def _dispatch(self, h_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, a: Admitted
@@ -304,18 +297,14 @@ class DeviceAdmission:
 class MoE(_Layer):
     """A Mixture-of-Experts layer on one device: ``forward(x_TD) -> y_TD``.
 
-    Output = sum_k weight_k * expert_k(x) + shared(x). Parameters:
-    ``router.gate.weight`` (E, D); ``experts.w1`` (E, F, D), ``experts.w2``
-    (E, D, F), ``experts.w3`` (E, F, D); with shared experts
-    ``shared_experts.w{1,2,3}.weight`` ((H, D), (D, H), (H, D), ``H = num_shared_experts * F``). Buffers:
-    ``expert_bias`` (E,) (saved), ``tokens_per_expert`` (E,) (not saved).
-    ``load_state_dict`` also takes torchtitan names and DTensors (see
-    ``spmdmoe.moe.params.checkpoint``). ``expert_bias`` stays fp32 under ``.to()``.
-    Leading dims of ``x`` are flattened into tokens. With ``aux_loss_coeff``,
-    ``self.aux_loss`` holds the aux loss of the last training-mode forward with
-    grad (add it to the loss); otherwise it is ``None``. A non-finite router
-    logit is recorded and raised by :func:`spmdmoe.check_errors` or
-    :meth:`update_expert_bias` (``spmdmoe.agreement``).
+    Output = sum_k weight_k * expert_k(x) + shared(x). Parameters: ``router.gate.weight`` (E, D); ``experts.w1`` (E, F,
+    D), ``experts.w2`` (E, D, F), ``experts.w3`` (E, F, D); with shared experts ``shared_experts.w{1,2,3}.weight`` ((H,
+    D), (D, H), (H, D), ``H = num_shared_experts * F``). Buffers: ``expert_bias`` (E,) (saved), ``tokens_per_expert``
+    (E,) (not saved). ``load_state_dict`` also takes torchtitan names and DTensors (see
+    ``spmdmoe.moe.params.checkpoint``). ``expert_bias`` stays fp32 under ``.to()``. Leading dims of ``x`` are flattened
+    into tokens. With ``aux_loss_coeff``, ``self.aux_loss`` holds the aux loss of the last training-mode forward with
+    grad (add it to the loss); otherwise it is ``None``. A non-finite router logit is recorded and raised by
+    :func:`spmdmoe.check_errors` or :meth:`update_expert_bias` (``spmdmoe.agreement``).
 
     >>> import torch
     >>> from spmdmoe.moe import MoE, MoEConfig

@@ -89,10 +89,9 @@ def checks(enabled: Union[bool, str]) -> Iterator[None]:
 class Layout:
     """A layout hint for ``Annotated[SPMDTensor, Layout(...)]``.
 
-    ``tokens`` is an int (an exact ``global_tokens``) or a name: every argument
-    and return value that uses the same name must have the same
-    ``global_tokens``. ``mesh`` is a name with the same rule for mesh axes.
-    A bare placement is shorthand: ``Annotated[SPMDTensor, Shard(0)]``.
+    ``tokens`` is an int (an exact ``global_tokens``) or a name: every argument and return value that uses the same name
+    must have the same ``global_tokens``. ``mesh`` is a name with the same rule for mesh axes. A bare placement is
+    shorthand: ``Annotated[SPMDTensor, Shard(0)]``.
     """
 
     placement: Placement
@@ -109,9 +108,8 @@ def assert_layout(
 ) -> None:
     """Raise :class:`SPMDLayoutError` unless ``x`` is an ``SPMDTensor`` with this layout.
 
-    Checks the placement, the mesh axis (if given), ``global_tokens`` (if
-    given) and that ``x.local`` holds this rank's rows. Local only: no
-    communication. A no-op when checking is off.
+    Checks the placement, the mesh axis (if given), ``global_tokens`` (if given) and that ``x.local`` holds this rank's
+    rows. Local only: no communication. A no-op when checking is off.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()
@@ -181,8 +179,7 @@ def layout_checked(fn: F) -> F:
     >>> double(spmdmoe.shard(torch.ones(3, 2), pg)).global_tokens
     3
 
-    The hints are read on the first call. With checking off, the wrapper only
-    reads one flag.
+    The hints are read on the first call. With checking off, the wrapper only reads one flag.
     """
     resolved: dict[str, Any] = {}
 

@@ -1,7 +1,6 @@
 """``SPMDTensor``: a local tensor plus its layout on one mesh axis.
 
-The type is the source of truth for token counts. Nothing in spmdmoe ever
-derives a global shape from ``local.shape * world``; counts come from here.
+The source of truth for token counts: spmdmoe never derives a global shape from ``local.shape * world``.
 
 =========================  ===============================================
 attribute                  meaning
@@ -76,21 +75,19 @@ def _buffer_rows(placement: Placement, total: int, axis: MeshAxis) -> int:
 class SPMDTensor:
     """A local ``torch.Tensor`` with its placement and token counts on one mesh axis.
 
-    Immutable and cheap to build; a pytree node (leaf: ``local``; context: the
-    layout), so ``torch.compile`` and ``torch.utils._pytree`` see through it.
+    Immutable and cheap to build; a pytree node (leaf: ``local``; context: the layout), so ``torch.compile`` and
+    ``torch.utils._pytree`` see through it.
 
     Args:
         local: this rank's valid rows.
         mesh: a 1-D ``DeviceMesh``, ``(DeviceMesh, name)``, ``ProcessGroup`` or ``MeshAxis``.
         placement: ``Shard(dim)``, ``Replicate()``, ``Partial()`` or ``Varying()``.
         global_tokens: ``T``; required except for ``Varying``.
-        token_dim: token dimension for ``Replicate``/``Partial``/``Varying``
-            (``Shard`` uses its own ``dim``). Default 0.
+        token_dim: the token dimension of ``Replicate``/``Partial``/``Varying`` (``Shard``: its ``dim``). Default 0.
 
     Raises:
-        SPMDLayoutError: ``local`` does not hold this rank's rows for ``T``
-            (checked on this rank only: see the module docstring for what is
-            not checked across ranks).
+        SPMDLayoutError: ``local`` does not hold this rank's rows for ``T`` (checked on this rank only: see the module
+            docstring for what is not checked across ranks).
 
     Example (one process, world size 1, so rank 0 holds every row):
 
@@ -163,11 +160,10 @@ class SPMDTensor:
     ) -> "SPMDTensor":
         """Wrap storage that holds the valid rows followed by spare tail rows.
 
-        ``buffer`` has ``padded_local_tokens`` rows along the token dimension for
-        ``Shard`` and ``padded_global_tokens`` rows for ``Partial``/``Replicate``;
-        ``.local`` is the view of the valid rows. A producer that writes into
-        such a buffer lets a collective send it without a padding copy. Local
-        checks only (row count, contiguity); nothing across ranks.
+        ``buffer`` has ``padded_local_tokens`` rows along the token dimension for ``Shard`` and ``padded_global_tokens``
+        rows for ``Partial``/``Replicate``; ``.local`` is the view of the valid rows. A producer that writes into such a
+        buffer lets a collective send it without a padding copy. Local checks only (row count, contiguity); nothing
+        across ranks.
         """
         axis = mesh_axis(mesh)
         with rejecting("SPMDTensor.from_buffer", axis):
@@ -195,12 +191,10 @@ class SPMDTensor:
     def with_local(self, local: torch.Tensor) -> "SPMDTensor":
         """The same layout around new local data (e.g. after a row-wise op).
 
-        The token dimension must keep its size; other dimensions and the dtype
-        may change. Raises :class:`SPMDLayoutError` otherwise. Only row-wise
-        (per-token) ops keep a ``Shard`` meaningful, and only linear ops keep a
-        ``Partial`` one: that part is the caller's promise. Not checked across
-        ranks: a width or dtype that one rank changes and the others do not
-        (use :func:`spmdmoe.testing.check_layout` in tests).
+        The token dimension must keep its size; other dimensions and the dtype may change. Raises
+        :class:`SPMDLayoutError` otherwise. Only row-wise (per-token) ops keep a ``Shard`` meaningful, and only linear
+        ops keep a ``Partial`` one: that part is the caller's promise. Not checked across ranks: a width or dtype that
+        one rank changes and the others do not (use :func:`spmdmoe.testing.check_layout` in tests).
         """
         dim = self._token_dim
         if local.dim() <= dim or local.shape[dim] != self._local.shape[dim]:
@@ -353,8 +347,7 @@ _COUNT_PROBLEMS = {
 def parse_count(value: Any) -> tuple[int, str]:
     """``(int(value), "")``, or ``(value or -1, kind)`` naming why ``value`` is not a token count.
 
-    Never raises: a rank with a bad count must still take part in the exchange
-    that tells its peers (``spmdmoe.agreement``).
+    Never raises: a rank with a bad count must still join the exchange that tells its peers (``spmdmoe.agreement``).
     """
     if isinstance(value, bool) or getattr(type(value), "__index__", None) is None:
         return -1, "tokens_type"

@@ -1,6 +1,5 @@
-"""The FP8 experts' custom ops, their fake implementations and their autograd, and :func:`fp8_swiglu`, the
-call that runs them (the path, its numerics and its measured memory: ``fp8.py``'s docstring, ``docs/design.md``
-§7.1).
+"""The FP8 experts' custom ops, their fake implementations and their autograd, and :func:`fp8_swiglu`, the call that
+runs them (the path, its numerics and its measured memory: ``fp8.py``'s docstring, ``docs/design.md`` §7.1).
 
 Legend: as ``fp8.py``: ``R`` routed rows, ``D`` model dim, ``F`` expert hidden dim, ``e`` local experts,
 ``P`` rows of the 16-aligned wgrad layout, ``M`` rows of a GEMM, ``I`` / ``O`` a projection's input and output
@@ -249,13 +248,12 @@ def fp8_swiglu(x_RD: torch.Tensor, offsets_e: torch.Tensor, valid: torch.Tensor,
                x_fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                w_R: Optional[torch.Tensor] = None, copies_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y_RD`` of the routed rows ``[0, valid)`` through the FP8 experts (rows past ``valid``: unspecified).
-    ``quantized``: the weights' FP8 copies (``Fp8WeightCache.get`` or :func:`quantize_weights`); ``wgrad``:
-    ``"auto"``, ``"fp8"`` or ``"bf16"`` (:func:`fp8_wgrad`); ``x_fp8``: ``x``'s rowwise e4m3 and scales
-    when the dispatch made them (``RoutedTokens.fp8_rows``), bit for bit ``quantize_rows(x_RD)``; ``w_R``:
-    each row's routing weight when the dispatch folded them in (the SwiGLU output row times it);
-    ``copies_TK``: the rows of each token's copies (``RoutedTokens.copies_TK``): ``y_TD``, the sum of each
-    token's copies, instead (the combine inside the experts' node, whose backward then quantizes each
-    token's output gradient once for its ``K`` copies)."""
+    ``quantized``: the weights' FP8 copies (``Fp8WeightCache.get`` or :func:`quantize_weights`); ``wgrad``: ``"auto"``,
+    ``"fp8"`` or ``"bf16"`` (:func:`fp8_wgrad`); ``x_fp8``: ``x``'s rowwise e4m3 and scales when the dispatch made them
+    (``RoutedTokens.fp8_rows``), bit for bit ``quantize_rows(x_RD)``; ``w_R``: each row's routing weight when the
+    dispatch folded them in (the SwiGLU output row times it); ``copies_TK``: the rows of each token's copies
+    (``RoutedTokens.copies_TK``): ``y_TD``, the sum of each token's copies, instead (the combine inside the experts'
+    node, whose backward then quantizes each token's output gradient once for its ``K`` copies)."""
     q, dims = quantized, [x_RD.shape[1], w1_eFD.shape[1]]
     in_fp8 = gemms.fp8_wgrad(x_RD.shape[1], w1_eFD.shape[1], w1_eFD.shape[0], x_RD.dtype, wgrad)
     xq, xs = x_fp8 or quantize_rows(x_RD.detach(), valid)

@@ -3,18 +3,15 @@
 Legend: ``M`` rows, ``I`` input (reduction) dim, ``O`` output dim, ``e`` groups, ``F`` the experts'
 hidden dim (``h13`` is ``2F`` wide) (not ``K``/``N``: in MoE code those are top-k and routed copies).
 
-On aligned shapes this is ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``
-on torch 2.11) with the device-resident group offsets: no host sync, no
-token-group padding (bf16 needs none: measured on H200, padding groups to 16 rows gains nothing). torch's kernels need every
-row stride to be a multiple of 16 bytes; other shapes (toy dims) take a
-per-group ``mm`` loop that needs the group sizes on the host: free when the
-dispatcher already has them (the all-to-all's one sync), otherwise one
-counted device-to-host copy. Under ``torch.compile`` torch's grouped GEMM
-traces in bf16 only (its meta function refuses other dtypes), and host sizes
-would be data-dependent, so other dtypes and shapes take a masked loop: one
-dense GEMM per group over rows zeroed outside the group (``e`` times the
-FLOPs; meant for fp32 debugging and CPU tests, not for speed).
-The FP8 experts' GEMMs are ``moe/experts/fp8.py``'s (``torch._scaled_grouped_mm``).
+On aligned shapes this is ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on torch 2.11) with the
+device-resident group offsets: no host sync, no token-group padding (bf16 needs none: measured on H200, padding groups
+to 16 rows gains nothing). torch's kernels need every row stride to be a multiple of 16 bytes; other shapes (toy dims)
+take a per-group ``mm`` loop that needs the group sizes on the host: free when the dispatcher already has them (the
+all-to-all's one sync), otherwise one counted device-to-host copy. Under ``torch.compile`` torch's grouped GEMM traces
+in bf16 only (its meta function refuses other dtypes), and host sizes would be data-dependent, so other dtypes and
+shapes take a masked loop: one dense GEMM per group over rows zeroed outside the group (``e`` times the FLOPs; meant for
+fp32 debugging and CPU tests, not for speed). The FP8 experts' GEMMs are ``moe/experts/fp8.py``'s
+(``torch._scaled_grouped_mm``).
 """
 
 from __future__ import annotations
@@ -66,10 +63,9 @@ def grouped_mm(
 ) -> torch.Tensor:
     """Rows ``[offsets[g-1], offsets[g])`` of ``x`` times ``w[g].T``; differentiable.
 
-    ``offsets_e`` is int32 on ``x``'s device; rows past its last entry (the
-    tail of a capacity-sized buffer) are never read, and their output rows are
-    unspecified (torch's kernel leaves them uninitialised; the fallback writes
-    zeros). ``sizes``: the group sizes on the host, if known (used by the fallback).
+    ``offsets_e`` is int32 on ``x``'s device; rows past its last entry (the tail of a capacity-sized buffer) are never
+    read, and their output rows are unspecified (torch's kernel leaves them uninitialised; the fallback writes zeros).
+    ``sizes``: the group sizes on the host, if known (used by the fallback).
     """
     if native_grouped_mm_ok(x_MI, w_eOI):
         y_MO = _native(x_MI.contiguous(), w_eOI.transpose(-2, -1), offs=offsets_e)
@@ -187,12 +183,11 @@ def grouped_mm_pair(
 ) -> torch.Tensor:
     """``[grouped_mm(x, w1) | grouped_mm(x, w3)]``, ``(M, 2F)``: the experts' up-projections.
 
-    On torch's grouped GEMM (bf16 under compile) one GEMM on ``[w1 | w3]`` (a view when the two are
-    adjacent, else a copy); measured on H200 at T=16k, K=6: 5.5 ms fwd+bwd for the pair against 6.3 ms
-    as two GEMMs (``benchmarks/ARCHIVE.md``). Otherwise two :func:`grouped_mm` concatenated.
-    ``later`` (``wgrad_later.LaterWgrad``, made earlier in the forward by the caller): the weights' gradients
-    come from its anchor, after whatever autograd runs between the two (torch's grouped GEMM, eager, only;
-    otherwise its anchor gets no gradient and never runs).
+    On torch's grouped GEMM (bf16 under compile) one GEMM on ``[w1 | w3]`` (a view when the two are adjacent, else a
+    copy); measured on H200 at T=16k, K=6: 5.5 ms fwd+bwd for the pair against 6.3 ms as two GEMMs
+    (``benchmarks/ARCHIVE.md``). Otherwise two :func:`grouped_mm` concatenated. ``later`` (``wgrad_later.LaterWgrad``,
+    made earlier in the forward by the caller): the weights' gradients come from its anchor, after whatever autograd
+    runs between the two (torch's grouped GEMM, eager, only; otherwise its anchor gets no gradient and never runs).
     """
     if native_grouped_mm_ok(x_MI, w1_eFI):
         if later is not None and not torch.compiler.is_compiling():  # (the experts compiled alone: one node)

@@ -1,16 +1,13 @@
 """Routed experts (grouped SwiGLU over expert-major rows) and shared experts (dense SwiGLU).
 
-Legend: ``R`` routed rows received by this rank's experts, ``T`` local tokens,
-``D`` model dim, ``F`` expert hidden dim (this rank's slice of it under
-tensor-parallel experts), ``E`` experts, ``e`` local experts, ``K`` top-k, ``H`` the shared experts'
-hidden dim (``num_shared_experts * F``).
+Legend: ``R`` routed rows received by this rank's experts, ``T`` local tokens, ``D`` model dim, ``F`` expert hidden dim
+(this rank's slice of it under tensor-parallel experts), ``E`` experts, ``e`` local experts, ``K`` top-k, ``H`` the
+shared experts' hidden dim (``num_shared_experts * F``).
 
-Expert math (torchtitan's): ``y = w2 @ (silu(w1 @ x) * (w3 @ x))``. The routed
-experts read their own parameters inside ``forward`` (so FSDP2 can shard them
-as a unit of their own, torchtitan-style) and, when replicated along an SP
-axis, sum their gradients over it there (``grad_axis``, see ``grads.py``). The
-shared experts take their weights from the caller, which syncs them with the
-layer's other dense weights.
+Expert math (torchtitan's): ``y = w2 @ (silu(w1 @ x) * (w3 @ x))``. The routed experts read their own parameters inside
+``forward`` (so FSDP2 can shard them as a unit of their own, torchtitan-style) and, when replicated along an SP axis,
+sum their gradients over it there (``grad_axis``, see ``grads.py``). The shared experts take their weights from the
+caller, which syncs them with the layer's other dense weights.
 """
 
 from __future__ import annotations
@@ -39,14 +36,12 @@ __all__ = ["GroupedExperts", "SharedExperts", "grouped_swiglu", "swiglu", "swigl
 class GroupedExperts(nn.Module):
     """Parameters ``w1`` (E, F, D), ``w2`` (E, D, F), ``w3`` (E, F, D).
 
-    ``grad_axis``: an SP axis the parameters are replicated along (set by
-    ``parallelize_moe``, with ``grad_set``, which of them need a gradient as the ranks agreed then); their
-    fresh gradients are summed over it.
+    ``grad_axis``: an SP axis the parameters are replicated along (set by ``parallelize_moe``, with ``grad_set``, which
+    of them need a gradient as the ranks agreed then); their fresh gradients are summed over it.
     ``precision``: ``"bf16"`` (the activations' dtype) or ``"fp8_rowwise"`` (``spmdmoe.moe.experts.fp8``; its weight
-    gradients in FP8 or not by ``fp8_wgrad``, ``spmdmoe.moe.experts.fp8.fp8_wgrad``; the
-    quantized weights are kept in ``fp8_cache`` until the weights' bytes change, checked on the device
-    before every use (``spmdmoe.moe.experts.fp8_cache``); ``fp8_cache = None`` quantizes them every call, as
-    ``fully_shard_moe`` sets it).
+    gradients in FP8 or not by ``fp8_wgrad``, ``fp8.fp8_wgrad``; the quantized weights are kept in ``fp8_cache`` until
+    the weights' bytes change, checked on the device before every use (``fp8_cache.py``); ``fp8_cache = None``, as
+    ``fully_shard_moe`` sets it, quantizes them every call).
     """
 
     grad_axis: Optional[MeshAxis] = None
@@ -70,13 +65,12 @@ class GroupedExperts(nn.Module):
             Fp8WeightCache(*self.read_weights()) if precision == "fp8_rowwise" else None)
 
     def pack(self) -> None:
-        """Put ``w1`` and ``w3`` side by side in one storage (``w3`` right after ``w1`` for each expert),
-        so the up-projection reads ``[w1 | w3]`` as a view: one grouped GEMM instead of two
-        (``spmdmoe.moe.experts.gemm.grouped_mm_pair``). Runs at construction and after every ``.to()`` /
-        ``.cuda()`` / ``to_empty``; the parameters keep their identity (``.data`` is re-pointed), their
-        values, names and shapes. ``w1`` and ``w3`` are then non-contiguous views: FSDP2 refuses those,
-        so shard with ``spmdmoe.moe.fully_shard_moe`` (or call :meth:`unpack` before ``fully_shard``);
-        the GEMM then joins the two with a copy per step."""
+        """Put ``w1`` and ``w3`` side by side in one storage (``w3`` right after ``w1`` for each expert), so the
+        up-projection reads ``[w1 | w3]`` as a view: one grouped GEMM instead of two (``gemm.grouped_mm_pair``). Runs at
+        construction and after every ``.to()`` / ``.cuda()`` / ``to_empty``; the parameters keep their identity
+        (``.data`` is re-pointed), values, names and shapes. ``w1`` and ``w3`` are then non-contiguous views, which
+        FSDP2 refuses: shard with ``spmdmoe.moe.fully_shard_moe`` (or call :meth:`unpack` before ``fully_shard``); the
+        GEMM then joins the two with a copy per step."""
         w1, w3 = self.w1.data, self.w3.data
         if not (plain_tensor(w1) and plain_tensor(w3)) or w1.shape != w3.shape:
             return
@@ -121,10 +115,9 @@ class GroupedExperts(nn.Module):
     def later_wgrad(self) -> Optional[LaterWgrad]:
         """An anchor for the up-projection's weight gradients (``spmdmoe.moe.experts.wgrad_later``), made by the layer
         between its dispatch's launch and wait, where that split is exact: experts not in FP8 (``precision``
-        ``"bf16"``: the activations' dtype), ``w1`` and ``w3`` plain packed parameters both needing a gradient,
-        read as they are (this class's ``read_weights``, not a subclass's views or casts), not an FSDP2 unit of
-        their own, no SP sum of them here, grad mode on, not under ``torch.compile``.
-        ``None`` elsewhere (one node makes the input and weight gradients)."""
+        ``"bf16"``), ``w1`` and ``w3`` plain packed parameters both needing a gradient, read as they are (this class's
+        ``read_weights``, not a subclass's views or casts), not an FSDP2 unit of their own, no SP sum of them here, grad
+        mode on, not under ``torch.compile``. ``None`` elsewhere (one node makes the input and weight gradients)."""
         if (self.precision != "bf16" or self.grad_axis is not None or not torch.is_grad_enabled()
                 or torch.compiler.is_compiling() or type(self).read_weights is not GroupedExperts.read_weights):
             return None  # (a subclass reading views or casts, as the integrations do: not read here for nothing)
@@ -189,10 +182,9 @@ def grouped_swiglu(
     """``y_RD`` for the routed rows: three grouped GEMMs with the device offsets (``later``: the up-projection's
     weight gradients come from that anchor, ``GroupedExperts.later_wgrad``).
 
-    A rank whose slice of the hidden dim is empty (tensor-parallel experts with
-    ``F < n`` or ``F % n`` leaving the last ranks none, by the chunk rule)
-    contributes zeros, through GEMMs with an empty inner dim, so its weights
-    and rows still get (zero) gradients and every backward collective runs.
+    A rank whose slice of the hidden dim is empty (tensor-parallel experts with ``F < n`` or ``F % n`` leaving the last
+    ranks none, by the chunk rule) contributes zeros, through GEMMs with an empty inner dim, so its weights and rows
+    still get (zero) gradients and every backward collective runs.
     """
     x_RD, offs, sizes = routed.x_RD, routed.group_offsets, routed.group_sizes
     if w1_eFD.shape[1] == 0:

@@ -1,8 +1,7 @@
 """``parallelize_moe``: the same layer over an SP axis, an EP axis, or both.
 
-Legend: ``T`` local valid tokens, ``D`` model dim, ``F`` expert hidden dim,
-``E`` experts, ``e = E / ep`` local experts, ``K`` top-k, ``R`` rows received
-by the local experts, ``n`` EP ranks, ``S`` rows of one sync-free slot.
+Legend: ``T`` local valid tokens, ``D`` model dim, ``F`` expert hidden dim, ``E`` experts, ``e = E / ep`` local experts,
+``K`` top-k, ``R`` rows received by the local experts, ``n`` EP ranks, ``S`` rows of one sync-free slot.
 
 Plans: SP ``local`` (each SP rank routes its own rows), SP ``gather`` (all_gather over SP, the experts' ``F``
 split over SP, reduce_scatter) and EP (all-to-all dispatch and combine, a block of ``e`` experts a rank). After
@@ -51,62 +50,45 @@ def parallelize_moe(
 ) -> "ParallelMoE":
     """This rank's part of ``moe`` over the given axes (same parameter names, sliced experts).
 
-    ``forward`` takes an ``SPMDTensor`` sharded (``Shard(0)``) on ``sp_mesh`` and
-    returns one with the same layout; with ``sp_mesh=None`` it takes and
-    returns a plain ``(T_rank, D)`` tensor or a ``Varying`` ``SPMDTensor``
-    (each rank its own batch; ``T_rank`` may differ and be 0). ``moe``'s router,
-    shared experts and ``expert_bias`` are copied, its experts sliced; build
-    ``moe`` identically on every rank (same seed) and do not use it afterwards
-    for training the same weights.
+    ``forward`` takes an ``SPMDTensor`` sharded (``Shard(0)``) on ``sp_mesh`` and returns one with the same layout; with
+    ``sp_mesh=None`` it takes and returns a plain ``(T_rank, D)`` tensor or a ``Varying`` ``SPMDTensor`` (each rank its
+    own batch; ``T_rank`` may differ and be 0). ``moe``'s router, shared experts and ``expert_bias`` are copied, its
+    experts sliced; build ``moe`` identically on every rank (same seed) and do not use it afterwards for training the
+    same weights.
 
-    ``dp_mesh``: the data-parallel axis (replicas of the layer that see other
-    batches; orthogonal to the SP and EP axes). The forward does not use it;
-    it joins the load-count reductions (``update_expert_bias`` and
-    ``expert_load`` see the whole step's tokens, as one device would) and
-    :meth:`ParallelMoE.batch_reductions`. The aux loss is per batch: its counts
-    are summed over the SP axis only (the ranks one batch spans), and each
-    rank's ``aux_loss`` is its share of its batch's aux loss.
+    ``dp_mesh``: the data-parallel axis (replicas of the layer that see other batches; orthogonal to the SP and EP
+    axes). The forward does not use it; it joins the load-count reductions (``update_expert_bias`` and ``expert_load``
+    see the whole step's tokens, as one device would) and :meth:`ParallelMoE.batch_reductions`. The aux loss is per
+    batch: its counts are summed over the SP axis only (the ranks one batch spans), and each rank's ``aux_loss`` is its
+    share of it.
 
-    A collective over ``agree_over`` (default: the world; a pipeline stage
-    passes its own group, e.g. ``mesh["dp", "sp", "ep"]._flatten()`` or a
-    ``ProcessGroup``): every rank of it calls this for the same layers in the
-    same order, the config, plan and weights are compared across them
-    (``spmdmoe.moe.parallel.plan``), and every rank raises the same error if any rank's
-    differ. ``load_state_dict`` agrees over the same group.
+    A collective over ``agree_over`` (default: the world; a pipeline stage passes its own group, e.g.
+    ``mesh["dp", "sp", "ep"]._flatten()`` or a ``ProcessGroup``): every rank of it calls this for the same layers in the
+    same order, the config, plan and weights are compared across them (``spmdmoe.moe.parallel.plan``), and every rank
+    raises the same error if any rank's differ. ``load_state_dict`` agrees over the same group.
 
-    ``ep_mode``: how EP moves rows. ``"sync"`` (default) reads the split sizes
-    on the host once per forward and sends exactly the routed rows.
-    ``"sync_free"`` (``spmdmoe.moe.transports.sync_free``) never syncs: static buffers of
-    ``S`` rows per rank pair, sized from ``T_max``, the most tokens any rank
-    of the EP group routes: with EP on the SP axis the SP input's padded local
-    count; otherwise (EP across batches, gather mode) ``max_tokens``, or,
-    when that is ``None``, the most tokens a rank routed in the first forward
-    (agreed once host to host, through the c10d store: no device sync). More
-    rows on a rank than that bound raise ``SPMDCapacityError`` on every rank
-    at the step boundary; pass ``max_tokens`` where the token count grows
-    after the first step.
-    ``capacity_factor=None`` is lossless (``S = T_max``: a token crosses to a
-    rank once); a factor ``c`` sizes the buffers to ``c`` times balanced
-    traffic (``sync_free.capacity_rows``), and an overflow is
-    raised by :meth:`ParallelMoE.check_capacity` and ``update_expert_bias`` as
-    ``SPMDCapacityError`` on every rank of the layer. Without EP both modes are
-    the local, sync-free transport.
+    ``ep_mode``: how EP moves rows. ``"sync"`` (default) reads the split sizes on the host once per forward and sends
+    exactly the routed rows. ``"sync_free"`` (``spmdmoe.moe.transports.sync_free``) never syncs: static buffers of ``S``
+    rows per rank pair, sized from ``T_max``, the most tokens any rank of the EP group routes: with EP on the SP axis
+    the SP input's padded local count; otherwise (EP across batches, gather mode) ``max_tokens``, or, when that is
+    ``None``, the most tokens a rank routed in the first forward (agreed once host to host, through the c10d store: no
+    device sync). More rows on a rank than that bound raise ``SPMDCapacityError`` on every rank at the step boundary;
+    pass ``max_tokens`` where the token count grows after the first step. ``capacity_factor=None`` is lossless
+    (``S = T_max``: a token crosses to a rank once); a factor ``c`` sizes the buffers to ``c`` times balanced traffic
+    (``sync_free.capacity_rows``), and an overflow is raised by :meth:`ParallelMoE.check_capacity` and
+    ``update_expert_bias`` as ``SPMDCapacityError`` on every rank of the layer. Without EP both modes are the local,
+    sync-free transport.
 
-    A ``moe`` on the meta device (``with torch.device("meta"): moe = MoE(cfg)``)
-    is never materialised: the layer allocates only this rank's shards,
-    uninitialised, on ``device`` (default: the meshes' device; ``"meta"`` keeps
-    them on meta, e.g. to plan without memory), zeroes its buffers, and
-    ``layer.init_weights(generator=g)`` then gives exactly the weights
-    ``MoE(cfg).init_weights(generator=g)`` gives on one device (every rank
-    passing the same generator state; ``spmdmoe.moe.params.init``). The weights
-    agreement is skipped for meta layers (there are no values to compare).
+    A ``moe`` on the meta device (``with torch.device("meta"): moe = MoE(cfg)``) is never materialised: the layer
+    allocates only this rank's shards, uninitialised, on ``device`` (default: the meshes' device; ``"meta"`` keeps them
+    on meta, e.g. to plan without memory), zeroes its buffers, and ``layer.init_weights(generator=g)`` then gives
+    exactly the weights ``MoE(cfg).init_weights(generator=g)`` gives on one device (every rank passing the same
+    generator state; ``spmdmoe.moe.params.init``); the weights agreement skips meta layers (no values to compare).
 
-    Raises ``MoEConfigError``: configs, plans or weights that
-    differ between ranks, ``E % ep != 0``, an unknown ``sp_mode``, gather mode
-    without ``sp_mesh`` or with ``ep_mesh`` equal to ``sp_mesh``, a layer that is
-    already parallel. ``SPMDMeshError``: a mesh that is not one axis, SP and EP
-    axes that are neither the same group nor orthogonal, a DP axis not
-    orthogonal to both.
+    Raises ``MoEConfigError``: configs, plans or weights that differ between ranks, ``E % ep != 0``, an unknown
+    ``sp_mode``, gather mode without ``sp_mesh`` or with ``ep_mesh`` equal to ``sp_mesh``, a layer that is already
+    parallel. ``SPMDMeshError``: a mesh that is not one axis, SP and EP axes that are neither the same group nor
+    orthogonal, a DP axis not orthogonal to both.
     """
     transport = (ep_mode, capacity_factor, max_tokens)
     sp, ep, dp, over = agree_plan(moe, sp_mesh, ep_mesh, dp_mesh, sp_mode, agree_over, transport)
@@ -238,11 +220,10 @@ class ParallelMoE(_Layer):
         self.experts.grad_axis, self.experts.grad_set = None, None
 
     def sp_sync_params(self) -> list[torch.Tensor]:
-        """The parameters whose gradients this layer sums over SP (``grads.py``): the dense ones, and
-        the experts when they are replicated along SP; not those inside an FSDP2 unit of their own
-        (e.g. the experts under ``fully_shard_moe``: their sum must be done inside that unit, before
-        its reduce-scatter). Empty with ``grad_overlap = False``: each sum then waits at its use
-        (``overlap.py``)."""
+        """The parameters whose gradients this layer sums over SP (``grads.py``): the dense ones, and the experts when
+        they are replicated along SP; not those inside an FSDP2 unit of their own (e.g. the experts under
+        ``fully_shard_moe``: their sum must be done inside that unit, before its reduce-scatter). Empty with
+        ``grad_overlap = False``: each sum then waits at its use (``overlap.py``)."""
         if not self.grad_overlap or not self.sp_synced:
             return []
         names = list(self.sp_synced)

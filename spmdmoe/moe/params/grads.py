@@ -266,10 +266,9 @@ class GradReduction(NamedTuple):
 def batch_reductions(batches: tuple[MeshAxis, ...], ep: Optional[MeshAxis]) -> tuple[GradReduction, GradReduction]:
     """``(dense, experts)`` of a layer whose ranks on ``batches`` hold other batches (its ``batch_axes``).
 
-    Dense parameters are replicated over every batch axis; the experts already hold every EP batch's contribution,
-    so they need only the batch axes other than ``ep``. Both divide by the number of batches one step sees (the
-    product of the batch axes' sizes). A collective over the world when the product group is new
-    (:func:`spmdmoe.product_axis`).
+    Dense parameters are replicated over every batch axis; the experts already hold every EP batch's contribution, so
+    they need only the batch axes other than ``ep``. Both divide by the number of batches one step sees (the product of
+    the batch axes' sizes). A collective over the world when the product group is new (:func:`spmdmoe.product_axis`).
     """
     factor = 1
     for a in batches:

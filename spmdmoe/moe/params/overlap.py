@@ -128,10 +128,9 @@ def joined(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
 
 def sync_params(module: nn.Module) -> list[torch.Tensor]:
     """The parameters whose SP reductions a joined call on ``module`` defers: those of every
-    module inside it that says (``_spmdmoe_sync_params()``: ``ParallelMoE``, ``replicate_grads``
-    modules), read at call
-    time (so FSDP2's unsharded parameters are the ones listed). FSDP2 units nested inside
-    ``module`` are left out: their sums must be done before their own reduce-scatter, so they
+    module inside it that says (``_spmdmoe_sync_params()``: ``ParallelMoE``, ``replicate_grads`` modules), read at call
+    time (so FSDP2's unsharded parameters are the ones listed). FSDP2 units nested inside ``module`` are left out: their
+    sums must be done before their own reduce-scatter, so they
     join themselves."""
     seen: dict[int, torch.Tensor] = {}
     todo = [module]
@@ -175,17 +174,13 @@ def call_joined(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 def overlap_grads(module: nn.Module) -> nn.Module:
     """Join the SP gradient sums inside ``module`` at its input; returns ``module``.
 
-    Wraps ``module.forward`` in place (names, ``state_dict`` unchanged; a
-    ``deepcopy`` wraps the copy). The all-reduces of the replicated parameters
-    of the ``ParallelMoE`` layers and ``replicate_grads`` modules inside it are
-    launched asynchronously as their gradients are ready and waited for when
-    the gradient of ``module``'s first tensor argument is complete (module
-    docstring). Give it the transformer blocks: the MoE layer's expert
-    gradients then reduce behind the block's attention backward. Works with
-    DDP and FSDP2 in either order of wrapping; FSDP2 units inside ``module``
-    keep their own joins. Without it each ``ParallelMoE`` and
-    ``replicate_grads`` module joins at its own input. Applying it twice
-    changes nothing.
+    Wraps ``module.forward`` in place (names, ``state_dict`` unchanged; a ``deepcopy`` wraps the copy). The all-reduces
+    of the replicated parameters of the ``ParallelMoE`` layers and ``replicate_grads`` modules inside it are launched
+    asynchronously as their gradients are ready and waited for when the gradient of ``module``'s first tensor argument
+    is complete (module docstring). Give it the transformer blocks: the MoE layer's expert gradients then reduce behind
+    the block's attention backward. Works with DDP and FSDP2 in either order of wrapping; FSDP2 units inside ``module``
+    keep their own joins. Without it each ``ParallelMoE`` and ``replicate_grads`` module joins at its own input.
+    Applying it twice changes nothing.
 
     >>> import torch, spmdmoe
     >>> pg = spmdmoe.testing.single_process_group()

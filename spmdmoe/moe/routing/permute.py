@@ -1,20 +1,16 @@
 """Row moves of the MoE data flow: fan-out into expert-major copies, and the weighted gather-sum back.
 
-Legend: ``T`` tokens, ``K`` top-k, ``N = T*K`` routed copies, ``D`` model dim,
-``R`` rows of a buffer (``R >= N``; more for a capacity-sized one), ``M`` / ``J``
-source rows and copies per source row of a generic move, ``E`` experts, ``e`` local experts, ``n`` EP
-ranks (the sources of received rows), ``S`` rows of one sync-free slot.
+Legend: ``T`` tokens, ``K`` top-k, ``N = T*K`` routed copies, ``D`` model dim, ``R`` rows of a buffer (``R >= N``; more
+for a capacity-sized one), ``M`` / ``J`` source rows and copies per source row of a generic move, ``E`` experts, ``e``
+local experts, ``n`` EP ranks (the sources of received rows), ``S`` rows of one sync-free slot.
 
-Both moves are described by one map, ``index_MJ[s, j]``: the row where the
-``j``-th copy of source row ``s`` sits (for the dispatch, ``pos_TK``). The
-fan-out writes each source row into its ``J`` slots; its backward sums the
-``J`` slots back (fp32). The combine sums a token's ``K`` slots with the
-routing weights (fp32); its backward fans the gradient out with the weights
-and dots it with the rows for the weights' gradient. Every output row is
-written by exactly one program: no floating-point scatter-add, no atomics, deterministic (the
-integer counts of ``count_per_expert`` and the index maps use ``scatter_``).
-The work is done by :mod:`spmdmoe.kernels` (Triton on CUDA, the plain-torch
-references elsewhere).
+Both moves are described by one map, ``index_MJ[s, j]``: the row where the ``j``-th copy of source row ``s`` sits (for
+the dispatch, ``pos_TK``). The fan-out writes each source row into its ``J`` slots; its backward sums the ``J`` slots
+back (fp32). The combine sums a token's ``K`` slots with the routing weights (fp32); its backward fans the gradient out
+with the weights and dots it with the rows for the weights' gradient. Every output row is written by exactly one
+program: no floating-point scatter-add, no atomics, deterministic (the integer counts of ``count_per_expert`` and the
+index maps use ``scatter_``). The work is done by :mod:`spmdmoe.kernels` (Triton on CUDA, the plain-torch references
+elsewhere).
 """
 
 from __future__ import annotations
@@ -49,9 +45,8 @@ _scatter = differentiable(_ScatterRows, lambda src_MD, index_MJ, rows: fan_out(s
 def scatter_rows(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
     """``out[index_MJ[s, j]] = src[s]``: each source row into its ``J`` slots of ``rows`` output rows.
 
-    ``rows`` defaults to ``M*J`` (a permutation when ``J = 1``). An index ``-1`` skips that copy. Rows no
-    index names are zero when ``rows > M*J``, else (skipped copies) unspecified. The backward sums each
-    row's named slots in fp32.
+    ``rows`` defaults to ``M*J`` (a permutation when ``J = 1``). An index ``-1`` skips that copy. Rows no index names
+    are zero when ``rows > M*J``, else (skipped copies) unspecified. The backward sums each row's named slots in fp32.
     """
     return _scatter(src_MD, index_MJ, index_MJ.numel() if rows is None else rows)
 
@@ -139,10 +134,9 @@ def spread_weights(weights_TK: torch.Tensor, pos_TK: torch.Tensor, rows: int, ev
 def weighted_combine(y_RD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y[pos[t, k]]``: fp32 products and sum, rounded once to ``y``'s dtype.
 
-    Rows of ``y`` no position names (a capacity-sized buffer's tail) are never
-    read and get zero gradient. Backward: ``grad_y[pos[t, k]] = weights[t, k] *
-    g[t]`` and ``grad_weights[t, k] = <g[t], y[pos[t, k]]>`` (fp32), in one pass. ``weights_TK`` ``None``:
-    the plain sum (the weights were folded into ``y``), its backward a plain fan-out.
+    Rows of ``y`` no position names (a capacity-sized buffer's tail) are never read and get zero gradient. Backward:
+    ``grad_y[pos[t, k]] = weights[t, k] * g[t]`` and ``grad_weights[t, k] = <g[t], y[pos[t, k]]>`` (fp32), in one pass.
+    ``weights_TK`` ``None``: the plain sum (the weights were folded into ``y``), its backward a plain fan-out.
     """
     if weights_TK is None:
         return _sum_copies(y_RD, pos_TK)

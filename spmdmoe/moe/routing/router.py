@@ -1,20 +1,16 @@
 """Token-choice top-k routing on valid rows only.
 
-Legend: ``T`` rows routed here (valid tokens only: padding never exists
-outside collectives), ``D`` model dim, ``E`` experts, ``K`` top-k,
-``G`` expert groups.
+Legend: ``T`` rows routed here (valid tokens only: padding never exists outside collectives), ``D`` model dim, ``E``
+experts, ``K`` top-k, ``G`` expert groups.
 
-The gate GEMM runs in fp32 by default (``MoEConfig.router_dtype``): the rows
-and the gate weight are cast to fp32 (autograd rounds the weight's fp32
-gradient once to the parameter dtype), so bf16 activations choose the experts
-an fp32 gate would, also inside ``torch.autocast`` (autocast is off for that GEMM, as
-torchtitan's router does). scores = softmax or sigmoid of the logits, in fp32; the K experts are
-chosen on ``scores + expert_bias`` (the bias steers selection only); the
-routing weights are the chosen unbiased scores, divided by their sum when
-``route_norm``, times ``route_scale``. Group-limited routing (DeepSeek-V3):
-each group's score is the sum of its top-2 biased scores (its max when a group
-has one expert); experts outside a token's top ``num_limited_groups`` groups
-are masked out before the top-k.
+The gate GEMM runs in fp32 by default (``MoEConfig.router_dtype``): the rows and the gate weight are cast to fp32
+(autograd rounds the weight's fp32 gradient once to the parameter dtype), so bf16 activations choose the experts an fp32
+gate would, also inside ``torch.autocast`` (autocast is off for that GEMM, as torchtitan's router does). scores =
+softmax or sigmoid of the logits, in fp32; the K experts are chosen on ``scores + expert_bias`` (the bias steers
+selection only); the routing weights are the chosen unbiased scores, divided by their sum when ``route_norm``, times
+``route_scale``. Group-limited routing (DeepSeek-V3): each group's score is the sum of its top-2 biased scores (its max
+when a group has one expert); experts outside a token's top ``num_limited_groups`` groups are masked out before the
+top-k.
 """
 
 from __future__ import annotations
@@ -44,9 +40,8 @@ class Routing:
 class Router(nn.Module):
     """Holds the gate ``gate.weight`` (E, D); ``forward(x_TD, expert_bias)`` is :func:`route`.
 
-    ``gate_weight`` overrides the parameter (a parallel layer passes a
-    gradient-synced view). Forward hooks on the router see exactly the rows
-    that are routed.
+    ``gate_weight`` overrides the parameter (a parallel layer passes a gradient-synced view). Forward hooks on the
+    router see exactly the rows that are routed.
     """
 
     def __init__(self, config: MoEConfig):

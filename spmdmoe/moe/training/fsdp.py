@@ -1,22 +1,17 @@
 """FSDP2 around parallel MoE layers: units on the right groups, and ``SPMDTensor`` through their hooks.
 
-:func:`fully_shard_moe` lays the units out as torchtitan does: each MoE
-layer's routed experts are their own unit on the experts' group (``dp``, times
-``sp`` where they are replicated along it, or the rank alone) when it differs
-from the dense one (``dp x ep``, times ``sp``); the given blocks and the model
-are units on the dense group (see ``data_parallel.py`` for the groups and the
-divide factor). With SP in the group, FSDP's reduce-scatter makes the SP sums
-(``grads.py``), which the layers then leave to it.
+:func:`fully_shard_moe` lays the units out as torchtitan does: each MoE layer's routed experts are their own unit on the
+experts' group (``dp``, times ``sp`` where they are replicated along it, or the rank alone) when it differs from the
+dense one (``dp x ep``, times ``sp``); the given blocks and the model are units on the dense group (see
+``data_parallel.py`` for the groups and the divide factor). With SP in the group, FSDP's reduce-scatter makes the SP
+sums (``grads.py``), which the layers then leave to it.
 
-FSDP2 finds a unit's activations by walking its inputs and outputs (tensors
-inside tuples, lists, dicts and dataclasses): it hooks the outputs to gather
-the parameters again before the unit's backward, and the inputs to reduce the
-gradients right after it. An ``SPMDTensor`` is none of those containers, so a
-unit that returns one (also inside such containers) would run its backward on
-freed parameters (torch 2.13; torch 2.11's FSDP2 walks pytrees instead, which
-SPMDTensor is, and does not look inside dataclasses at all). :func:`register_spmd_hooks`
-puts two pairs of hooks around FSDP's own: before FSDP looks, every
-``SPMDTensor`` becomes ``(local, MARK, tensor)``; after, it is rebuilt around
+FSDP2 finds a unit's activations by walking its inputs and outputs (tensors inside tuples, lists, dicts and
+dataclasses): it hooks the outputs to gather the parameters again before the unit's backward, and the inputs to reduce
+the gradients right after it. An ``SPMDTensor`` is none of those containers, so a unit that returns one (also inside
+such containers) would run its backward on freed parameters (torch 2.13; torch 2.11's FSDP2 walks pytrees instead, which
+SPMDTensor is, and does not look inside dataclasses at all). :func:`register_spmd_hooks` puts two pairs of hooks around
+FSDP's own: before FSDP looks, every ``SPMDTensor`` becomes ``(local, MARK, tensor)``; after, it is rebuilt around
 whatever tensor FSDP put in ``local``'s place.
 """
 
@@ -45,17 +40,16 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 def fully_shard_moe(model: ModuleT, *, blocks: Iterable[nn.Module] = (), **kwargs: Any) -> ModuleT:
     """FSDP2 ``fully_shard`` over ``model``, each parameter sharded over the ranks its gradient is summed over.
 
-    torchtitan's layout (its FSDP mesh is ``dp_shard x cp``; its experts' is ``dp_shard / ep``): the given
-    ``blocks`` (e.g. transformer blocks, bottom-up order) and then ``model`` are units on the dense group,
-    the batch axes (``dp``, and EP when it is not the SP axis) times the SP axis; each MoE layer's routed
-    experts are a unit of their own on theirs when it differs: the batch axes but EP, times the SP axis
-    where the experts are replicated along it, or this rank alone where EP spans every batch axis (no
-    other rank holds these experts). FSDP's reduce-scatter then makes the SP sums as well, so the MoE
-    layers and the ``replicate_grads`` modules inside ``model`` stop making their own (one collective
-    where there were an all-reduce and a reduce-scatter; shards ``1 / sp`` the size). Units may take and
-    return ``SPMDTensor``s (module docstring). Every unit's gradient divide factor is the number of
-    batches; on gloo, which lacks PREMUL_SUM, the reductions are forced to plain sums plus scaling.
-    ``kwargs`` go to every ``fully_shard`` call. Returns ``model``. A collective: call it on every rank.
+    torchtitan's layout (its FSDP mesh is ``dp_shard x cp``; its experts' is ``dp_shard / ep``): the given ``blocks``
+    (e.g. transformer blocks, bottom-up order) and then ``model`` are units on the dense group, the batch axes (``dp``,
+    and EP when it is not the SP axis) times the SP axis; each MoE layer's routed experts are a unit of their own on
+    theirs when it differs: the batch axes but EP, times the SP axis where the experts are replicated along it, or this
+    rank alone where EP spans every batch axis (no other rank holds these experts). FSDP's reduce-scatter then makes the
+    SP sums as well, so the MoE layers and the ``replicate_grads`` modules inside ``model`` stop making their own (one
+    collective where there were an all-reduce and a reduce-scatter; shards ``1 / sp`` the size). Units may take and
+    return ``SPMDTensor``s (module docstring). Every unit's gradient divide factor is the number of batches; on gloo,
+    which lacks PREMUL_SUM, the reductions are forced to plain sums plus scaling. ``kwargs`` go to every ``fully_shard``
+    call. Returns ``model``. A collective: call it on every rank.
     Raises ``SPMDMeshError`` when the dense group is this rank alone (no ``dp_mesh``, no EP batches, no
     SP: nothing to shard over), or when the layers have different SP axes.
     """
@@ -106,9 +100,8 @@ def fully_shard_moe(model: ModuleT, *, blocks: Iterable[nn.Module] = (), **kwarg
 def register_spmd_hooks(unit: ModuleT) -> ModuleT:
     """Let FSDP2 see the ``SPMDTensor`` inputs and outputs of ``unit``; returns ``unit``.
 
-    Call it right after your own ``fully_shard(unit, ...)`` (``fully_shard_moe``
-    does it for the units it makes): its hooks go around the ones FSDP2 just
-    registered (module docstring).
+    Call it right after your own ``fully_shard(unit, ...)`` (``fully_shard_moe`` does it for the units it makes): its
+    hooks go around the ones FSDP2 just registered (module docstring).
     """
     unit.register_forward_pre_hook(lambda m, a, k: (_pack(a), _pack(k)), prepend=True, with_kwargs=True)
     unit.register_forward_pre_hook(lambda m, a, k: (_unpack(a), _unpack(k)), with_kwargs=True)

@@ -3,9 +3,8 @@
 Legend: ``T`` tokens routed here, ``K`` top-k, ``R`` rows in the buffer (routed copies received by this
 rank's experts), ``D`` model dim, ``e`` local experts.
 
-A transport (``spmdmoe.moe.transports.dispatch``, ``spmdmoe.moe.transports.sync_free``) turns ``(x_TD, ids_TK)`` into a
-``RoutedTokens`` and ``combine`` turns the experts' output rows back into the
-source layout. The experts only ever see ``x_RD`` and ``group_offsets``.
+A transport (``dispatch.py``, ``sync_free.py``) turns ``(x_TD, ids_TK)`` into a ``RoutedTokens`` and ``combine`` turns
+the experts' output rows back into the source layout. The experts only ever see ``x_RD`` and ``group_offsets``.
 """
 
 from __future__ import annotations
@@ -26,33 +25,26 @@ class RoutedTokens:
     """Expert-major rows for this rank's experts.
 
     Attributes:
-        x_RD: the rows, grouped by local expert (expert 0's rows first), in the
-            order of their source rank and, within a source, of its tokens.
-        group_offsets: int32 device tensor ``(e,)``: the end row of each local
-            expert's group (the ``offs`` of ``torch.nn.functional.grouped_mm``).
-            Device-resident, so a consumer never needs ``.item()``.
-        capacity: the buffer's row count ``R`` (a host int). In sync mode it is
-            exactly the number of valid rows.
-        group_sizes: per-local-expert row counts on the host when the transport
-            already paid for them (the all-to-all sync); ``None`` otherwise.
+        x_RD: the rows, grouped by local expert (expert 0's rows first), then by source rank, then by token.
+        group_offsets: int32 device tensor ``(e,)``: the end row of each local expert's group (the ``offs`` of
+            ``torch.nn.functional.grouped_mm``). Device-resident, so a consumer never needs ``.item()``.
+        capacity: the buffer's row count ``R`` (a host int). In sync mode it is exactly the number of valid rows.
+        group_sizes: per-local-expert row counts on the host when the transport already paid for them (the all-to-all
+            sync); ``None`` otherwise.
         handle: the transport's private state needed by ``combine``.
-        valid_rows: a one-element int32 device tensor, the number of valid rows
-            (rows ``[0, valid_rows)`` of ``x_RD``; the rest of a capacity-sized
-            buffer may hold anything, NaN included). Defaults to the last group
-            offset (a view, no copy). Consumers (SwiGLU, the grouped GEMM, the
-            combine) never read a row past it, and read it only on the device.
-        weights_R: the routing weight of each row (fp32, differentiable) when the transport folds the
-            combine's weights into the experts (their SwiGLU multiplies its output row by it, and the
-            combine sums unweighted); ``None``: the combine weights.
-        fp8_rows: ``(q_RD, s_R)``, the rowwise e4m3 of ``x_RD`` and its fp32 scales, when the transport
-            made them (asked to, and able to quantize once per token before its fan-out); ``None``: the
-            FP8 experts quantize ``x_RD`` themselves.
-        copies_TK: int64 ``(T, K)``, the row of each (received) token's ``k``-th copy here, ``-1`` for
-            none (another rank's expert), when the weights are folded into the experts (every transport's
-            dispatch, ``routed_copies``): the experts then return ``y_TD``, each token's sum, themselves
-            (the FP8 experts fuse it into their down-projection's autograd node; its backward fans each
-            token's output gradient out and quantizes it once for its copies), which the transport's
-            combine returns to the token's rank. ``None``: the experts return ``y_RD``.
+        valid_rows: a one-element int32 device tensor, the number of valid rows (rows ``[0, valid_rows)`` of ``x_RD``;
+            the rest of a capacity-sized buffer may hold anything, NaN included). Defaults to the last group offset (a
+            view). Consumers (SwiGLU, the grouped GEMM, the combine) read no row past it, and read it only on device.
+        weights_R: the routing weight of each row (fp32, differentiable) when the transport folds the combine's weights
+            into the experts (their SwiGLU multiplies its output row by it, and the combine sums unweighted); ``None``:
+            the combine weights.
+        fp8_rows: ``(q_RD, s_R)``, the rowwise e4m3 of ``x_RD`` and its fp32 scales, when the transport made them (asked
+            to, and able to quantize once per token before its fan-out); ``None``: the FP8 experts quantize ``x_RD``.
+        copies_TK: int64 ``(T, K)``, the row of each (received) token's ``k``-th copy here (``-1``: another rank's
+            expert), when the weights are folded into the experts (every transport's dispatch, ``routed_copies``): the
+            experts then return ``y_TD``, each token's sum (the FP8 experts fuse it into their down-projection's
+            autograd node, whose backward fans each token's output gradient out and quantizes it once for its copies),
+            which the combine sends back to the token's rank. ``None``: the experts return ``y_RD``.
     """
 
     x_RD: torch.Tensor
@@ -104,10 +96,9 @@ def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor, t
 
 class Dispatching(torch.nn.Module, ABC):
     """The transports' base (``spmdmoe.moe.transports.dispatch.Transport``): each defines :meth:`launch_dispatch` and
-    :meth:`launch_combine`, which start a move and return its wait; :meth:`dispatch` and :meth:`combine` are the
-    two at once. A module, so that the state a transport owns (the sync-free ones' overflow buffer) follows its
-    layer's ``.to()`` and meta init and keeps one address for CUDA graphs; it has no parameters and no
-    ``forward``."""
+    :meth:`launch_combine`, which start a move and return its wait; :meth:`dispatch` and :meth:`combine` are the two at
+    once. A module, so that the state a transport owns (the sync-free ones' overflow buffer) follows its layer's
+    ``.to()`` and meta init and keeps one address for CUDA graphs; it has no parameters and no ``forward``."""
 
     # whether the dispatch's backward launches its exchange in one autograd node and waits in another, with
     # what autograd runs between them under it (the all-to-all transports): the layer then has the experts'

@@ -26,6 +26,7 @@ import torch.distributed._functional_collectives as funcol
 from ..._dist import all_gather_single
 from ...agreement import BIT, Problem, ProblemSink
 from ...host import to_host
+from ...kernels import overflow_record
 from ...types.mesh import MeshAxis
 from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
 from ..routing.permute import count_per_expert
@@ -84,13 +85,8 @@ class SyncFreeTransport(Dispatching):
     def _record(self, slot_needed: torch.Tensor, rows_needed: torch.Tensor, S: int, R: int, t_max: int) -> None:
         """Keep the worst demand in :attr:`overflow`: its excess in thousandths of balanced traffic (``> 0``:
         overflowed), the slot and expert rows needed, ``T_max``."""
-        state = self.overflow
         balanced = max(t_max * self.top_k, 1)  # an experts' buffer's balanced rows; a slot's: that / n
-        # ceil(1000 * max(n * slot excess, rows excess) / balanced): the max of the two ratios, ceil being monotone
-        worst = torch.maximum((slot_needed - S) * self.axis.size, rows_needed - R)
-        excess = (worst * 1000 + (balanced - 1)) // balanced
-        now = torch.stack([excess, slot_needed, rows_needed, torch.full_like(excess, t_max)])
-        state.copy_(torch.where(excess > state[0], now, state))
+        overflow_record(slot_needed, rows_needed, self.overflow, S, R, self.axis.size, balanced, t_max)
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, t_max: int,
                         problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
