@@ -96,11 +96,10 @@ def main() -> None:
         lambda: eo.expert_order_triton(meta[:, K:], E // 2, E // 2, 2 * N, E),
         lambda: eo.expert_order_reference(meta[:, K:], E // 2, E // 2, 2 * N, E), 2 * N * 12)
     # the sync-free overflow record: two 0-d demands in, the 4-int64 state read and written; 12 scalar ops eagerly
-    slot, need = torch.tensor(T // 2, device=dev), torch.tensor(N // 2, device=dev)
-    state = torch.zeros(4, dtype=torch.int64, device=dev)
-    cases["sync-free overflow record (4 int64)"] = (
-        lambda: orec.overflow_record_triton(slot, need, state, T // 2, N // 2, 2, N, T),
-        lambda: orec.overflow_record_reference(slot, need, state, T // 2, N // 2, 2, N, T), 80)
+    rec = (torch.tensor(T // 2, device=dev), torch.tensor(N // 2, device=dev), torch.zeros(4, dtype=torch.int64, device=dev),
+           T // 2, N // 2, 2, N, T)  # its own names: the cases below rebind state
+    cases["sync-free overflow record (4 int64)"] = (lambda: orec.overflow_record_triton(*rec),
+                                                    lambda: orec.overflow_record_reference(*rec), 80)
     sizes = torch.distributions.Multinomial(N, torch.ones(E)).sample().to(torch.int64)
     offs = sizes.cumsum(0).to(device=dev, dtype=torch.int32)
     gy = torch.randn(N, D, device=dev, dtype=bf)
