@@ -119,16 +119,11 @@ class _SumCopies(torch.autograd.Function):
 _sum_copies = differentiable(_SumCopies, lambda y_RD, pos_TK: gather_sum(y_RD, pos_TK))
 
 
-def spread_weights(weights_TK: torch.Tensor, pos_TK: torch.Tensor, rows: int, every_row: bool = False
-                   ) -> torch.Tensor:
-    """``w_R[pos[t, k]] = weights[t, k]``: each routed copy's weight at its row (a position ``-1``: none;
-    rows no position names: zero); differentiable (its backward gathers the rows' gradients back).
-    ``every_row``: ``pos_TK`` is a permutation of ``range(rows)`` (no ``-1``; the caller knows): one scatter."""
-    pos_N = pos_TK.reshape(-1)
-    if every_row:
-        return weights_TK.new_empty(rows).scatter(0, pos_N, weights_TK.reshape(-1))
-    dump = weights_TK.new_zeros(rows + 1)  # skipped copies write row ``rows``, dropped
-    return dump.scatter(0, torch.where(pos_N >= 0, pos_N, rows), weights_TK.reshape(-1))[:rows]
+def spread_weights(weights_TK: torch.Tensor, pos_TK: torch.Tensor, rows: int) -> torch.Tensor:
+    """``w_R[pos[t, k]] = weights[t, k]``: each routed copy's weight at its row (a position ``-1``: none); rows no
+    position names as :func:`scatter_rows` leaves them (zero past ``T*K`` rows, else unspecified). The weights as
+    one-column rows through :func:`scatter_rows`: one fan-out, its backward one gather (not five ops and three)."""
+    return scatter_rows(weights_TK.reshape(-1, 1), pos_TK.reshape(-1, 1), rows).view(rows)
 
 
 def weighted_combine(y_RD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: Optional[torch.Tensor]) -> torch.Tensor:

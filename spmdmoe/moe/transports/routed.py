@@ -78,8 +78,8 @@ def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor, t
             ``valid_rows`` never read; fewer than the copies: ``order`` dropped the rest, the transport records it).
         fp8_rows: also the rowwise e4m3 of the copies, quantized once per row (``RoutedTokens.fp8_rows``).
         group_sizes, handle: what the transport knows on the host and needs in its combine.
-        all_here: no ``-1`` and ``rows == M * J`` (the local transport): the weights spread with one scatter,
-            and the ``handle`` is the copies' positions (its combine's).
+        all_here: the local transport (no ``-1``, ``rows == M * J``): the ``handle`` is the copies' positions (its
+            combine's).
 
     No host sync."""
     pos_MJ, offsets, _ = order
@@ -89,7 +89,7 @@ def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor, t
         q = (q_RD, s_R)
     else:
         x_RD = scatter_rows(x_MD, pos_MJ, rows)
-    weights_R = spread_weights(weights_MJ, pos_MJ, rows, every_row=all_here)
+    weights_R = spread_weights(weights_MJ, pos_MJ, rows)
     return RoutedTokens(x_RD, offsets, rows, group_sizes, pos_MJ if all_here else handle, weights_R=weights_R,
                         fp8_rows=q, copies_TK=pos_MJ)
 
