@@ -8,8 +8,9 @@
 #              on one GPU, pytest-xdist with SINGLE_JOBS workers (default 8: 185 s on one H200; 34 min serially)
 #              (SINGLE_TESTS="tests/test_cuda_graphs.py tests/test_torchtitan.py": those only; SINGLE_TIMEOUT, default 540 s)
 #   suite4     the whole distributed suite in ONE torchrun at 4 ranks, as the README runs it (`torchrun
-#   suite2     --nproc-per-node 4 -m pytest tests/distributed`); suite2: 2 ranks on GPUs 0,1 (SUITE_TIMEOUT, default 540 s;
-#              SUITE_TESTS="tests/distributed/test_x.py": those only)
+#   suite2     --nproc-per-node 4 -m pytest tests/distributed`, pyproject's default markers: no compile_matrix case,
+#              which compile4 and files4 run; SUITE_MARKS="not bench": those too); suite2: 2 ranks on GPUs 0,1
+#              (SUITE_TIMEOUT, default 540 s; SUITE_TESTS="tests/distributed/test_x.py": those only)
 #   files4     the distributed suite, a torchrun per test file, at 4 ranks (files2: 2 ranks; FILE_TIMEOUT per file, default 300 s)
 #   compile4   every distributed test file that compiles or captures CUDA graphs (test_compile_moe, test_compile_ep,
 #              test_grad_overlap, test_cuda_graphs, test_symmetric, test_torchtitan: found by grep), a torchrun per file at 4 ranks
@@ -20,7 +21,8 @@
 #   DRY_CPU=1 SINGLE_TESTS=tests/test_chunk_rule.py PATH=$PWD/.venv/bin:$PATH bash benchmarks/gpu_session.sh single
 # The rule: every compile test file runs at 4 NCCL ranks after any change to the data path
 # (`benchmarks/gpu_session.sh compile4`), before the change is called done. The distributed runs here pass
-# `-m "not bench"`, so they include the compile_matrix cases that plain pytest (CPU, 2 cores) leaves out.
+# `-m "not bench"` (suite4 / suite2 excepted: the README's command), so they include the compile_matrix cases that
+# plain pytest (CPU, 2 cores) leaves out.
 set -uo pipefail
 PART=${1:-all}
 # everything is written under a scratch folder and packed into ONE archive in $OUT at the end (the device
@@ -134,7 +136,7 @@ one_torchrun() {  # $1 ranks: the whole distributed suite (SUITE_TESTS: those fi
   mkdir -p "$dir"; t0=$(date +%s)
   FILE_TABLE="$dir/rows.md" SPMDMOE_FILE_TABLE="$dir/end.md" CUDA_VISIBLE_DEVICES=$(gpus "$n") TORCH_FR_BUFFER_SIZE=2000 \
     TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$dir/fr_" in_session "$dir/suite.sid" "${SUITE_TIMEOUT:-540}" \
-    torchrun --standalone --nproc-per-node "$n" -m pytest -q -p no:cacheprovider -m "not bench" -p benchmarks.file_table -rs \
+    torchrun --standalone --nproc-per-node "$n" -m pytest -q -p no:cacheprovider -m "${SUITE_MARKS:-not bench and not compile_matrix and not training_run}" -p benchmarks.file_table -rs \
     ${SUITE_TESTS:-tests/distributed} > "$dir/suite.txt" 2>&1
   rc=$?
   touch "$dir/rows.md"

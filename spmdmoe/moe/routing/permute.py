@@ -121,8 +121,8 @@ _sum_copies = differentiable(_SumCopies, lambda y_RD, pos_TK: gather_sum(y_RD, p
 
 def spread_weights(weights_TK: torch.Tensor, pos_TK: torch.Tensor, rows: int) -> torch.Tensor:
     """``w_R[pos[t, k]] = weights[t, k]``: each routed copy's weight at its row (a position ``-1``: none); rows no
-    position names as :func:`scatter_rows` leaves them (zero past ``T*K`` rows, else unspecified). The weights as
-    one-column rows through :func:`scatter_rows`: one fan-out, its backward one gather (not five ops and three)."""
+    position names as :func:`scatter_rows` leaves them (zero past ``T*K`` rows, else unspecified). The weights go as
+    one-column rows through :func:`scatter_rows`: one fan-out, and one gather in the backward."""
     return scatter_rows(weights_TK.reshape(-1, 1), pos_TK.reshape(-1, 1), rows).view(rows)
 
 
