@@ -59,17 +59,19 @@ def native_grouped_mm_ok(x_MI: torch.Tensor, w_eOI: torch.Tensor) -> bool:
 
 
 def grouped_mm(
-    x_MI: torch.Tensor, w_eOI: torch.Tensor, offsets_e: torch.Tensor, sizes: Optional[list[int]] = None
+    x_MI: torch.Tensor, w_eOI: torch.Tensor, offsets_e: torch.Tensor, sizes: Optional[list[int]] = None,
+    dense_grad: bool = False,
 ) -> torch.Tensor:
     """Rows ``[offsets[g-1], offsets[g])`` of ``x`` times ``w[g].T``; differentiable.
 
     ``offsets_e`` is int32 on ``x``'s device; rows past its last entry (the tail of a capacity-sized buffer) are never
     read, and their output rows are unspecified (torch's kernel leaves them uninitialised; the fallback writes zeros).
-    ``sizes``: the group sizes on the host, if known (used by the fallback).
+    ``sizes``: the group sizes on the host, if known (used by the fallback). ``dense_grad``: the caller's next op
+    makes the output's gradient contiguous itself (else a node of its own does: :class:`_ContiguousGrad`).
     """
     if native_grouped_mm_ok(x_MI, w_eOI):
         y_MO = _native(x_MI.contiguous(), w_eOI.transpose(-2, -1), offs=offsets_e)
-        return _ContiguousGrad.apply(y_MO) if y_MO.requires_grad else y_MO
+        return _ContiguousGrad.apply(y_MO) if y_MO.requires_grad and not dense_grad else y_MO
     if torch.compiler.is_compiling():
         return _masked_loop(x_MI, w_eOI, offsets_e)
     if sizes is None:

@@ -196,7 +196,9 @@ def grouped_swiglu(
     h13_R2F = grouped_mm_pair(x_RD, w1_eFD, w3_eFD, offs, sizes, later)
     valid = routed.valid_rows
     assert valid is not None
-    return grouped_mm(swiglu_rows(h13_R2F, valid, routed.weights_R), w2_eDF, offs, sizes)
+    # copies_TK: GroupedExperts.forward sums each token's copies next, whose backward gives a fresh gradient
+    return grouped_mm(swiglu_rows(h13_R2F, valid, routed.weights_R), w2_eDF, offs, sizes,
+                      dense_grad=routed.copies_TK is not None)
 
 
 class _SwiGLURows(torch.autograd.Function):
