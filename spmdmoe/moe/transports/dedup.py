@@ -84,17 +84,20 @@ def received_order(meta_QW: torch.Tensor, rank: int, local_experts: int, rows: i
 Received = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _up16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
 def _meta(rows_P: torch.Tensor, D: int, K: int, dtype: torch.dtype) -> torch.Tensor:
     """The ``(rows, 2K)`` weights-and-ids view (``dtype``) of a packed buffer (the module docstring)."""
-    start = -(-D // 16) * 16
-    return rows_P[:, start:start + 2 * K * dtype.itemsize // rows_P.dtype.itemsize].view(dtype)
+    return rows_P[:, _up16(D):_up16(D) + 2 * K * dtype.itemsize // rows_P.dtype.itemsize].view(dtype)
 
 
 def _pack(x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, pos_Tn: torch.Tensor, sent: int,
           dtype: torch.dtype) -> torch.Tensor:
     """The send buffer ``(sent, P)``: each row with its weights and ids (``dtype``) at its positions."""
     (T, D), K = x_TD.shape, ids_TK.shape[1]
-    rows_TP = x_TD.new_empty((T, -(-(-(-D // 16) * 16 + 2 * K * dtype.itemsize // x_TD.dtype.itemsize) // 16) * 16))
+    rows_TP = x_TD.new_empty((T, _up16(_up16(D) + 2 * K * dtype.itemsize // x_TD.dtype.itemsize)))
     rows_TP[:, :D] = x_TD
     meta_TW = _meta(rows_TP, D, K, dtype)
     meta_TW[:, :K], meta_TW[:, K:] = weights_TK, ids_TK
