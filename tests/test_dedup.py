@@ -115,15 +115,15 @@ def test_rows_carry_their_weights_and_ids(dtype, D, K):
     meta_dtype = torch.promote_types(w_dtype, torch.float32)
     rows_SP = _Pack.apply(x_TD, w_TK, ids_TK, pos_Tn, sent, meta_dtype)
     assert rows_SP.shape[1] % 16 == 0 and rows_SP.shape[1] >= D
-    x_SD, meta_SW = _Unpack.apply(rows_SP, D, K, meta_dtype)
+    x_SD, w_SK, ids_SK = _Unpack.apply(rows_SP, D, K, meta_dtype)
     tok_S = torch.full((sent,), -1, dtype=torch.int64, device=device)
     tok_S[pos_Tn[pos_Tn >= 0]] = torch.arange(T, device=device).unsqueeze(1).expand(T, n)[pos_Tn >= 0]
     assert torch.equal(x_SD, x_TD.detach()[tok_S])
-    assert torch.equal(meta_SW[:, :K], w_TK.detach()[tok_S].to(meta_dtype))
-    assert torch.equal(meta_SW[:, K:], ids_TK[tok_S].to(meta_dtype))
+    assert torch.equal(w_SK, w_TK.detach()[tok_S].to(meta_dtype))
+    assert torch.equal(ids_SK, ids_TK[tok_S].to(meta_dtype)) and not ids_SK.requires_grad
     gx_SD = torch.randn(sent, D, generator=gen, dtype=torch.float64).to(device, dtype)
     gw_SK = torch.randn(sent, K, generator=gen, dtype=torch.float64).to(device, meta_dtype)
-    torch.autograd.backward([x_SD, meta_SW[:, :K]], [gx_SD, gw_SK])
+    torch.autograd.backward([x_SD, w_SK], [gx_SD, gw_SK])
     want_x = torch.zeros(T, D, dtype=torch.float64, device=device).index_add_(0, tok_S, gx_SD.double())
     want_w = torch.zeros(T, K, dtype=torch.float64, device=device).index_add_(0, tok_S, gw_SK.double())
     tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}

@@ -68,17 +68,16 @@ def pack_meta(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     return torch.cat([weights_TK.to(dtype), ids_TK.to(dtype)], dim=1)
 
 
-def received_order(meta_QW: torch.Tensor, rank: int, local_experts: int, rows: int,
+def received_order(ids_QK: torch.Tensor, rank: int, local_experts: int, rows: int,
                    valid_Q: Optional[torch.Tensor] = None, total: Optional[int] = None
-                   ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``(order, weights_QK)`` of the received rows: :func:`spmdmoe.kernels.expert_order` of their ids for this
-    rank's experts into ``rows``, counting the ids below ``total`` (a copy of another rank's expert, or of a row
-    ``valid_Q`` marks dead: a sync-free slot's unused tail, has none), and the weights (differentiable)."""
-    K = meta_QW.shape[1] // 2
-    ids_QK = meta_QW[:, K:].detach()
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`spmdmoe.kernels.expert_order` of the received rows' ids (as they arrived: fp32 beside the weights)
+    for this rank's experts into ``rows``, counting the ids below ``total`` (a copy of another rank's expert, or of
+    a row ``valid_Q`` marks dead: a sync-free slot's unused tail, has none)."""
+    ids_QK = ids_QK.detach()
     if valid_Q is not None:
         ids_QK = torch.where(valid_Q.unsqueeze(1), ids_QK, -1.0)
-    return expert_order(ids_QK, rank * local_experts, local_experts, rows, total), meta_QW[:, :K]
+    return expert_order(ids_QK, rank * local_experts, local_experts, rows, total)
 
 
 Received = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -123,17 +122,20 @@ class _Pack(torch.autograd.Function):
 class _Unpack(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows_QP: torch.Tensor, D: int, K: int, dtype: torch.dtype  # type: ignore[override]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         ctx.shape, ctx.like = (D, K, dtype), rows_QP.new_empty((0, rows_QP.shape[1]))
-        return rows_QP[:, :D], _meta(rows_QP, D, K, dtype)
+        meta_QW = _meta(rows_QP, D, K, dtype)
+        ctx.mark_non_differentiable(ids_QK := meta_QW[:, K:])
+        return rows_QP[:, :D], meta_QW[:, :K], ids_QK
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g_QD: Optional[torch.Tensor], g_QW: Optional[torch.Tensor]) -> Any:  # type: ignore[override]
-        (D, K, dtype), rows = ctx.shape, (g_QD if g_QD is not None else g_QW).shape[0]  # type: ignore[union-attr]
-        g_QP = ctx.like.new_empty((rows, ctx.like.shape[1]))  # a column past both parts: unspecified, never read
-        for part, g in ((g_QP[:, :D], g_QD), (_meta(g_QP, D, K, dtype), g_QW)):
+    def backward(ctx: Any, g_QD: Optional[torch.Tensor], g_QK: Optional[torch.Tensor],  # type: ignore[override]
+                 _ids: Any) -> Any:
+        (D, K, dtype), rows = ctx.shape, (g_QD if g_QD is not None else g_QK).shape[0]  # type: ignore[union-attr]
+        g_QP = ctx.like.new_empty((rows, ctx.like.shape[1]))  # the ids' columns and the pad: never read
+        for part, g in ((g_QP[:, :D], g_QD), (_meta(g_QP, D, K, dtype)[:, :K], g_QK)):
             part.copy_(g) if g is not None else part.zero_()
         return g_QP, None, None, None
 
@@ -151,8 +153,8 @@ def launch_tokens(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Te
     wait = exchange_launched(_Pack.apply(x_TD, weights_TK, ids_TK, pos_Tn, sum(send), dtype), send, recv, axis, 0)
 
     def received() -> Received:
-        x_QD, meta_QW = _Unpack.apply(wait(), D, K, dtype)
-        return (x_QD, *received_order(meta_QW, axis.rank, local_experts, rows, live_Q))
+        x_QD, weights_QK, ids_QK = _Unpack.apply(wait(), D, K, dtype)
+        return x_QD, received_order(ids_QK, axis.rank, local_experts, rows, live_Q), weights_QK
     return received
 
 

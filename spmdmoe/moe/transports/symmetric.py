@@ -383,10 +383,10 @@ class SymmetricTransport(SyncFreeTransport):
         x_QD, meta_QW, mask_Q = peer_dispatch(always_recorded(x_TD), meta_TW, need_Tn, self.axis.group.group_name,
                                               t_max, me * e, me * e + e)
         # every rank read every rank's ids: the same demand and verdict everywhere, with no other collective
-        order, weights_QK = received_order(meta_QW, me, e, R, total=E)  # its counts: every rank's demand
+        order = received_order(meta_QW[:, K:], me, e, R, total=E)  # its counts: every rank's demand
         self._record((meta_QW[:, K] >= 0).view(n, t_max).sum(1).max(),
                      order[2].view(n, e).sum(1).max(), t_max, R, t_max)
-        routed = routed_copies(x_QD, order, weights_QK, R, fp8_rows=fp8_rows,
+        routed = routed_copies(x_QD, order, meta_QW[:, :K], R, fp8_rows=fp8_rows,
                                handle=_Handle(need_Tn, mask_Q, t_max, rows))
         return lambda: routed
 
