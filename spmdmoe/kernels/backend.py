@@ -72,7 +72,8 @@ def use_triton(kernel: str, t: torch.Tensor) -> bool:
 
 def unit_rows(t: torch.Tensor) -> torch.Tensor:
     """A 2-D ``t`` as the row kernels read it (rows ``t.stride(0)`` apart, unit-stride within): ``t`` itself when
-    so (a column slice of a wider buffer: ``moe/transports/dedup.py``'s rows), else a contiguous copy."""
+    so (a column slice of a wider buffer: ``moe/transports/dedup.py``'s rows and the ids beside their weights),
+    else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 

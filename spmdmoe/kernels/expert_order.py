@@ -30,7 +30,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import wrap_triton
 
-from .backend import kernel_op, use_triton
+from .backend import kernel_op, unit_rows, use_triton
 
 __all__ = ["expert_order", "expert_order_reference", "expert_order_triton"]
 
@@ -95,8 +95,7 @@ def expert_order_triton(ids_MJ: torch.Tensor, first: int, experts: int, rows: in
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton launcher (see the module docstring)."""
     M, J = ids_MJ.shape
-    if ids_MJ.stride(1) != 1:
-        ids_MJ = ids_MJ.contiguous()
+    ids_MJ = unit_rows(ids_MJ)
     device = ids_MJ.device
     B = triton.next_power_of_2(total + 1)
     P = triton.cdiv(M * J, CHUNK)
