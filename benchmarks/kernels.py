@@ -30,9 +30,9 @@ import torch
 
 import importlib
 
-fo, gs, sw, fr, fc, sq, fg, fw, eo, orec = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in (
+fo, gs, sw, fr, fc, sq, fg, fw, eo, orec, tr = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in (
     "fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols", "swiglu_fp8", "fingerprint", "fp8_weights",
-    "expert_order", "overflow_record"))
+    "expert_order", "overflow_record", "topk_route"))
 from timing import report, timed
 
 CEILING = 4.2e12
@@ -100,6 +100,16 @@ def main() -> None:
            T // 2, N // 2, 2, N, T)  # its own names: the cases below rebind state
     cases["sync-free overflow record (4 int64)"] = (lambda: orec.overflow_record_triton(*rec),
                                                     lambda: orec.overflow_record_reference(*rec), 80)
+    # the routing of T rows (logits T x E fp32 in; scores out, ids and weights, counts) and its backward (scores,
+    # ids, weights and their gradient in, the logits' gradient out); the reference: ~15 and ~5 torch ops
+    logits, bias_E, g_w = torch.randn(T, E, device=dev), torch.zeros(E, device=dev), torch.randn(T, K, device=dev)
+    route = (logits, bias_E, None, K, False, False, 4)
+    r_ids, r_w, r_scores, _ = tr.topk_route_triton(*route)
+    cases["topk route (T x E fp32 logits)"] = (lambda: tr.topk_route_triton(*route),
+                                               lambda: tr.topk_route_reference(*route), T * E * 8 + T * K * 12)
+    back = (r_scores, r_ids, r_w, g_w, None, False, False)
+    cases["topk route backward"] = (lambda: tr.topk_route_backward_triton(*back),
+                                    lambda: tr.topk_route_backward_reference(*back), T * E * 8 + T * K * 16)
     sizes = torch.distributions.Multinomial(N, torch.ones(E)).sample().to(torch.int64)
     offs = sizes.cumsum(0).to(device=dev, dtype=torch.int32)
     gy = torch.randn(N, D, device=dev, dtype=bf)

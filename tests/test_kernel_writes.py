@@ -72,6 +72,11 @@ def _cases() -> dict[str, tuple[Callable[..., Any], Callable[[], tuple], set[str
                             lambda: (torch.tensor(9), torch.tensor(30), torch.zeros(4, dtype=torch.int64), 8, 24, 2,
                                      24, 4),
                             {"2"}),
+        "topk_route": (K.topk_route_triton, lambda: (torch.randn(R, 8), torch.randn(8), torch.rand(R) < 0.5, 3,
+                                                     False, True, 4), set()),
+        "topk_route_backward": (K.topk_route_backward_triton,
+                                lambda: (torch.rand(R, 8), torch.randint(0, 8, (R, 3)), torch.rand(R, 3), torch.randn(R, 3),
+                                         torch.randn(R, 8), True, True), set()),
     }
 
 
@@ -108,7 +113,7 @@ def _audit() -> dict[str, dict[str, list[str]]]:
 
     import importlib
     for mod in ("fan_out", "gather_sum", "swiglu", "swiglu_fp8", "fp8_rows", "fp8_cols", "fp8_weights", "expert_order",
-                "overflow_record"):
+                "overflow_record", "topk_route"):
         importlib.import_module(f"spmdmoe.kernels.{mod}").wrap_triton = _Recorder
 
     def written(kernel: Any, kwargs: dict[str, Any]) -> set[str]:

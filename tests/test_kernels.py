@@ -294,3 +294,54 @@ def test_expert_order(M, J, first, e, E, ids_as, spare):
     stable = torch.empty_like(keys).scatter_(0, torch.argsort(keys, stable=True), torch.arange(keys.numel()))
     assert torch.equal(pos.flatten(), torch.where(here.flatten() & (stable < rows), stable, -1))
     assert torch.equal(ends, totals[first: first + e].cumsum(0).clamp(max=rows).to(torch.int32))
+
+
+ROUTE_SHAPES = [(37, 8, 2), (5, 6, 6), (0, 8, 3), (1, 3, 1), (64, 60, 6), (20, 257, 8)]
+if DEVICE == "cuda":
+    ROUTE_SHAPES += [(16384, 64, 6), (4099, 128, 8)]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's inf - inf (NaN: wanted)
+@pytest.mark.parametrize("T,E,K_", ROUTE_SHAPES)
+@pytest.mark.parametrize("sigmoid,norm", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("keep", [False, True])
+def test_topk_route(T, E, K_, sigmoid, norm, keep):
+    """``kernels/topk_route.py`` against its reference on random logits and bias: the ids exactly (random
+    scores: no tie), the weights and scores to fp32 rounding, the counts of the kept rows and the non-finite
+    flag exactly (a NaN logit in one kept and one unkept row, an inf in another unkept one); then every id of
+    a row with non-finite logits is a distinct expert. The backward against its reference, with and without
+    the scores' gradient, and the reference against autograd through plain ops."""
+    gen = torch.Generator().manual_seed(T * 31 + E + K_)
+    logits = (3 * torch.randn(T, E, generator=gen)).to(DEVICE)
+    bias = (0.1 * torch.randn(E, generator=gen)).to(DEVICE)
+    keep_T = (torch.rand(T, generator=gen) < 0.7).to(DEVICE) if keep else None
+    args = (K_, sigmoid, norm, 4)
+    clean = K.topk_route_triton(logits, bias, keep_T, *args)
+    want = K.topk_route_reference(logits, bias, keep_T, *args)
+    assert torch.equal(clean[0], want[0]) and torch.equal(clean[3], want[3]) and int(want[3][E]) == 0
+    for g, w in zip(clean[1:3], want[1:3]):
+        torch.testing.assert_close(g, w, rtol=2e-6, atol=1e-7)
+    if T >= 3:
+        bad = logits.clone()
+        bad[0, E // 2], bad[1, 0], bad[2, E - 1] = float("nan"), float("nan"), float("inf")
+        mask = torch.tensor([True, False, False] + [True] * (T - 3), device=DEVICE)
+        for keep_bad, flag in ((mask, 4), (~mask, 4), (None, 4), (mask & (torch.arange(T, device=DEVICE) > 0), 4)):
+            got = K.topk_route_triton(bad, bias, keep_bad, K_, sigmoid, norm, flag)
+            ref = K.topk_route_reference(bad, bias, keep_bad, K_, sigmoid, norm, flag)
+            assert int(got[3][E]) == int(ref[3][E]) == (4 if keep_bad is None or bool(keep_bad[:3].any()) else 0)
+            assert ((got[0] >= 0) & (got[0] < E)).all()
+            assert all(len(set(row)) == K_ for row in got[0][:3].tolist())
+            assert torch.equal(got[0][3:], ref[0][3:]) and int(got[3][:E].sum()) == K_ * (
+                T if keep_bad is None else int(keep_bad.sum()))
+    ids, w, scores, _ = want
+    g_w = torch.randn(T, K_, generator=gen).to(DEVICE)
+    for g_s in (None, torch.randn(T, E, generator=gen).to(DEVICE)):
+        got = K.topk_route_backward_triton(scores, ids, w, g_w, g_s, sigmoid, norm)
+        ref = K.topk_route_backward_reference(scores, ids, w, g_w, g_s, sigmoid, norm)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        x = logits.clone().requires_grad_()
+        s = torch.sigmoid(x) if sigmoid else torch.softmax(x, dim=-1)
+        p = s.gather(1, ids)
+        p = p / (p.sum(-1, keepdim=True) + 1e-20) if norm else p
+        (p * g_w).sum().add((s * g_s).sum() if g_s is not None else 0).backward()
+        torch.testing.assert_close(ref, x.grad, rtol=1e-5, atol=1e-6)

@@ -93,8 +93,8 @@ class HFRouter(Router):
     this rank's rows. A hook's return value is ignored (the routing is spmdmoe's)."""
 
     def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor,  # type: ignore[override]
-                gate_weight: Optional[torch.Tensor] = None) -> Routing:
-        r = super().forward(x_TD, expert_bias_E, gate_weight)
+                gate_weight: Optional[torch.Tensor] = None, keep_T: Optional[torch.Tensor] = None) -> Routing:
+        r = super().forward(x_TD, expert_bias_E, gate_weight, keep_T)
         gate = self.gate
         if gate._forward_hooks:
             logits_TE = r.logits_TE if self.config.router_dtype == "float32" else r.logits_TE.to(x_TD.dtype)

@@ -8,6 +8,8 @@ elsewhere; :mod:`spmdmoe.kernels.backend`).
 * :func:`fan_out`: rows into ``J`` copies each (dispatch permute; combine backward);
 * :func:`gather_sum`: the fp32 sum of ``J`` rows each, optionally weighted (combine; permute backward);
 * :func:`expert_order`: each routed copy's row in a stable expert-major buffer, the groups' ends, the counts;
+* :func:`topk_route` / :func:`topk_route_backward`: top-k routing from the gate logits (scores, choice, weights,
+  counts, the non-finite flag) in one launch, and its backward in one;
 * :func:`overflow_record`: the sync-free EP transports' worst demand since the last check, kept on the device;
 * :func:`swiglu_forward` / :func:`swiglu_backward`: offset-aware SwiGLU over the valid rows only;
 * :func:`swiglu_quant_forward` / :func:`swiglu_quant_backward`: SwiGLU (backward) fused with the rowwise FP8 of its result;
@@ -36,6 +38,14 @@ from .fp8_weights import (
 )
 from .gather_sum import gather_sum, gather_sum_reference, gather_sum_triton
 from .overflow_record import overflow_record, overflow_record_reference, overflow_record_triton
+from .topk_route import (
+    topk_route,
+    topk_route_backward,
+    topk_route_backward_reference,
+    topk_route_backward_triton,
+    topk_route_reference,
+    topk_route_triton,
+)
 from .swiglu_fp8 import (
     swiglu_quant_backward_,
     swiglu_quant_backward_inplace_reference,
@@ -62,6 +72,8 @@ __all__ = [
     "gather_sum", "gather_sum_reference", "gather_sum_triton",
     "expert_order", "expert_order_reference", "expert_order_triton",
     "overflow_record", "overflow_record_reference", "overflow_record_triton",
+    "topk_route", "topk_route_reference", "topk_route_triton",
+    "topk_route_backward", "topk_route_backward_reference", "topk_route_backward_triton",
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
     "swiglu_backward", "swiglu_backward_reference", "swiglu_backward_triton",
     "swiglu_quant_forward", "swiglu_quant_forward_reference", "swiglu_quant_forward_triton",

@@ -44,6 +44,8 @@ COMPILED: dict[str, Literal["triton", "torch"]] = {
     # trace with an unbacked grid); the host cost it saves is gone under compile anyway
     "expert_order": "torch",
     "overflow_record": "torch",  # twelve scalar ops: inductor fuses them
+    # the kernel: compiled and eager then choose the same experts (near-ties: torch's exp and sums round otherwise)
+    "topk_route": "triton",
 }
 
 

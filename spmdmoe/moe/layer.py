@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
 import torch
 import torch.nn as nn
 
-from ..agreement import BIT, Problem
+from ..agreement import Problem
 from ..kernels.backend import cast
 from ..sticky import ProblemFlag
 from ..types.checks import checks_enabled
@@ -38,7 +38,6 @@ from .transports.routed import RoutedTokens
 from .experts.grouped import GroupedExperts, SharedExperts
 from .experts.wgrad_later import LaterWgrad
 from .params.init import init_parameters
-from .routing.permute import count_per_expert
 from .routing.router import Router
 
 __all__ = ["MoE"]
@@ -173,26 +172,22 @@ class _Layer(nn.Module):
         mask of the rows this rank holds (gather mode; ``None``: all). A mask, not a slice: its bounds would make
         a compiled graph depend on the token count."""
         cfg = self.config
-        r = self.router(h_TD, self.expert_bias, w["router.gate.weight"])
+        r = self.router(h_TD, self.expert_bias, w["router.gate.weight"], own_T)
         weights_TK = r.weights_TK
         # reset only where an aux loss exists: torch 2.11's compile refuses any attribute write inside activation
         # checkpointing, so a layer without one (the torchtitan drop-in's) writes none
         if cfg.aux_loss_coeff is not None:
             self.aux_loss = None
         if self.training:  # not grad mode: a rank-local value must not decide whether the aux all-reduce runs
-            counts_E = count_per_expert(r.ids_TK, cfg.num_experts, own_T)
             grad = torch.is_grad_enabled()  # a forward whose backward can run (balance.py)
             if grad:
-                weights_TK = balance.count_on_backward(weights_TK, counts_E, self)
+                weights_TK = balance.count_on_backward(weights_TK, r.counts_E, self)
             if cfg.aux_loss_coeff is not None:
-                total_E = balance.reduce_counts(counts_E, self.aux_axes)  # with grad off too: peers may train
+                total_E = balance.reduce_counts(r.counts_E, self.aux_axes)  # with grad off too: peers may train
                 own_scores = r.scores_TE if own_T is None else r.scores_TE * own_T.unsqueeze(1)
                 self.aux_loss = balance.aux_loss(own_scores, total_E, cfg.top_k, cfg.aux_loss_coeff) if grad else None
-        if checks_enabled():  # l - l: 0 where finite, NaN where not; their sum is 0 iff all are (T = 0 too)
-            nan_TE = r.logits_TE - r.logits_TE
-            if own_T is not None:
-                nan_TE = torch.where(own_T.unsqueeze(1), nan_TE, 0.0)
-            problem.add_device(torch.where(nan_TE.sum() == 0, 0, BIT["nonfinite"]))  # int64
+        if checks_enabled():
+            problem.add_device(r.nonfinite)
         return r.ids_TK, weights_TK
 
     def _dispatch(self, h_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, a: Admitted

@@ -16,12 +16,14 @@ top-k.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...agreement import BIT
+from ...kernels.topk_route import topk_route, topk_route_backward
 from ..config import MoEConfig
 
 __all__ = ["Router", "Routing", "route"]
@@ -35,10 +37,12 @@ class Routing:
     weights_TK: torch.Tensor  # fp32 routing weights (differentiable)
     scores_TE: torch.Tensor  # fp32 scores before the bias (differentiable; aux loss)
     logits_TE: torch.Tensor  # fp32 gate logits
+    counts_E: torch.Tensor  # int64 copies per expert of the rows ``keep_T`` marks (all by default)
+    nonfinite: torch.Tensor  # int64 0-d: ``BIT["nonfinite"]`` if a marked row has a non-finite logit, else 0
 
 
 class Router(nn.Module):
-    """Holds the gate ``gate.weight`` (E, D); ``forward(x_TD, expert_bias)`` is :func:`route`.
+    """Holds the gate ``gate.weight`` (E, D); ``forward(x_TD, expert_bias_E, gate_weight, keep_T)`` is :func:`route`.
 
     ``gate_weight`` overrides the parameter (a parallel layer passes a gradient-synced view). Forward hooks on the
     router see exactly the rows that are routed.
@@ -49,12 +53,16 @@ class Router(nn.Module):
         self.config = config
         self.gate = nn.Linear(config.dim, config.num_experts, bias=False)
 
-    def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor, gate_weight: Optional[torch.Tensor] = None) -> Routing:
-        return route(x_TD, self.gate.weight if gate_weight is None else gate_weight, expert_bias_E, self.config)
+    def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor, gate_weight: Optional[torch.Tensor] = None,
+                keep_T: Optional[torch.Tensor] = None) -> Routing:
+        return route(x_TD, self.gate.weight if gate_weight is None else gate_weight, expert_bias_E, self.config,
+                     keep_T)
 
 
-def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, expert_bias_E: torch.Tensor, config: MoEConfig) -> Routing:
-    """Route ``T`` valid rows (see the module docstring). No host syncs."""
+def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, expert_bias_E: torch.Tensor, config: MoEConfig,
+          keep_T: Optional[torch.Tensor] = None) -> Routing:
+    """Route ``T`` valid rows (see the module docstring); ``keep_T``: a bool mask of the rows counted and checked
+    for non-finite logits (``None``: all). No host syncs."""
     device = x_TD.device.type
     if config.router_dtype == "float32" and device != "meta" and torch.is_autocast_enabled(device):  # meta: none
         with torch.autocast(device, enabled=False):
@@ -63,31 +71,38 @@ def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, expert_bias_E: torch.Tensor
         logits_TE = F.linear(x_TD.float(), gate_ED.float())
     else:
         logits_TE = F.linear(x_TD, gate_ED).float()
-    if config.score_func == "softmax":
-        scores_TE = torch.softmax(logits_TE, dim=-1)
-    else:
-        scores_TE = torch.sigmoid(logits_TE)
-    with torch.no_grad():
-        choice_TE = scores_TE + expert_bias_E.float()
-        if config.num_expert_groups is not None:
-            choice_TE = _limit_groups(choice_TE, config)
-        ids_TK = torch.topk(choice_TE, config.top_k, dim=-1).indices
-    weights_TK = scores_TE.gather(1, ids_TK)
-    if config.route_norm:
-        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    ids_TK, weights_TK, scores_TE, tally = _TopK.apply(
+        logits_TE, expert_bias_E.float(), keep_T, config.top_k, config.score_func == "sigmoid", config.route_norm,
+        config.num_expert_groups, config.num_limited_groups)
     # compiled, always: under dynamic=True route_scale is a symbolic float, and a test of its value would make
     # Dynamo specialise it and trace the whole layer a second time (x * 1.0 is exact; the multiply fuses)
     if torch.compiler.is_compiling() or config.route_scale != 1.0:
         weights_TK = weights_TK * config.route_scale
-    return Routing(ids_TK, weights_TK, scores_TE, logits_TE)
+    E = config.num_experts
+    return Routing(ids_TK, weights_TK, scores_TE, logits_TE, tally[:E], tally[E])
 
 
-def _limit_groups(choice_TE: torch.Tensor, config: MoEConfig) -> torch.Tensor:
-    """Mask (with -inf) the experts outside each row's top ``num_limited_groups`` groups."""
-    T, per = choice_TE.shape[0], config.experts_per_group
-    grouped_TGe = choice_TE.view(T, config.num_experts // per, per)
-    top = min(2, per)
-    group_scores_TG = grouped_TGe.topk(top, dim=-1).values.sum(dim=-1)
-    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
-    keep_TG.scatter_(1, group_scores_TG.topk(config.num_limited_groups, dim=-1).indices, True)
-    return grouped_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, config.num_experts)
+class _TopK(torch.autograd.Function):
+    """Scores, choice, weights, counts and the non-finite flag of the logits (``kernels/topk_route.py``: one launch
+    forward, one backward on CUDA)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits_TE: torch.Tensor, bias_E: torch.Tensor, keep_T: Optional[torch.Tensor], K: int,  # type: ignore[override]
+                sigmoid: bool, norm: bool, groups: Optional[int], limited: Optional[int]) -> tuple[torch.Tensor, ...]:
+        ctx.how = (sigmoid, norm)
+        out = topk_route(logits_TE, bias_E, keep_T, K, sigmoid, norm, BIT["nonfinite"], groups, limited)
+        ids_TK, w_TK, scores_TE, tally = out
+        ctx.save_for_backward(scores_TE, ids_TK, w_TK)
+        ctx.mark_non_differentiable(ids_TK, tally)
+        ctx.set_materialize_grads(False)  # no aux loss: no zero-filled (T, E) gradient of the scores
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, _ids: None, g_w_TK: Optional[torch.Tensor], g_s_TE: Optional[torch.Tensor],  # type: ignore[override]
+                 _tally: None) -> tuple[Optional[torch.Tensor], ...]:
+        scores_TE, ids_TK, w_TK = ctx.saved_tensors
+        if g_w_TK is None and g_s_TE is None:
+            return (None,) * 8
+        g_w_TK = torch.zeros_like(w_TK) if g_w_TK is None else g_w_TK
+        return (topk_route_backward(scores_TE, ids_TK, w_TK, g_w_TK, g_s_TE, *ctx.how),) + (None,) * 7
