@@ -18,7 +18,10 @@ One program per block of rows, every expert of a row in it: the ``K`` choices ar
 in registers. The counts are integer atomics (exact, order-free). They replace about fifteen small torch ops
 of a routing's forward and five of its backward, each a launch and host time in an eager step (issue 61).
 
-Measured (H200, torch 2.11, Triton 3.6; ``benchmarks/kernels.py --only "topk route"``): not yet.
+Measured (H200, torch 2.11, Triton 3.6, T = 16,384, E = 64, K = 6; ``benchmarks/kernels.py --only "topk route"``):
+forward 0.074 ms (the reference: 0.162 eager, 0.168 compiled), backward 0.039 ms (0.053 / 0.066); latency-bound
+(0.13 and 0.26 TB/s). In an eager EP 2 layer step it cut 15 launches and 11 ATen ops (``benchmarks/README.md``,
+"Host cost at EP 2").
 """
 
 from __future__ import annotations
