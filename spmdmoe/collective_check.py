@@ -120,13 +120,9 @@ def announce(op: str, axis: MeshAxis, error: BaseException) -> None:
     on this rank alone. Its record, with the problem, becomes this rank's entry in the axis' next collective
     check, so the peers that go on into that collective raise the same error type instead of waiting for this
     rank. No wait: this rank raises ``error`` at once."""
-    if _announcing() and not tracing():
+    if checks_mode() == "collectives" and dist.is_initialized() and not tracing():
         payload = {"op": op, "problem": [type(error).__name__, f"{op}: {error}"]}
         _post(axis, json.dumps(payload).encode())
-
-
-def _announcing() -> bool:
-    return checks_mode() == "collectives" and dist.is_initialized()
 
 
 LOCAL_ERROR_HOOKS.append(announce)

@@ -139,9 +139,7 @@ def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tu
     """
     world, me = dist.get_world_size(), dist.get_rank()
     _agree_on_mesh(tuple(shape), tuple(mesh_dim_names))
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if numel != world or len(mesh_dim_names) != len(shape):
         raise SPMDMeshError(
             f"rank {me}: a mesh of shape {tuple(shape)} ({len(mesh_dim_names)} names) needs "

@@ -22,10 +22,6 @@ from .types.mesh import MeshLike, mesh_axis
 __all__ = ["ProblemFlag", "check_errors", "clear_all"]
 
 
-def _world() -> tuple[int, int]:
-    return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-
-
 class ProblemFlag:
     """Mode (c): this rank's sticky problem bits, recorded without a sync, raised at an exchange.
 
@@ -75,7 +71,7 @@ class ProblemFlag:
         Summed over any set of orthogonal axes, it gives every rank of their
         product the bits of every rank of it (each slot has one contributor).
         """
-        world, me = _world()
+        world, me = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         slots = torch.zeros(world, dtype=torch.int64, device=device)
         self.bits_into(slots[me])
         return slots

@@ -118,8 +118,6 @@ def assert_raises_everywhere(
     error: Type[BaseException], fn: Callable[[], Any], *, match: Optional[str] = None, mesh: Optional[MeshLike] = None
 ) -> BaseException:
     """Call ``fn``; it must raise ``error`` (message matching ``match``) on every rank."""
-    import re
-
     caught: Optional[BaseException] = None
     problem = ""
     try:

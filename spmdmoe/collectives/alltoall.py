@@ -158,15 +158,6 @@ class _Once:
         return wait()
 
 
-def _counts_with_codes(counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis, op: str
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(payload, received)``: ``op``'s check exchange (``spmdmoe.agreement.check_payload``) of the ``(n, W)``
-    counts with this rank's problem bits: row ``r`` of ``payload`` is ``[tag, bits, counts_nW[r], zeros]``, and
-    of ``received`` what rank ``r`` sent here (one ``all_to_all_single``; nothing read on the host)."""
-    payload = check_payload(op, code, counts_nW)
-    return payload, check_exchange(axis, payload)
-
-
 def exchange_with_codes(
     counts_nW: torch.Tensor, code: Union[int, torch.Tensor], axis: MeshAxis, op: str = "exchange_counts"
 ) -> tuple[list[int], list[int], list[int], torch.Tensor]:
@@ -178,7 +169,8 @@ def exchange_with_codes(
     exchange of the same width raises on every rank.
     """
     width = counts_nW.shape[1]
-    payload, received = _counts_with_codes(counts_nW, code, axis, op)
+    payload = check_payload(op, code, counts_nW)  # row r: [tag, bits, counts_nW[r], zeros], to rank r
+    received = check_exchange(axis, payload)  # row r: what rank r sent here (nothing read on the host)
     mine, theirs = to_host(torch.stack([payload[:, :2 + width], received[:, :2 + width]]))
     raise_mixed_ops(op, theirs, ranks=axis.ranks)
     codes = [row[1] for row in theirs]
@@ -200,8 +192,8 @@ def exchange_split_sizes(
     (``from_local`` on its peers, say) raises on every rank, with ``details`` (this rank's problem) in the
     message; traced, the tags are not read (no data-dependent raise in a graph)."""
     n, e = copies_ne.shape
-    payload, received = _counts_with_codes(torch.cat([copies_ne, rows_n.view(n, 1)], dim=1), code, axis,
-                                           "MoE dispatch")
+    payload = check_payload("MoE dispatch", code, torch.cat([copies_ne, rows_n.view(n, 1)], dim=1))
+    received = check_exchange(axis, payload)
     traced = torch.compiler.is_compiling()
     table = torch.cat([payload[:, 2 + e], received[:, 2 + e], received[:, 2:2 + e].sum(0), received[:, 1],
                        *(() if traced else (received[:, 0],))])

@@ -66,10 +66,6 @@ def _rank0_keeps(x: SPMDTensor, dst: Placement) -> SPMDTensor:
     return result(x, x.local if x.axis.rank == 0 else _ZerosLike.apply(x.local), Partial())
 
 
-def _identity(x: SPMDTensor, dst: Placement) -> SPMDTensor:
-    return x
-
-
 Transition = Callable[[SPMDTensor, Placement], SPMDTensor]
 
 TRANSITIONS: dict[tuple[type, type], Transition] = {
@@ -79,9 +75,7 @@ TRANSITIONS: dict[tuple[type, type], Transition] = {
     (Replicate, Shard): _chunk,
     (Shard, Partial): _zero_extend,
     (Replicate, Partial): _rank0_keeps,
-    (Shard, Shard): _identity,
-    (Replicate, Replicate): _identity,
-    (Partial, Partial): _identity,
+    **{(p, p): (lambda x, dst: x) for p in (Shard, Replicate, Partial)},  # same -> same: identity
 }
 
 

@@ -113,7 +113,3 @@ class MoEConfig:
                 f"top_k={self.top_k} exceeds the {reachable} experts in the {limited} chosen groups "
                 f"({self.num_experts // groups} experts per group); raise num_limited_groups or lower top_k"
             )
-
-    @property
-    def experts_per_group(self) -> int:
-        return self.num_experts // (self.num_expert_groups or 1)

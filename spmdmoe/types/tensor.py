@@ -299,22 +299,10 @@ class SPMDTensor:
         )
 
 
-def _init(
-    self: SPMDTensor,
-    local: torch.Tensor,
-    axis: MeshAxis,
-    placement: Placement,
-    total: Optional[int],
-    dim: int,
-    buffer: Optional[torch.Tensor],
-) -> None:
-    s = object.__setattr__
-    s(self, "_local", local)
-    s(self, "_axis", axis)
-    s(self, "_placement", placement)
-    s(self, "_global_tokens", total)
-    s(self, "_token_dim", dim)
-    s(self, "_buffer", buffer)
+def _init(self: SPMDTensor, *values: Any) -> None:
+    """Set the slots, in ``_SLOTS``' order: local, axis, placement, global tokens, token dim, buffer."""
+    for name, value in zip(_SLOTS, values):
+        object.__setattr__(self, name, value)
 
 
 def _normalised(placement: Placement, dim: int) -> Placement:

@@ -51,18 +51,14 @@ _grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_
 _warned: list[bool] = [False]
 
 
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def fp8_native(x: torch.Tensor, *dims: int) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs here: a CUDA device of sm90 or later, every GEMM dim a
     multiple of 16 (and some rows). Warns once when a CUDA device must emulate. Asked inside the experts'
     custom ops, so on real tensors, also under ``torch.compile``."""
     if not x.is_cuda or _scaled is None or x.shape[0] == 0:
         return False
-    ok = _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()) and all(
-        d % 16 == 0 and d > 0 for d in dims)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    ok = torch.cuda.get_device_capability(index) >= (9, 0) and all(d % 16 == 0 and d > 0 for d in dims)
     if not ok and not _warned[0]:
         _warned[0] = True
         warnings.warn(f"fp8_rowwise experts need sm90+ and dims that are multiples of 16 (found {dims}); "

@@ -117,7 +117,7 @@ class ParallelMoE(_Layer):
         experts = experts_block(moe.experts, experts_slice, hidden, cfg.expert_precision, cfg.fp8_wgrad)
         self._build(cfg, copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), moe.expert_bias.clone())
         self.expert_slice, self.hidden_slice = experts_slice, hidden
-        self.load_axes = _distinct(sp, ep, dp)
+        self.load_axes = tuple(dict.fromkeys(a for a in (sp, ep, dp) if a is not None))  # SP and EP may be one group
         ep_mode, self.capacity_factor, max_tokens = transport
         # SP over the whole job, without EP or with EP on the SP axis: the T exchange (made for gather mode, the
         # sync-free capacity, or for the ride alone without EP) carries the deferred problems and the grad mode
@@ -232,12 +232,3 @@ class ParallelMoE(_Layer):
         return [self.get_parameter(n) for n in names if not inside_fsdp_unit(self, n)]
 
     _spmdmoe_sync_params = sp_sync_params  # what overlap.sync_params asks
-
-
-def _distinct(*axes: Optional[MeshAxis]) -> tuple[MeshAxis, ...]:
-    """The axes given, without ``None`` and without repeats (SP and EP may be one group)."""
-    out: list[MeshAxis] = []
-    for a in axes:
-        if a is not None and a not in out:
-            out.append(a)
-    return tuple(out)

@@ -37,10 +37,6 @@ _DEVICES = {"cpu": 0, "cuda": 1, "meta": 2}
 _SAME_CONFIG = "build the layer from the same MoEConfig on every rank"
 
 
-def _config_field(name: str) -> Field:
-    return Field(f"MoEConfig.{name}", MoEConfigError, fix=_SAME_CONFIG)
-
-
 def _plan_field(name: str, show: Any = str) -> Field:
     return Field(f"plan's {name}", MoEConfigError, show, "call parallelize_moe with the same meshes and sp_mode on every rank")
 
@@ -49,11 +45,10 @@ def _plan_field(name: str, show: Any = str) -> Field:
 _CHECKS = Field("checks setting (spmdmoe.set_checks)", MoEConfigError, lambda v: "on" if v else "off",
                 "use the same spmdmoe.set_checks setting on every rank")
 _FIELDS = (
-    *(_config_field(n) for n in ("dim", "hidden_dim", "num_experts", "top_k", "num_shared_experts")),
+    *(Field(f"MoEConfig.{n}", MoEConfigError, fix=_SAME_CONFIG)
+      for n in ("dim", "hidden_dim", "num_experts", "top_k", "num_shared_experts")),
     Field("MoEConfig (hash of every option)", MoEConfigError, fix=_SAME_CONFIG),
-    _plan_field("sp_mesh size"),
-    _plan_field("ep_mesh size"),
-    _plan_field("dp_mesh size"),
+    *(_plan_field(f"{n}_mesh size") for n in ("sp", "ep", "dp")),
     _plan_field("sp_mode", lambda v: {c: m for m, c in _MODES.items()}.get(v, "other")),
     _plan_field("EP-on-the-SP-axis", lambda v: str(bool(v))),
     _plan_field("ep_mode", lambda v: {c: m for m, c in _EP_MODES.items()}.get(v, "other")),

@@ -9,6 +9,7 @@ across replicas holding different batches comes after ``backward``: :class:`Grad
 
 from __future__ import annotations
 
+import math
 import types
 import weakref
 import zlib
@@ -270,9 +271,7 @@ def batch_reductions(batches: tuple[MeshAxis, ...], ep: Optional[MeshAxis]) -> t
     they need only the batch axes other than ``ep``. Both divide by the number of batches one step sees (the product of
     the batch axes' sizes). A collective over the world when the product group is new (:func:`spmdmoe.product_axis`).
     """
-    factor = 1
-    for a in batches:
-        factor *= a.size
+    factor = math.prod(a.size for a in batches)
     expert_batches = tuple(a for a in batches if a != ep)
     return (GradReduction(product_axis(*batches), factor, batches),
             GradReduction(product_axis(*expert_batches), factor, expert_batches))

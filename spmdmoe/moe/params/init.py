@@ -36,10 +36,6 @@ def _mix(seed: int, name: str, index: int = -1) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + (index + 1) * 104_729) & _MASK
 
 
-def _std(name: str, init_std: float) -> float:
-    return 0.02 if name.endswith("w1") or name.endswith("w1.weight") else init_std
-
-
 def _draw(shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
     t = torch.empty(shape, dtype=torch.float32, device="cpu")
     return nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std, generator=torch.Generator("cpu").manual_seed(seed))
@@ -55,7 +51,7 @@ def init_parameters(layer: nn.Module, init_std: float, generator: Optional[torch
         device = generator.device if generator is not None else torch.device("cpu")
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
         for name, p in params:
-            std = _std(name, init_std)
+            std = 0.02 if name.endswith(("w1", "w1.weight")) else init_std
             if not name.startswith("experts."):
                 p.copy_(_draw(tuple(p.shape), std, _mix(seed, name)))
                 continue

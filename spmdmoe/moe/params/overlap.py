@@ -97,11 +97,6 @@ def active_join() -> Optional[Join]:
     return stack[-1] if stack else None
 
 
-def _covered(params: Sequence[torch.Tensor]) -> bool:
-    outer = active_join()
-    return outer is not None and outer.covers(params)
-
-
 @contextlib.contextmanager
 def joined(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
     """Run the body as a joined call on input ``x`` (a tensor or an ``SPMDTensor``); yields the
@@ -111,8 +106,9 @@ def joined(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
     differ otherwise), so it does not depend on ``x.requires_grad``: an ``x`` that needs no
     gradient is joined too, and backward then computes its gradient (to reach the join)."""
     local = x.local if isinstance(x, SPMDTensor) else x
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not params
-            or not isinstance(local, torch.Tensor) or not local.is_floating_point() or _covered(params)):
+    outer = active_join()  # an enclosing joined call that covers params joins them
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not params or not isinstance(local, torch.Tensor)
+            or not local.is_floating_point() or (outer is not None and outer.covers(params))):
         yield x
         return
     join = Join(params)

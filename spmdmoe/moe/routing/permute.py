@@ -78,13 +78,12 @@ def scatter_rows_fp8(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: Optiona
     return fan_out_fp8(src_MD, index_MJ, rows)
 
 
-def count_per_expert(ids_TK: torch.Tensor, num_experts: int, keep_T: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Routed copies per expert (int64, on the ids' device), of the rows ``keep_T`` marks (default: all):
-    a fixed-size scatter-add, no host sync (``torch.bincount`` syncs twice on CUDA to size its output)."""
+def count_per_expert(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed copies per expert (int64, on the ids' device): a fixed-size scatter-add, no host sync
+    (``torch.bincount`` syncs twice on CUDA to size its output)."""
     ids_N = ids_TK.reshape(-1)
-    ones_N = torch.ones_like(ids_N) if keep_T is None else keep_T.to(torch.int64).unsqueeze(1).expand_as(ids_TK).reshape(-1)
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
-    return counts_E.scatter_add_(0, ids_N, ones_N)
+    return counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
 
 
 class _WeightedCombine(torch.autograd.Function):

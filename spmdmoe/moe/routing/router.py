@@ -15,6 +15,7 @@ top-k.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -63,14 +64,10 @@ def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, expert_bias_E: torch.Tensor
           keep_T: Optional[torch.Tensor] = None) -> Routing:
     """Route ``T`` valid rows (see the module docstring); ``keep_T``: a bool mask of the rows counted and checked
     for non-finite logits (``None``: all). No host syncs."""
-    device = x_TD.device.type
-    if config.router_dtype == "float32" and device != "meta" and torch.is_autocast_enabled(device):  # meta: none
-        with torch.autocast(device, enabled=False):
-            logits_TE = F.linear(x_TD.float(), gate_ED.float())
-    elif config.router_dtype == "float32":
-        logits_TE = F.linear(x_TD.float(), gate_ED.float())
-    else:
-        logits_TE = F.linear(x_TD, gate_ED).float()
+    device, fp32 = x_TD.device.type, config.router_dtype == "float32"
+    off = fp32 and device != "meta" and torch.is_autocast_enabled(device)  # meta: no autocast
+    with torch.autocast(device, enabled=False) if off else contextlib.nullcontext():
+        logits_TE = F.linear(x_TD.float(), gate_ED.float()) if fp32 else F.linear(x_TD, gate_ED).float()
     ids_TK, weights_TK, scores_TE, tally = _TopK.apply(
         logits_TE, expert_bias_E.float(), keep_T, config.top_k, config.score_func == "sigmoid", config.route_norm,
         config.num_expert_groups, config.num_limited_groups)

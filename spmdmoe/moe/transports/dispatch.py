@@ -111,7 +111,7 @@ class Transport(Protocol):
         ...
 
 
-class SizedTransport(Protocol):
+class SizedTransport(Transport, Protocol):
     """A transport of static sizes, fixed before any data is seen (``ep_mode="sync_free"``: ``SyncFreeTransport``,
     ``SymmetricTransport``): :class:`Transport`'s moves, with the most rows any rank of the EP group routes in
     this forward given to the dispatch, and an overflow buffer of its own.
@@ -123,7 +123,6 @@ class SizedTransport(Protocol):
             and the experts' rows needed, ``T_max``); the same on every rank of the EP group.
     """
 
-    backward_in_flight: bool
     overflow: torch.Tensor
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, t_max: int,
@@ -136,14 +135,6 @@ class SizedTransport(Protocol):
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, t_max: int,
                  problem: Optional[Problem] = None, fp8_rows: bool = False) -> RoutedTokens:
         """:meth:`launch_dispatch` and its wait, nothing in between."""
-        ...
-
-    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
-        """:meth:`Transport.launch_combine`."""
-        ...
-
-    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
-        """:meth:`Transport.combine`."""
         ...
 
     def record_overflow(self, flag: ProblemSink, layer: str) -> None:
