@@ -72,6 +72,23 @@ def use_triton(kernel: str, t: torch.Tensor) -> bool:
     return COMPILED[kernel] == "triton"
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def by_backend(kernel: str, triton_impl: F, reference: F, probe: int = 0) -> F:
+    """A kernel's dispatching function, named after its reference: ``triton_impl`` where :func:`use_triton` picks
+    ``kernel`` for the positional argument ``probe``, else ``reference`` (same signature): the Triton kernel on
+    CUDA, the reference elsewhere."""
+
+    @functools.wraps(reference)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return (triton_impl if use_triton(kernel, args[probe]) else reference)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = reference.__name__.removesuffix("_reference")
+    call.__doc__ = f"The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``): {reference.__doc__}"
+    return call  # type: ignore[return-value]
+
+
 def unit_rows(t: torch.Tensor) -> torch.Tensor:
     """A 2-D ``t`` as the row kernels read it (rows ``t.stride(0)`` apart, unit-stride within): ``t`` itself when
     so (a column slice of a wider buffer: ``moe/transports/dedup.py``'s rows and the ids beside their weights),
@@ -99,7 +116,6 @@ def op_required(*args: Any) -> bool:
         isinstance(a, torch.Tensor) and a.requires_grad for a in args))
 
 
-F = TypeVar("F", bound=Callable[..., Any])
 # torch's own eager path of a triton_op runs its function with this switch off (wrap_triton launching the kernel
 # itself, not through the higher-order op, whose dispatch torch puts at ~1 ms and which files every launch in a
 # side table that is never cleared); absent from a torch: every call takes the custom op

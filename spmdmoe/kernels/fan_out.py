@@ -36,7 +36,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true, statically_known_true
 from torch.library import wrap_triton
 
-from .backend import cast, kernel_op, unit_rows, use_triton
+from .backend import by_backend, cast, kernel_op, unit_rows
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
 
@@ -172,11 +172,7 @@ def fan_out_fp8_reference(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: in
     return out_RD, q_RD.view(FP8), s_R
 
 
-def fan_out_fp8(src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int, copies: bool = True
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = fan_out_fp8_triton if use_triton("fan_out", src_MD) else fan_out_fp8_reference
-    return impl(src_MD, index_MJ, rows, copies)
+fan_out_fp8 = by_backend("fan_out", fan_out_fp8_triton, fan_out_fp8_reference)
 
 
 def fan_out_reference(
@@ -202,10 +198,4 @@ def fan_out_reference(
     return out_RD, torch.where(index_MJ >= 0, dots_MJ, 0)
 
 
-def fan_out(
-    src_MD: torch.Tensor, index_MJ: torch.Tensor, rows: int,
-    weights_MJ: Optional[torch.Tensor] = None, other_RD: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = fan_out_triton if use_triton("fan_out", src_MD) else fan_out_reference
-    return impl(src_MD, index_MJ, rows, weights_MJ, other_RD)
+fan_out = by_backend("fan_out", fan_out_triton, fan_out_reference)

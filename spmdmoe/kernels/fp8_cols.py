@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .backend import kernel_op, use_triton
+from .backend import by_backend, kernel_op
 from .fp8_common import EPS_C, FP8, dequant_scale, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3
 
 __all__ = ["padded_rows", "quantize_cols_pair", "quantize_cols_pair_reference", "quantize_cols_pair_triton"]
@@ -272,8 +272,4 @@ def quantize_cols_pair_reference(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets
     return qa, qb, sa, sb, padded_e
 
 
-def quantize_cols_pair(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = quantize_cols_pair_triton if use_triton("fp8_cols", a_RA) else quantize_cols_pair_reference
-    return impl(a_RA, b_RB, offsets_e)
+quantize_cols_pair = by_backend("fp8_cols", quantize_cols_pair_triton, quantize_cols_pair_reference)

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import wrap_triton
 
-from .backend import kernel_op, use_triton
+from .backend import by_backend, kernel_op
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3
 
 __all__ = ["quantize_rows", "quantize_rows_reference", "quantize_rows_triton"]
@@ -109,8 +109,5 @@ def quantize_rows_reference(x_RC: torch.Tensor, valid: Optional[torch.Tensor] = 
     return q_RC, s_R
 
 
-def quantize_rows(x_RC: torch.Tensor, valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = quantize_rows_triton if use_triton("fp8_rows", x_RC) else quantize_rows_reference
-    return impl(x_RC, valid)
+quantize_rows = by_backend("fp8_rows", quantize_rows_triton, quantize_rows_reference)
 

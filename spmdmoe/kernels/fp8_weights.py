@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .backend import kernel_op, use_triton
+from .backend import by_backend, kernel_op, use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3, write_where
 from .fp8_rows import quantize_rows_reference
 
@@ -191,10 +191,7 @@ def quantize_weight_pair_reference(w_eAC: torch.Tensor) -> Pair:
     return q.view(e, A, C), s.view(e, A), q_t.view(e, C, A), s_t.view(e, C)
 
 
-def quantize_weight_pair(w_eAC: torch.Tensor) -> Pair:
-    """The Triton kernels on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = quantize_weight_pair_triton if use_triton("fp8_weights", w_eAC) else quantize_weight_pair_reference
-    return impl(w_eAC)
+quantize_weight_pair = by_backend("fp8_weights", quantize_weight_pair_triton, quantize_weight_pair_reference)
 
 
 def quantize_weight_pair_into(w_eAC: torch.Tensor, q_eAC: torch.Tensor, s_eA: torch.Tensor, q_eCA: torch.Tensor,

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import wrap_triton
 
-from .backend import kernel_op, unit_rows, use_triton
+from .backend import by_backend, kernel_op, unit_rows
 
 __all__ = ["gather_sum", "gather_sum_reference", "gather_sum_triton"]
 
@@ -96,7 +96,4 @@ def gather_sum_reference(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_M
     return torch.bmm(w_MJ.unsqueeze(1), picked_MJD).squeeze(1).to(src_RD.dtype, copy=True)
 
 
-def gather_sum(src_RD: torch.Tensor, index_MJ: torch.Tensor, weights_MJ: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = gather_sum_triton if use_triton("gather_sum", src_RD) else gather_sum_reference
-    return impl(src_RD, index_MJ, weights_MJ)
+gather_sum = by_backend("gather_sum", gather_sum_triton, gather_sum_reference)

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import wrap_triton
 
-from .backend import cast, kernel_op, use_triton
+from .backend import by_backend, cast, kernel_op
 
 __all__ = [
     "swiglu_forward", "swiglu_forward_reference", "swiglu_forward_triton",
@@ -190,14 +190,7 @@ def swiglu_backward_reference(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: 
     return cast(torch.where(live, d13, 0.0), h13_R2F.dtype), dw
 
 
-def swiglu_forward(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = swiglu_forward_triton if use_triton("swiglu", h13_R2F) else swiglu_forward_reference
-    return impl(h13_R2F, valid, w_R)
+swiglu_forward = by_backend("swiglu", swiglu_forward_triton, swiglu_forward_reference)
 
 
-def swiglu_backward(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
-                    w_R: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = swiglu_backward_triton if use_triton("swiglu", h13_R2F) else swiglu_backward_reference
-    return impl(g_RF, h13_R2F, valid, w_R)
+swiglu_backward = by_backend("swiglu", swiglu_backward_triton, swiglu_backward_reference, probe=1)

@@ -45,7 +45,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import wrap_triton
 
-from .backend import kernel_op, use_triton
+from .backend import by_backend, kernel_op, use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
 from .swiglu import (_valid_mask, chunk, load_pair, row_weights, swiglu_backward_reference, swiglu_forward_reference,
@@ -272,19 +272,10 @@ def swiglu_quant_backward_inplace_reference(g_RF: torch.Tensor, h13_R2F: torch.T
     return d13_R2F, s_R, dw_R
 
 
-def swiglu_quant_forward(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R: Optional[torch.Tensor] = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = swiglu_quant_forward_triton if use_triton("swiglu_fp8", h13_R2F) else swiglu_quant_forward_reference
-    return impl(h13_R2F, valid, w_R)
+swiglu_quant_forward = by_backend("swiglu_fp8", swiglu_quant_forward_triton, swiglu_quant_forward_reference)
 
 
-def swiglu_quant_backward(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,
-                          w_R: Optional[torch.Tensor] = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``)."""
-    impl = swiglu_quant_backward_triton if use_triton("swiglu_fp8", h13_R2F) else swiglu_quant_backward_reference
-    return impl(g_RF, h13_R2F, valid, w_R)
+swiglu_quant_backward = by_backend("swiglu_fp8", swiglu_quant_backward_triton, swiglu_quant_backward_reference, probe=1)
 
 
 def swiglu_quant_backward_(g_RF: torch.Tensor, h13_R2F: torch.Tensor, valid: torch.Tensor,

@@ -8,6 +8,7 @@ model names, and how the norm is reduced: ``docs/design.md`` §5 ("Clipping").
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, Optional, Union
 
@@ -87,7 +88,8 @@ def _clip(module_or_params: Parameters, max_norm: float, norm_type: float, error
                 "sharded on which axis), found only tensors; pass clip_grad_norm_(model, ...), or "
                 "clip_grad_norm_(params, ..., model=model) for a subset")
     layout = _Layout(model, params)
-    acc = _accumulation_dtype(params)
+    # float32, or a wider float type of the parameters (the same on every rank: not the owned gradients')
+    acc = functools.reduce(torch.promote_types, [q.dtype for q in params if q.dtype.is_floating_point], torch.float32)
     owned = [g for q, g in zip(params, layout.grads) if g is not None and layout.owner(q)]
     axis = layout.product()
     if axis is None:  # nothing is sharded or replicated across ranks: torch's norm
@@ -107,15 +109,6 @@ def _clip(module_or_params: Parameters, max_norm: float, norm_type: float, error
             "that made it (e.g. a NaN loss), or pass error_if_nonfinite=False to scale by it anyway")
     _scale(params, max_norm, total, foreach)
     return total
-
-
-def _accumulation_dtype(params: list[torch.Tensor]) -> torch.dtype:
-    """float32, or a wider float type of the parameters (the same on every rank: not the owned gradients')."""
-    acc = torch.float32
-    for q in params:
-        if q.dtype.is_floating_point:
-            acc = torch.promote_types(acc, q.dtype)
-    return acc
 
 
 def _reduce(local: torch.Tensor, p: float, axis: MeshAxis) -> torch.Tensor:

@@ -177,21 +177,17 @@ def _reduce(flat: torch.Tensor, red: GradReduction, async_op: bool) -> "Optional
     NCCL divides inside the collective (``AVG`` when the factor is the group size, else a
     pre-multiplied sum), saving a pass over the gradients; other backends divide first, then sum.
     """
-    if red.axis is None:
-        if red.divide_factor != 1:
-            flat.div_(red.divide_factor)
-        return None
     op: Any = dist.ReduceOp.SUM
-    if "nccl" in str(dist.get_backend(red.axis.group)) and flat.is_cuda:
-        premul = getattr(dist, "_make_nccl_premul_sum", None)
-        if red.divide_factor == red.axis.size:
-            op = dist.ReduceOp.AVG
-        elif premul is not None:
-            op = premul(1.0 / red.divide_factor)
-        else:
-            flat.div_(red.divide_factor)
+    premul = getattr(dist, "_make_nccl_premul_sum", None)
+    nccl = red.axis is not None and "nccl" in str(dist.get_backend(red.axis.group)) and flat.is_cuda
+    if nccl and red.divide_factor == red.axis.size:
+        op = dist.ReduceOp.AVG
+    elif nccl and premul is not None:
+        op = premul(1.0 / red.divide_factor)
     elif red.divide_factor != 1:
         flat.div_(red.divide_factor)
+    if red.axis is None:
+        return None
     work = all_reduce(flat, op=op, group=red.axis.group, async_op=async_op)
     return work.get_future() if async_op else None
 
