@@ -5,7 +5,8 @@
 MoE shapes (bf16): T tokens, K=6 copies, D=2048; SwiGLU over R = T*K rows of
 F=1408. Bytes = what a kernel must read and write at least (each row once);
 TB/s against the 4.2 TB/s device-to-device copy ceiling (H200, REFERENCE.md).
-Rows: the expert order of the N copies (each copy's row, the groups' ends; ids in, rows out), the dispatch
+Rows: the routing of the T rows and its backward (E=64 fp32 logits in; scores, ids, weights and counts out), the
+expert order of the N copies (each copy's row, the groups' ends; ids in, rows out), the dispatch
 fan-out (x_TD into N expert-major rows), its backward (the
 sum over K copies), the combine (weighted sum over K rows, fp32) and its
 backward (weighted fan-out + the weights' gradient dots), SwiGLU forward and
