@@ -85,7 +85,8 @@ def by_backend(kernel: str, triton_impl: F, reference: F, probe: int = 0) -> F:
         return (triton_impl if use_triton(kernel, args[probe]) else reference)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = reference.__name__.removesuffix("_reference")
-    call.__doc__ = f"The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``): {reference.__doc__}"
+    call.__doc__ = (f"The Triton kernel on CUDA, the reference elsewhere (``spmdmoe.kernels.backend``): "
+                    f"{reference.__doc__}")
     return call  # type: ignore[return-value]
 
 

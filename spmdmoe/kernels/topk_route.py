@@ -174,7 +174,8 @@ def limit_groups(choice_TE: torch.Tensor, groups: int, limited: int) -> torch.Te
 
 def topk_route_reference(logits_TE: torch.Tensor, bias_E: torch.Tensor, keep_T: Optional[torch.Tensor], K: int,
                          sigmoid: bool, norm: bool, flag: int, groups: Optional[int] = None,
-                         limited: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         limited: Optional[int] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain torch, same signature and results as :func:`topk_route_triton` (ties and NaN: the module docstring);
     ``groups``: group-limited routing."""
     T, E = logits_TE.shape

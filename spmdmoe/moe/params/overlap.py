@@ -107,8 +107,9 @@ def joined(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
     gradient is joined too, and backward then computes its gradient (to reach the join)."""
     local = x.local if isinstance(x, SPMDTensor) else x
     outer = active_join()  # an enclosing joined call that covers params joins them
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not params or not isinstance(local, torch.Tensor)
-            or not local.is_floating_point() or (outer is not None and outer.covers(params))):
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not params
+            or not isinstance(local, torch.Tensor) or not local.is_floating_point()
+            or (outer is not None and outer.covers(params))):
         yield x
         return
     join = Join(params)

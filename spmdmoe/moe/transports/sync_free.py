@@ -11,7 +11,8 @@ token goes once to each rank holding any of its experts (``dedup.py``), and the 
 ``AllToAllTransport``'s bit for bit. Collectives per forward (over EP): one ``all_gather`` of every rank's ``(E,)``
 expert counts and ``(n,)`` rows per destination (every rank computes from that ``(n, E + n)`` table, on the device,
 the same demands and overflow verdict); an even ``all_to_all_single`` of ``S`` rows a rank pair, the rows with
-their ids and weights (``dedup.launch_tokens``), every slot padded to ``S`` rows; the combine's reverse one. Backward: the same moves reversed. Overflow is kept in the transport's ``overflow`` buffer and raised on every
+their ids and weights (``dedup.launch_tokens``), every slot padded to ``S`` rows; the combine's reverse one.
+Backward: the same moves reversed. Overflow is kept in the transport's ``overflow`` buffer and raised on every
 rank at the step boundary, problem bits go to the sticky flag. Sizes, steps and overflow: ``docs/design.md`` §5.1.
 """
 
