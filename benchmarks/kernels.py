@@ -67,6 +67,7 @@ def main() -> None:
     g = torch.randn(T, D, device=dev, dtype=bf)
     h13 = torch.randn(N, 2 * F, device=dev, dtype=bf)
     gh = torch.randn(N, F, device=dev, dtype=bf)
+    h13c = torch.cat([h13, h13])
     valid = torch.tensor([N], device=dev, dtype=torch.int32)
     wN = torch.rand(N, device=dev)
     e = 2  # bytes per bf16 element
@@ -77,6 +78,9 @@ def main() -> None:
         "combine backward (+ weight dots)": (lambda: fo.fan_out_triton(g, pos, N, w, y), lambda: fo.fan_out_reference(g, pos, N, w, y),
                                              (T + 2 * N) * D * e),
         "SwiGLU forward": (lambda: sw.swiglu_forward_triton(h13, valid), lambda: sw.swiglu_forward_reference(h13, valid), 3 * N * F * e),
+        # sync-free EP's experts' buffer: a capacity of twice the rows (EP 2), the rows past the count never launched
+        "SwiGLU forward, 2N capacity, N valid": (lambda: sw.swiglu_forward_triton(h13c, valid),
+                                                 lambda: sw.swiglu_forward_reference(h13c, valid), 3 * N * F * e),
         "SwiGLU backward": (lambda: sw.swiglu_backward_triton(gh, h13, valid),
                             lambda: sw.swiglu_backward_reference(gh, h13, valid), 5 * N * F * e),
         "SwiGLU backward, routing weights folded (+ row dots)": (

@@ -574,6 +574,9 @@ def main() -> None:
             old = ours("bf16", lib=base)
             cands["base bf16 eager"] = Candidate(old, old, False)
             compiled("base bf16 compiled", old, False)
+            if world > 1:
+                old_free = ours("bf16", lib=base, sync_free=True)
+                cands["base bf16 eager, ep_mode='sync_free'"] = Candidate(old_free, old_free, False)
         titan_rows(False)
     if True in precisions:
         cached, changed, uncached = ours("fp8_rowwise"), ours("fp8_rowwise"), ours("fp8_rowwise", cache=False)

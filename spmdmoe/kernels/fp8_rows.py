@@ -10,9 +10,9 @@ Only the first ``valid`` rows are read (``valid`` a one-element device tensor, e
 does not touch them; the reference writes zeros). The scale rule and the
 rounding: :mod:`spmdmoe.kernels.fp8_common`; kernel and reference agree bit for bit.
 
-One program per ``BLOCK_R`` rows. A row up to ``BLOCK_C`` columns is read
-once into registers (amax, scale, cast from the same registers); wider rows
-are read twice, the second time from L1/L2.
+Programs (``backend.row_programs``) stride over the valid rows, ``BLOCK_R`` at a
+time. A row up to ``BLOCK_C`` columns is read once into registers (amax, scale,
+cast from the same registers); wider rows are read twice, the second time from L1/L2.
 
 Measured (H200, torch 2.11, Triton 3.6, bf16 in, R = 98,304 rows x C = 2048; ``benchmarks/kernels.py``;
 bytes = bf16 read + e4m3 and fp32 scales written): 0.219 ms, 2.76 TB/s (66 % of the 4.2 TB/s copy
@@ -31,7 +31,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import wrap_triton
 
-from .backend import by_backend, kernel_op
+from .backend import by_backend, kernel_op, row_programs
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, quantize_reference, to_e4m3
 
 __all__ = ["quantize_rows", "quantize_rows_reference", "quantize_rows_triton"]
@@ -47,8 +47,7 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, valid_ptr, R, C, HAS_VALID: tl.constexpr,
         n = tl.minimum(tl.load(valid_ptr).to(tl.int64), R)
     else:
         n = tl.full([], R, tl.int64)
-    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
-    if r0 < n:
+    for r0 in range(tl.program_id(0).to(tl.int64) * BLOCK_R, n, tl.num_programs(0) * BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         live = rows < n
         base = rows[:, None] * C
@@ -80,7 +79,7 @@ def _launch(x_RC: torch.Tensor, q_RC: torch.Tensor, s_R: torch.Tensor, valid: Op
     R, C = x_RC.shape
     if guard_or_true(R > 0) and C > 0:  # R: data-dependent under compile (EP); an empty grid launches nothing
         block_c = min(triton.next_power_of_2(C), CONFIG["max_block_c"])
-        grid = (triton.cdiv(R, CONFIG["block_r"]),)
+        grid = (row_programs(triton.cdiv(R, CONFIG["block_r"]), x_RC.device),)
         wrap_triton(_rows_kernel)[grid](
             x_RC, q_RC, s_R, valid if valid is not None else s_R, R, C, HAS_VALID=valid is not None,
             BLOCK_R=CONFIG["block_r"], BLOCK_C=block_c, ONE_TILE=block_c >= C, num_warps=CONFIG["num_warps"])

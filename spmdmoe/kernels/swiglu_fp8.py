@@ -16,8 +16,9 @@ layer), so the result equals :func:`swiglu_forward` followed by
 :func:`spmdmoe.kernels.swiglu_backward`.
 
 Only the first ``valid`` rows (a one-element device tensor) are read or written; rows past it of every
-output are unspecified (the references write zeros). One program per ``BLOCK_R`` whole rows; a row wider
-than ``BLOCK_F`` is computed twice (the second time from L2) rather than read back.
+output are unspecified (the references write zeros). Programs (``backend.row_programs``) stride over the
+valid rows, ``BLOCK_R`` whole rows at a time; a row wider than ``BLOCK_F`` is computed twice (the second
+time from L2) rather than read back.
 
 Measured (H200, torch 2.11, Triton 3.6, bf16, R = 98,304 rows, F = 1408; ``benchmarks/kernels.py``):
 0.311 ms, 3.11 TB/s (74 % of the 4.2 TB/s copy ceiling; bytes = bf16 read + bf16, e4m3 and fp32 scales
@@ -45,7 +46,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.library import wrap_triton
 
-from .backend import by_backend, kernel_op, use_triton
+from .backend import by_backend, kernel_op, row_programs, use_triton
 from .fp8_common import EPS_C, FP8, e4m3_inverse, e4m3_scale, to_e4m3
 from .fp8_rows import quantize_rows_reference
 from .swiglu import (_valid_mask, chunk, load_pair, row_weights, swiglu_backward_reference, swiglu_forward_reference,
@@ -99,8 +100,7 @@ def _row_block(r0, n, BLOCK_R: tl.constexpr):
 def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_F: tl.constexpr, ONE_TILE: tl.constexpr):
     n = tl.load(valid_ptr).to(tl.int64)
-    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
-    if r0 < n:
+    for r0 in range(tl.program_id(0).to(tl.int64) * BLOCK_R, n, tl.num_programs(0) * BLOCK_R):
         rows, live, amax = _row_block(r0, n, BLOCK_R)
         w = row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)
         OUT_TY = h_ptr.dtype.element_ty
@@ -131,8 +131,7 @@ def _fwd_kernel(h13_ptr, h_ptr, q_ptr, s_ptr, valid_ptr, w_ptr, F, HAS_W: tl.con
 def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr, F, HAS_W: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, ONE_TILE: tl.constexpr, RELOAD: tl.constexpr):
     n = tl.load(valid_ptr).to(tl.int64)
-    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
-    if r0 < n:
+    for r0 in range(tl.program_id(0).to(tl.int64) * BLOCK_R, n, tl.num_programs(0) * BLOCK_R):
         rows, live, amax = _row_block(r0, n, BLOCK_R)
         w = row_weights(w_ptr, rows, live, HAS_W, BLOCK_R)
         OUT_TY = d13_ptr.dtype.element_ty
@@ -171,10 +170,10 @@ def _bwd_kernel(g_ptr, h13_ptr, d13_ptr, q_ptr, s_ptr, dw_ptr, valid_ptr, w_ptr,
             tl.store(dw_ptr + rows, dot, mask=live)
 
 
-def _launch(R: int, F: int, config: dict) -> tuple[tuple[int], dict]:
+def _launch(R: int, F: int, config: dict, device: torch.device) -> tuple[tuple[int], dict]:
     block_f = min(triton.next_power_of_2(F), config["max_block_f"])
     extra = {"RELOAD": config["reload"]} if "reload" in config else {}
-    return (triton.cdiv(R, config["block_r"]),), {
+    return (row_programs(triton.cdiv(R, config["block_r"]), device),), {
         "BLOCK_R": config["block_r"], "BLOCK_F": block_f, "ONE_TILE": block_f >= F, "num_warps": config["num_warps"],
         **extra}
 
@@ -189,7 +188,7 @@ def swiglu_quant_forward_triton(h13_R2F: torch.Tensor, valid: torch.Tensor, w_R:
     q_RF = torch.empty((R, F), dtype=FP8, device=h13_R2F.device)
     s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
     if guard_or_true(R > 0) and F > 0:  # R: data-dependent under compile (EP); an empty grid launches nothing
-        grid, meta = _launch(R, F, CONFIG)
+        grid, meta = _launch(R, F, CONFIG, h13_R2F.device)
         wrap_triton(_fwd_kernel)[grid](h13_R2F, h_RF, q_RF, s_R, valid, w_R if w_R is not None else s_R, F,
                                        HAS_W=w_R is not None, **meta)
     return h_RF, q_RF, s_R
@@ -240,7 +239,7 @@ def _bwd_launch(g_RF: torch.Tensor, h13_R2F: torch.Tensor, q_R2F: torch.Tensor, 
     s_R = torch.empty((R,), dtype=torch.float32, device=h13_R2F.device)
     dw_R = torch.empty((R if w_R is not None else 0,), dtype=torch.float32, device=h13_R2F.device)
     if guard_or_true(R > 0) and F > 0:  # R: data-dependent under compile (EP); an empty grid launches nothing
-        grid, meta = _launch(R, F, {**BWD_CONFIG, "reload": reload})
+        grid, meta = _launch(R, F, {**BWD_CONFIG, "reload": reload}, g_RF.device)
         wrap_triton(_bwd_kernel)[grid](g_RF, h13_R2F, d13_R2F, q_R2F, s_R, dw_R, valid,
                                        w_R if w_R is not None else s_R, F, HAS_W=w_R is not None, **meta)
     return d13_R2F, s_R, dw_R
