@@ -66,9 +66,8 @@ __all__ = [
     "check_payload",
     "check_exchange",
     "mixed_ops_error",
-    "raise_mixed_ops",
+    "raise_if",
     "world_axis",
-    "raise_problems",
     "alone",
     "global_rank",
     "dtype_code",
@@ -195,10 +194,6 @@ def world_axis() -> MeshAxis:
     return mesh_axis(dist.group.WORLD)  # type: ignore[arg-type]
 
 
-def _int64(v: int) -> int:
-    return v if -(2**63) <= v < 2**63 else -(2**63)
-
-
 # The check exchange: the one collective shape of every exchange above that is read on the host (modes (a) and
 # (b), and ``check_errors``), so that any two of them meet as the same collective and can read each other.
 CHECK_WORDS = 128  # int64 columns a rank sends each peer (a payload past 126 words takes a multiple of it)
@@ -270,10 +265,8 @@ def mixed_ops_error(op: str, heads: Sequence[Sequence[int]], details: Sequence[s
     return SPMDCollectiveError(f"{op}: {why}")
 
 
-def raise_mixed_ops(op: str, heads: Sequence[Sequence[int]], details: Sequence[str] = (),
-                    ranks: Optional[Sequence[int]] = None) -> None:
-    """Raise :func:`mixed_ops_error`'s error, if there is one."""
-    error = mixed_ops_error(op, heads, details, ranks)
+def raise_if(error: Optional[Exception]) -> None:
+    """Raise ``error`` (a verdict: :func:`problems_error`, :func:`mixed_ops_error`, :func:`verdict`), if any."""
     if error is not None:
         raise error
 
@@ -290,11 +283,11 @@ def exchange_rows(axis: Optional[MeshAxis], row: Union[Sequence[int], torch.Tens
         return [[int(v) for v in (row.tolist() if isinstance(row, torch.Tensor) else row)]]
     axis = world_axis() if axis is None else axis
     device = axis.metadata_device()
-    mine = row.to(device=device, dtype=torch.int64) if isinstance(row, torch.Tensor) else \
-        torch.tensor([_int64(int(v)) for v in row], dtype=torch.int64, device=device)
+    mine = row.to(device=device, dtype=torch.int64) if isinstance(row, torch.Tensor) else torch.tensor(
+        [v if -(2**63) <= v < 2**63 else -(2**63) for v in map(int, row)], dtype=torch.int64, device=device)
     received = check_exchange(axis, check_payload(op, bits, mine.view(1, -1).expand(axis.size, -1)))
     table = to_host(received[:, :2 + mine.numel()])
-    raise_mixed_ops(op, table, ranks=axis.ranks)
+    raise_if(mixed_ops_error(op, table, ranks=axis.ranks))
     return [r[2:] for r in table]
 
 
@@ -326,14 +319,6 @@ def problems_error(
     parts = "; ".join(f"rank {r}: " + ", ".join(k.what for k in _kinds(b)) for r, b in bad)
     own = "".join(f"\n  this rank: {d}" for d in details)
     return error(f"{op} rejected the input on {len(bad)} of {len(bits_by_rank)} ranks ({parts}){own}")
-
-
-def raise_problems(op: str, bits_by_rank: Sequence[int], details: Sequence[str] = (),
-                   ranks: Optional[Sequence[int]] = None) -> None:
-    """Raise :func:`problems_error`'s error, if there is one."""
-    error = problems_error(op, bits_by_rank, details, ranks)
-    if error is not None:
-        raise error
 
 
 def disagreement_error(op: str, fields: Sequence[Field], table: Sequence[Sequence[int]], start: int) -> Optional[Exception]:
@@ -371,9 +356,7 @@ def agree(
         check_collective(op, world_axis() if axis is None else axis, None, None, {"grad_enabled": None})
     row = [found.bits, *(value for _, value in fields), *extra]
     table = exchange_rows(axis, row, op, found.bits)
-    error = verdict(op, axis, table, found, [f for f, _ in fields], global_ranks)
-    if error is not None:
-        raise error
+    raise_if(verdict(op, axis, table, found, [f for f, _ in fields], global_ranks))
     return table
 
 

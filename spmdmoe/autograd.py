@@ -77,12 +77,7 @@ def always_recorded(local: torch.Tensor) -> torch.Tensor:
 
 def written(t: torch.Tensor) -> torch.Tensor:
     """``t``, a tensor an op allocated and then wrote in place (a collective's output), as the op returns it:
-    itself eagerly, a view of it while tracing.
-
-    An ``autograd.Function`` forward that returns a tensor it wrote in place returns the very tensor of the
-    pre-write intermediate, and torch 2.11's Dynamo records that intermediate as a second output of the
-    forward; both are one tensor, so autograd routes the function's gradient to the wrong output and the
-    inputs get zeros (pytorch/pytorch#180642, fixed in torch 2.12 by pytorch/pytorch#180921). A view is a tensor
-    of its own. ``tests/distributed/test_compile_moe.py`` checks every plan's gradients on the torch in use.
-    """
+    itself eagerly, a view of it while tracing: an ``autograd.Function`` forward returning a tensor it wrote in
+    place meets torch 2.11's hazard that :func:`spmdmoe.kernels.backend.cast` describes (pytorch/pytorch#180642),
+    and a view is a tensor of its own. ``tests/distributed/test_compile_moe.py`` checks every plan's gradients."""
     return t.view_as(t) if torch.compiler.is_compiling() else t

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import zlib
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,14 +44,14 @@ def own_axis(device_type: str) -> MeshAxis:
     """
     key = (device_type, dist.group.WORLD)
     if key not in _own:
-        mine = None
-        for r in range(dist.get_world_size()):
-            group = dist.new_group([r])
-            if r == dist.get_rank():
-                mine = group
-        assert mine is not None
-        _own[key] = MeshAxis(mine, device_type)
+        _own[key] = MeshAxis(_mine([[r] for r in range(dist.get_world_size())], dist.new_group), device_type)
     return _own[key]
+
+
+def _mine(blocks: list[list[int]], make: Callable[[list[int]], Any]) -> Any:
+    """``make(block)`` for every block of global ranks, by every rank in the same order; this rank's group."""
+    groups = [(make(block), block) for block in blocks]
+    return next(group for group, block in groups if dist.get_rank() in block)
 
 
 def product_axis(*axes: Optional[MeshLike]) -> Optional[MeshAxis]:
@@ -107,13 +107,8 @@ def _build(parts: list[MeshAxis]) -> MeshAxis:
             f"rank {me}: axes of sizes {[a.size for a in parts]} are not orthogonal: their products have "
             f"{sizes} ranks, expected {want}; pass axes of one mesh (e.g. mesh['dp'] and mesh['ep'])"
         )
-    mine = None
-    for block in sorted(blocks.values()):
-        group = dist.group.WORLD if len(block) == world else dist.new_group(block)
-        if me in block:
-            mine = group
-    assert mine is not None
-    return MeshAxis(mine, parts[0].device_type)
+    make = lambda block: dist.group.WORLD if len(block) == world else dist.new_group(block)  # noqa: E731
+    return MeshAxis(_mine(sorted(blocks.values()), make), parts[0].device_type)
 
 
 def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tuple[str, ...]",
@@ -149,13 +144,8 @@ def init_mesh(device_type: str, shape: "tuple[int, ...]", *, mesh_dim_names: "tu
     groups = []
     for dim in range(grid.dim()):
         rows = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
-        mine = None
-        for row in rows.tolist():  # every rank creates every group, in the same order
-            new = len(row) < world or timeout is not None
-            group = dist.new_group(row, timeout=timeout) if new else dist.group.WORLD
-            if me in row:
-                mine = group
-        groups.append(mine)
+        groups.append(_mine(rows.tolist(), lambda row: dist.new_group(row, timeout=timeout)
+                            if len(row) < world or timeout is not None else dist.group.WORLD))
     return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device_type, mesh=grid,
                                  mesh_dim_names=tuple(mesh_dim_names))
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .agreement import exchange_rows, problems_error, world_axis
 from .types.mesh import MeshLike, mesh_axis
 
-__all__ = ["ProblemFlag", "check_errors", "clear_all"]
+__all__ = ["ProblemFlag", "check_errors", "clear_all", "raise_and_clear"]
 
 
 class ProblemFlag:
@@ -76,10 +76,6 @@ class ProblemFlag:
         self.bits_into(slots[me])
         return slots
 
-    def raise_slots(self, op: str, slots: Sequence[int]) -> None:
-        """Raise the verdict of exchanged ``slots`` (host ints, one per global rank), clearing the flag first."""
-        _raise_and_clear(op, slots, [self])
-
     def clear(self) -> None:
         for own in self._tensors():
             own.zero_()
@@ -92,8 +88,9 @@ class ProblemFlag:
 _flags: "weakref.WeakSet[ProblemFlag]" = weakref.WeakSet()
 
 
-def _raise_and_clear(op: str, slots: Sequence[int], flags: Sequence[ProblemFlag],
-                     ranks: Optional[Sequence[int]] = None) -> None:
+def raise_and_clear(op: str, slots: Sequence[int], flags: Sequence[ProblemFlag],
+                    ranks: Optional[Sequence[int]] = None) -> None:
+    """Raise the verdict of exchanged ``slots`` (host ints, one per rank), clearing ``flags`` first."""
     error = problems_error(op, slots, [d for flag in flags for d in flag.details], ranks)
     if error is not None:
         for flag in flags:
@@ -125,7 +122,7 @@ def check_errors(mesh: Optional[MeshLike] = None) -> None:
     for flag in flags:
         flag.bits_into(mine)
     bits = [row[0] for row in exchange_rows(axis, mine, "check_errors", mine[0])]
-    _raise_and_clear("check_errors", bits, flags, None if axis is None else axis.ranks)
+    raise_and_clear("check_errors", bits, flags, None if axis is None else axis.ranks)
 
 
 def clear_all() -> None:

@@ -14,8 +14,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._dist import all_to_all_single
-from ..agreement import (BIT, Field, Problem, agree, check_exchange, check_payload, raise_mixed_ops,
-                         raise_problems)
+from ..agreement import (BIT, Field, Problem, agree, check_exchange, check_payload, mixed_ops_error,
+                         problems_error, raise_if)
 from ..autograd import GRAD_LEAF, always_recorded, collective_op, written
 from ..host import DelayedRead, to_host, tracing
 from ..types.mesh import MeshAxis, MeshLike, mesh_axis
@@ -172,7 +172,7 @@ def exchange_with_codes(
     payload = check_payload(op, code, counts_nW)  # row r: [tag, bits, counts_nW[r], zeros], to rank r
     received = check_exchange(axis, payload)  # row r: what rank r sent here (nothing read on the host)
     mine, theirs = to_host(torch.stack([payload[:, :2 + width], received[:, :2 + width]]))
-    raise_mixed_ops(op, theirs, ranks=axis.ranks)
+    raise_if(mixed_ops_error(op, theirs, ranks=axis.ranks))
     codes = [row[1] for row in theirs]
     return ([c for r in mine for c in r[2:]], [c for r in theirs for c in r[2:]], codes,
             received[:, 2:2 + width])
@@ -203,7 +203,7 @@ def exchange_split_sizes(
         host = read()
         codes = host[2 * n + e:3 * n + e]
         if not traced:
-            raise_mixed_ops("MoE dispatch", list(zip(host[3 * n + e:], codes)), details, axis.ranks)
+            raise_if(mixed_ops_error("MoE dispatch", list(zip(host[3 * n + e:], codes)), details, axis.ranks))
         return host[:n], host[n:2 * n], host[2 * n:2 * n + e], codes
     return read_split_sizes
 
@@ -228,8 +228,8 @@ def _exchange(send_counts: torch.Tensor, axis: MeshAxis, rows: Optional[int], wi
         detail = (f"rank {axis.rank}: send counts {send} must be non-negative and sum to the rows sent ({rows})"
                   if shaped else bad or f"rank {axis.rank}: send counts of shape {tuple(send_counts.shape)}, "
                   f"expected ({n},{'' if width == 1 else f' {width}'}) (one row per destination rank)")
-        raise_problems(op, codes, [detail])
-    raise_problems(op, codes)
+        raise_if(problems_error(op, codes, [detail]))
+    raise_if(problems_error(op, codes))
     return send, recv
 
 

@@ -53,9 +53,6 @@ class Adapter(nn.Module):
     expert_bias_E: Optional[torch.Tensor]
     tokens_per_expert_E: torch.Tensor
 
-    def compute_dtype(self) -> torch.dtype:  # pragma: no cover - every adapter defines it
-        raise NotImplementedError
-
     def before_step(self) -> None:
         """Run by the step hook (:func:`track`) before each optimizer step, after the deferred checks."""
 

@@ -49,10 +49,6 @@ class Experts(GroupedExperts, _TTModule):
         self._param_init = source._param_init
         self.set_precision(precision, fp8_wgrad)
 
-    @property
-    def num_experts(self) -> int:  # type: ignore[override]
-        return self._num_experts
-
     # GroupedExperts reads and packs w1 / w2 / w3: torchtitan's parameters under our names
     w1 = property(lambda self: self.w1_EFD)
     w2 = property(lambda self: self.w2_EDF)

@@ -108,8 +108,7 @@ def _families() -> dict[type, _Family]:
 
 def _act(module: nn.Module) -> Optional[str]:
     """The activation name a transformers module reads from its config (``hidden_act``), if it has one."""
-    config = getattr(module, "config", None)
-    return getattr(config, "hidden_act", None)
+    return getattr(getattr(module, "config", None), "hidden_act", None)
 
 
 def _expert_checks(experts: nn.Module, act: Optional[str]) -> list[Check]:

@@ -39,14 +39,10 @@ class FusedExperts(GroupedExperts):
 
     def __init__(self, source: nn.Module, precision: str, fp8_wgrad: str):
         nn.Module.__init__(self)
-        keep_attributes(self, source, "num_experts")  # num_experts: the property below
+        keep_attributes(self, source, "num_experts")  # num_experts: the property (GroupedExperts)
         self._num_experts = int(source.gate_up_proj.shape[0])
         self.gate_up_proj, self.down_proj = source.gate_up_proj, source.down_proj
         self.set_precision(precision, fp8_wgrad)
-
-    @property
-    def num_experts(self) -> int:  # type: ignore[override]
-        return self._num_experts
 
     def read_weights(self) -> list[torch.Tensor]:
         """``[w1, w2, w3]``: views of this rank's ``gate_up_proj`` (its first and second ``F`` rows) and its

@@ -13,6 +13,9 @@ from ..types.errors import MoEConfigError
 
 __all__ = ["MoEConfig"]
 
+_CHOICES = (("score_func", "softmax", "sigmoid"), ("router_dtype", "float32", "input"),
+            ("expert_precision", "bf16", "fp8_rowwise"), ("fp8_wgrad", "auto", "fp8", "bf16"))
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -82,15 +85,10 @@ class MoEConfig:
                 f"top_k must be in [1, num_experts={self.num_experts}], found {self.top_k!r}; "
                 "lower top_k or add experts"
             )
-        if self.score_func not in ("softmax", "sigmoid"):
-            raise MoEConfigError(f"score_func must be 'softmax' or 'sigmoid', found {self.score_func!r}")
-        if self.router_dtype not in ("float32", "input"):
-            raise MoEConfigError(f"router_dtype must be 'float32' or 'input', found {self.router_dtype!r}")
-        if self.expert_precision not in ("bf16", "fp8_rowwise"):
-            raise MoEConfigError(
-                f"expert_precision must be 'bf16' or 'fp8_rowwise', found {self.expert_precision!r}")
-        if self.fp8_wgrad not in ("auto", "fp8", "bf16"):
-            raise MoEConfigError(f"fp8_wgrad must be 'auto', 'fp8' or 'bf16', found {self.fp8_wgrad!r}")
+        for name, *allowed in _CHOICES:
+            if (value := getattr(self, name)) not in allowed:
+                choices = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
+                raise MoEConfigError(f"{name} must be {choices}, found {value!r}")
         self._check_groups()
 
     def _check_groups(self) -> None:

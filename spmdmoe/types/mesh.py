@@ -61,14 +61,10 @@ class MeshAxis:
                     devices.append(dev)
         if device_type is None:
             device_type = "cuda" if "cuda" in devices and torch.cuda.is_available() else devices[0]
-        setattr_ = object.__setattr__
-        setattr_(self, "group", group)
-        setattr_(self, "rank", group.rank())
-        setattr_(self, "size", group.size())
-        setattr_(self, "device_type", device_type)
-        setattr_(self, "devices", tuple(devices))
-        setattr_(self, "source", group if source is None else source)
-        setattr_(self, "ranks", tuple(dist.get_process_group_ranks(group)))
+        for name, value in zip(self.__slots__, (group, group.rank(), group.size(), device_type, tuple(devices),
+                                                group if source is None else source,
+                                                tuple(dist.get_process_group_ranks(group)))):
+            object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("MeshAxis is immutable")

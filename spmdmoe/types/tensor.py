@@ -378,25 +378,15 @@ def _bad_rows_message(placement: Placement, total: int, axis: MeshAxis, rows: in
     )
 
 
-def _flatten(x: SPMDTensor) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
-    return [x._local], (x._axis, x._placement, x._global_tokens, x._token_dim)
-
-
-def _unflatten(leaves: Any, ctx: tuple[Any, ...]) -> SPMDTensor:
-    (local,) = leaves
-    axis, placement, total, dim = ctx
-    return SPMDTensor._new(local, axis, placement, total, dim)
-
-
 def _flatten_with_keys(x: SPMDTensor) -> tuple[list[tuple[Any, torch.Tensor]], tuple[Any, ...]]:
-    leaves, ctx = _flatten(x)
-    return [(pytree.GetAttrKey("local"), leaves[0])], ctx
+    """The pytree node: leaf ``local`` (key ``local``), context ``(axis, placement, global tokens, token dim)``."""
+    return [(pytree.GetAttrKey("local"), x._local)], (x._axis, x._placement, x._global_tokens, x._token_dim)
 
 
 pytree.register_pytree_node(
     SPMDTensor,
-    _flatten,
-    _unflatten,
+    lambda x: ([x._local], _flatten_with_keys(x)[1]),
+    lambda leaves, ctx: SPMDTensor._new(leaves[0], *ctx),
     serialized_type_name="spmdmoe.SPMDTensor",
     flatten_with_keys_fn=_flatten_with_keys,
 )

@@ -162,16 +162,3 @@ def fp8_wgrad(D: int, F: int, e: int, dtype: torch.dtype, setting: str = "auto")
 def _parts(A: int, split: int) -> list[tuple[int, int]]:
     """The column ranges of the weight gradients in one ``A``-wide operand: all, or ``[0, split)`` and ``[split, A)``."""
     return [(0, A)] if not split else [(0, split), (split, A)]
-
-
-def _wgrad_fp8(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor, sb_eB: torch.Tensor,
-               padded_e: torch.Tensor, out_dtype: torch.dtype, native: bool, split: int = 0) -> list[torch.Tensor]:
-    """``a^T @ b`` per group from both operands quantized per (group, column) (:func:`quantize_cols_pair`)."""
-    return [_mm_groups(qa_AP[i:j], qb_BP, sa_eA[:, i:j].contiguous(), sb_eB, padded_e, out_dtype, native)
-            for i, j in _parts(qa_AP.shape[0], split)]
-
-
-def _wgrad_bf16(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tensor, out_dtype: torch.dtype,
-                split: int = 0) -> list[torch.Tensor]:
-    """``a^T @ b`` per group, unquantized."""
-    return [_wgrad_plain(a_RA[:, i:j], b_RB, offsets_e, out_dtype) for i, j in _parts(a_RA.shape[1], split)]

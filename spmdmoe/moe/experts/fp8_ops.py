@@ -116,7 +116,8 @@ def _wgrad_bf16_op(a_RA: torch.Tensor, b_RB: torch.Tensor, offsets_e: torch.Tens
                    split: int) -> list[torch.Tensor]:
     """The weight gradients ``a^T @ b`` per group, unquantized; ``split`` > 0: two of them, ``a``'s columns
     ``[0, split)`` and ``[split, A)``."""
-    return gemms._wgrad_bf16(a_RA.contiguous(), b_RB, offsets_e, w_dtype, split)
+    a_RA = a_RA.contiguous()
+    return [gemms._wgrad_plain(a_RA[:, i:j], b_RB, offsets_e, w_dtype) for i, j in gemms._parts(a_RA.shape[1], split)]
 
 
 @_wgrad_bf16_op.register_fake
@@ -130,7 +131,9 @@ def _wgrad_fp8_op(qa_AP: torch.Tensor, qb_BP: torch.Tensor, sa_eA: torch.Tensor,
                   padded_e: torch.Tensor, w_dtype: torch.dtype, split: int, dims: list[int]) -> list[torch.Tensor]:
     """The weight gradients from both operands quantized per (group, column) (:func:`quantize_cols_pair`);
     ``dims``: the layer's ``(D, F)`` (native or emulated, as the forward)."""
-    return gemms._wgrad_fp8(qa_AP, qb_BP, sa_eA, sb_eB, padded_e, w_dtype, gemms.fp8_native(qb_BP.t(), *dims), split)
+    native = gemms.fp8_native(qb_BP.t(), *dims)
+    return [gemms._mm_groups(qa_AP[i:j], qb_BP, sa_eA[:, i:j].contiguous(), sb_eB, padded_e, w_dtype, native)
+            for i, j in gemms._parts(qa_AP.shape[0], split)]
 
 
 @_wgrad_fp8_op.register_fake

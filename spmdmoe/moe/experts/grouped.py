@@ -105,7 +105,8 @@ class GroupedExperts(nn.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.w1.shape[0]
+        """``w1``'s experts, or an integration's ``_num_experts`` (the global ``E`` over this rank's block)."""
+        return self.__dict__["_num_experts"] if "_num_experts" in self.__dict__ else self.w1.shape[0]
 
     def read_weights(self) -> list[torch.Tensor]:
         """``[w1, w2, w3]`` as the forward reads them (a subclass holding them elsewhere, e.g. as DTensors,

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ...agreement import Problem, alone, global_rank, raise_problems
+from ...agreement import Problem, alone, global_rank, problems_error, raise_if
 from ...collective_check import check_collective, exchange
 from ...stand_in import stand_in
 from ...sticky import ProblemFlag
@@ -98,7 +98,7 @@ class Admission:
                 else (x.local if isinstance(x, SPMDTensor) else x))
         sized = isinstance(transport, SyncFreeTransport)
         if problem.bits and alone():  # the only process of the job: nobody to leave waiting
-            raise_problems("MoE layer", [problem.bits], problem.details)
+            raise_if(problems_error("MoE layer", [problem.bits], problem.details))
         zeros: Callable[[int], torch.Tensor] = lambda rows: torch.zeros(  # noqa: E731
             (rows, self.dim), dtype=dtype, device=device)
         if sp is not None and self.gather:

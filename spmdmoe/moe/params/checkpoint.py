@@ -12,14 +12,14 @@ Saving, loading, orientation and the load's agreement: ``docs/design.md`` §5 ("
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..._dist import is_dtensor
-from ...agreement import Field, Problem, agree, exchange_rows, verdict, world_axis
+from ...agreement import Field, Problem, agree, exchange_rows, raise_if, verdict, world_axis
 from ...types import layout
 from ...types.errors import SPMDLayoutError
 from ...types.layout import contiguous_strides
@@ -111,20 +111,14 @@ def expert_shard(cfg: MoEConfig, sp: Optional[MeshAxis], ep: Optional[MeshAxis],
 def expert_layout(cfg: MoEConfig, sp: Optional[MeshAxis], ep: Optional[MeshAxis], sp_mode: str,
                   experts: slice, hidden: slice) -> ExpertLayout:
     """The DTensor layout that ``state_dict()`` gives the expert weights (see ``checkpoint.py``)."""
-    split_ep = ep is not None and ep.size > 1
-    split_tp = sp is not None and sp_mode == "gather" and sp.size > 1
-    if split_ep and split_tp:
-        assert ep is not None and sp is not None
-        mesh, ep_dim, tp_dim = grid_mesh(ep, sp), 0, 1
-    elif split_ep:
-        assert ep is not None
-        mesh, ep_dim, tp_dim = ep.device_mesh(), 0, None
-    elif split_tp:
-        assert sp is not None
-        mesh, ep_dim, tp_dim = sp.device_mesh(), None, 0
+    ep = ep if ep is not None and ep.size > 1 else None
+    tp = sp if sp is not None and sp_mode == "gather" and sp.size > 1 else None
+    if ep is not None and tp is not None:
+        mesh = grid_mesh(ep, tp)
     else:
-        mesh, ep_dim, tp_dim = None, None, None
-    return ExpertLayout(cfg.num_experts, experts, hidden, cfg.hidden_dim, mesh, ep_dim, tp_dim)
+        mesh = ep.device_mesh() if ep is not None else tp.device_mesh() if tp is not None else None
+    return ExpertLayout(cfg.num_experts, experts, hidden, cfg.hidden_dim, mesh, None if ep is None else 0,
+                        None if tp is None else int(ep is not None))
 
 
 def to_torchtitan(state_dict: dict[str, Any], *, names: str = "new") -> dict[str, Any]:
@@ -170,20 +164,7 @@ def _renamed(key: str, table: dict[str, str]) -> str:
     return key
 
 
-class Checkpointed(Protocol):
-    """What the state-dict hooks use of a layer (``MoE``, ``ParallelMoE``): its config, bias and parameters."""
-
-    config: MoEConfig
-    expert_bias: torch.Tensor
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-                         ) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
-
-    def get_parameter(self, target: str) -> torch.nn.Parameter: ...
-
-    def register_state_dict_post_hook(self, hook: Callable[..., None]) -> Any: ...
-
-    def register_load_state_dict_pre_hook(self, hook: Callable[..., None]) -> Any: ...
+Checkpointed = Any  # what the state-dict hooks use of a layer (MoE, ParallelMoE): its config, bias and parameters
 
 
 def install_hooks(module: Checkpointed, layout: Optional[ExpertLayout], agree_over: Optional[MeshAxis] = None) -> None:
@@ -307,9 +288,7 @@ def _agree_on_entries(module: Checkpointed, state_dict: dict[str, Any], prefix: 
     if any(row[-1] for row in table):  # some rank's gathers reach past the group: every rank of theirs agrees
         agree("load_state_dict", None, found, kinds, global_ranks=True)
         return
-    error = verdict("load_state_dict", agree_over, table, found, [f for f, _ in kinds], global_ranks=True)
-    if error is not None:
-        raise error
+    raise_if(verdict("load_state_dict", agree_over, table, found, [f for f, _ in kinds], global_ranks=True))
 
 
 def _in_layout(name: str, value: Any, layout: Optional[ExpertLayout]) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from ..._dist import all_reduce
 from ...agreement import alone
-from ...sticky import ProblemFlag
+from ...sticky import ProblemFlag, raise_and_clear
 from ...autograd import GRAD_LEAF
 from ...host import to_host
 from ...types.checks import checks_enabled
@@ -111,7 +111,7 @@ def update_expert_bias(
         verdict = to_host(payload[E:])
         if any(verdict):
             if alone() or any(axis.size > 1 for axis in axes):
-                problems.raise_slots("update_expert_bias (problems recorded during the step)", verdict)
+                raise_and_clear("update_expert_bias (problems recorded during the step)", verdict, [problems])
             tokens_per_expert.zero_()  # no peers here, but peers elsewhere: check_errors raises everywhere
             return payload[:E].to(torch.float32)
     load = payload[:E].to(torch.float32)

@@ -33,9 +33,10 @@ from ...collectives.alltoall import exchange_launched, exchanged_op
 from ...kernels import expert_order, fan_out, gather_sum
 from ...types.mesh import MeshAxis
 from ..routing.permute import weighted_combine
+from .routed import Dispatching, RoutedTokens
 
 __all__ = ["destinations", "send_positions", "pack_meta", "received_order", "launch_tokens", "Sent", "launch_back",
-           "send_back"]
+           "send_back", "SentBack"]
 
 
 def destinations(ids_TK: torch.Tensor, local_experts: int, ranks: int) -> torch.Tensor:
@@ -180,3 +181,20 @@ def send_back(y_QD: torch.Tensor, sent: Sent, axis: MeshAxis) -> torch.Tensor:
     """:func:`launch_back` waited for at once (one ``all_to_all_single``, one autograd node each way: nothing is
     issued between its launch and its wait, so none is made): ``(T, D)``."""
     return weighted_combine(exchanged_op(y_QD, sent.recv, sent.send, axis, 0), sent.pos_Tn, None)
+
+
+class SentBack(Dispatching):
+    """An EP transport over ``axis`` (a block of ``e = E / n`` experts a rank) whose dispatch sends with
+    :func:`launch_tokens` (its handle a :class:`Sent`) and whose combine is that exchange reversed."""
+
+    def __init__(self, axis: MeshAxis, num_experts: int):
+        super().__init__()
+        self.axis, self.num_experts, self.local_experts = axis, num_experts, num_experts // axis.size
+
+    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
+        """:meth:`Transport.launch_combine`: :func:`launch_back` (the reverse exchange, launched now)."""
+        return launch_back(y_QD, routed.handle, self.axis)
+
+    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """:meth:`Transport.combine`: the rows back and summed at once (:func:`send_back`)."""
+        return send_back(y_QD, routed.handle, self.axis)

@@ -30,11 +30,11 @@ from typing import Callable, Optional, Protocol, Union
 
 import torch
 
-from ...agreement import GRAD_OFF, Problem, ProblemSink, grad_mode_codes, raise_problems
+from ...agreement import GRAD_OFF, Problem, ProblemSink, grad_mode_codes, problems_error, raise_if
 from ...collectives.alltoall import exchange_split_sizes
 from ...kernels import expert_order
 from ...types.mesh import MeshAxis
-from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
+from .dedup import Sent, SentBack, destinations, launch_tokens, send_positions
 from ..routing.permute import count_per_expert, weighted_combine
 from .routed import Dispatching, RoutedTokens, routed_copies
 from .symmetric import SymmetricTransport, symmetric_usable
@@ -171,7 +171,7 @@ class LocalTransport(Dispatching):
         return lambda: out_TD
 
 
-class AllToAllTransport(Dispatching):
+class AllToAllTransport(SentBack):
     """Expert parallel over ``axis``: experts are contiguous blocks of ``e = E / n`` per rank.
 
     Dispatch: each token once to each rank holding any of its experts (``dedup.py``); exchange the
@@ -188,10 +188,7 @@ class AllToAllTransport(Dispatching):
     backward_in_flight = True
 
     def __init__(self, axis: MeshAxis, num_experts: int, raises: bool = True):
-        super().__init__()
-        self.axis = axis
-        self.num_experts = num_experts
-        self.local_experts = num_experts // axis.size
+        super().__init__(axis, num_experts)
         self.raises = raises
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
@@ -219,20 +216,11 @@ class AllToAllTransport(Dispatching):
         elif any(codes := grad_mode_codes(codes)):
             mine = codes[self.axis.rank]
             if self.raises:
-                raise_problems("MoE dispatch", codes, problem.details if mine else [], ranks=self.axis.ranks)
+                raise_if(problems_error("MoE dispatch", codes, problem.details if mine else [], self.axis.ranks))
             problem.record(mine, x_TD.device)
         received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, send, recv, self.axis, e, sum(sizes))
         return lambda: routed_copies(*received(), sum(sizes), fp8_rows=fp8_rows, group_sizes=sizes,
                                      handle=Sent(pos_Tn, send, recv))
-
-    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
-        """:meth:`Transport.launch_combine`: the rows back (``all_to_all_single``, launched now), a token's summed
-        over the ranks it visited at the wait."""
-        return launch_back(y_QD, routed.handle, self.axis)
-
-    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
-        """:meth:`Transport.combine`: the rows back and summed at once (``dedup.send_back``)."""
-        return send_back(y_QD, routed.handle, self.axis)
 
 
 def transport_for(ep: Optional[MeshAxis], ep_mode: str, num_experts: int, top_k: int,

@@ -29,9 +29,9 @@ from ...agreement import BIT, Problem, ProblemSink
 from ...host import to_host
 from ...kernels import overflow_record
 from ...types.mesh import MeshAxis
-from .dedup import Sent, destinations, launch_back, launch_tokens, send_back, send_positions
+from .dedup import Sent, SentBack, destinations, launch_tokens, send_positions
 from ..routing.permute import count_per_expert
-from .routed import Dispatching, RoutedTokens, routed_copies
+from .routed import RoutedTokens, routed_copies
 
 __all__ = ["SyncFreeTransport", "capacity_rows"]
 
@@ -49,7 +49,7 @@ def capacity_rows(t_max: int, top_k: int, local_experts: int, ranks: int, capaci
     return S, min(ranks * S * min(top_k, local_experts), math.ceil(capacity_factor * t_max * top_k))
 
 
-class SyncFreeTransport(Dispatching):
+class SyncFreeTransport(SentBack):
     """EP over ``axis`` with static capacity and no host sync (see the module docstring)."""
 
     backward_in_flight = True  # the padded all-to-all's exchanges (``SymmetricTransport``: no)
@@ -58,10 +58,7 @@ class SyncFreeTransport(Dispatching):
 
     def __init__(self, axis: MeshAxis, num_experts: int, top_k: int, capacity_factor: Optional[float],
                  overflow: torch.Tensor):
-        super().__init__()
-        self.axis = axis
-        self.num_experts = num_experts
-        self.local_experts = num_experts // axis.size
+        super().__init__(axis, num_experts)
         self.top_k = top_k
         self.capacity_factor = capacity_factor
         # the worst overflow since the last check (``dispatch.SizedTransport.overflow``): int64 (4,) on the layer's
@@ -91,20 +88,11 @@ class SyncFreeTransport(Dispatching):
 
     def launch_dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, t_max: int,
                         problem: Optional[Problem] = None, fp8_rows: bool = False) -> Callable[[], RoutedTokens]:
-        """This rank's tokens to their experts' ranks, with no host read, started now (module docstring; the
-        arguments and the call returned are :meth:`SizedTransport.launch_dispatch`'s).
-
-        Args:
-            t_max: ``T_max`` (host int, the same on every rank of the EP group; ``x_TD`` has at most ``T_max``
-                rows unless a capacity factor may drop tokens); :attr:`overflow` is updated on the device with
-                this forward's worst demand.
-
-        The call returns ``RoutedTokens`` with ``x_RD`` ``(R, D)``, ``R`` from :func:`capacity_rows`: this rank's ``e``
-        experts' copies in expert-major order (source rank order within an expert), rows past the int32
-        ``group_offsets[-1]`` unspecified; ``capacity = R``; ``group_sizes = None`` (never on the host).
-        Collectives: one all-gather of the ``(E + n,)`` counts and two even all-to-alls of ``S`` rows per
-        rank pair over EP (the rows with their ids and weights, and the combine's rows; their reverse in the
-        backward)."""
+        """This rank's tokens to their experts' ranks, with no host read, started now (the collectives: module
+        docstring; the arguments, ``t_max`` among them, and the call: :meth:`SizedTransport.launch_dispatch`'s).
+        The call returns ``RoutedTokens`` with ``x_RD`` ``(R, D)``, ``R`` from :func:`capacity_rows`: this rank's
+        ``e`` experts' copies in expert-major order (source rank order within an expert), rows past the int32
+        ``group_offsets[-1]`` unspecified; ``capacity = R``; ``group_sizes = None`` (never on the host)."""
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         n, e, me, E = self.axis.size, self.local_experts, self.axis.rank, self.num_experts
@@ -120,19 +108,8 @@ class SyncFreeTransport(Dispatching):
         received = launch_tokens(x_TD, ids_TK, weights_TK, pos_Tn, sent.send, sent.recv, self.axis, e, R, live_Q)
         return lambda: routed_copies(*received(), R, fp8_rows=fp8_rows, handle=sent)
 
-    def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
-        """:meth:`Transport.launch_combine`: the rows back (the reverse even exchange, launched now), a token's
-        summed over the ranks it visited at the wait."""
-        return launch_back(y_QD, routed.handle, self.axis)
-
-    def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
-        """:meth:`Transport.combine`: the rows back and summed at once (``dedup.send_back``)."""
-        return send_back(y_QD, routed.handle, self.axis)
-
     def record_overflow(self, flag: ProblemSink, layer: str) -> None:
-        """Read :attr:`overflow` (one host read) and record an overflow since the last check as a ``capacity``
-        problem in ``flag`` (the layer's sticky flag), for the next step-boundary collective to raise on every
-        rank; ``layer`` names the layer in the message."""
+        """:meth:`SizedTransport.record_overflow`, the message :meth:`overflow_message`'s."""
         message = self.overflow_message(layer)
         if message is not None:
             flag.record(BIT["capacity"], self.overflow.device, [message])
