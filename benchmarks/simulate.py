@@ -15,7 +15,7 @@ dispatch cost of the whole forward, not a GPU-run figure; ``--reps``), this rank
 sync-free experts' buffer rows ``R``, lossless and at ``capacity_factor=1.25``, next to the rows actually routed.
 The sync transport cannot run here: its host read of the split sizes needs real counts.
 ``--base DIR``: an older spmdmoe beside this one (``benchmarks/base_copy.sh``), its layer built on the same
-fake group and its forwards interleaved with ours (rotated order), so a change's host cost is read as a ratio
+fake group and its forwards interleaved with ours (shuffled order), so a change's host cost is read as a ratio
 from one process.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import random
 import statistics
 import sys
 import time
@@ -66,7 +67,7 @@ def simulate(dp: int, sp: int, ep: int, tokens: int, libs: dict[str, Any], reps:
         times: dict[str, list[float]] = {name: [] for name in calls}
         names = list(calls)
         for rep in range(reps):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
+            for name in random.Random(rep).sample(names, len(names)):
                 layer, inp = calls[name]
                 t0 = time.perf_counter()
                 layer(inp)

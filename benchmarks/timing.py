@@ -3,6 +3,7 @@ on the CPU, host wall time; and host time per call (back to back, or each from a
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Callable
@@ -14,11 +15,12 @@ import torch.distributed as dist
 def _interleaved(fns: dict[str, Callable[[], object]], reps: int, run: Callable[[Callable[[], object]], float],
                  device: "str | torch.device") -> dict[str, float]:
     """Median over ``reps`` of ``run(fn)`` for each fn, max over ranks: the candidates interleaved within every
-    rep, in an order rotated from rep to rep, a barrier before each."""
+    rep, in a shuffled order (seeded by the rep: the same on every rank), a barrier before each (a rotated order,
+    used until 2026-11-30, kept each candidate behind the same one in every rep but the first)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for rep in range(reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in random.Random(rep).sample(names, len(names)):
             if dist.is_initialized():
                 dist.barrier()
             times[name].append(run(fns[name]))
@@ -37,10 +39,10 @@ def _warm(fns: dict[str, Callable[[], object]]) -> None:
 def timed(fns: dict[str, Callable[[], object]], iters: int, reps: int) -> dict[str, float]:
     """Median over ``reps`` of the mean time per call (ms) of each fn, CUDA events, max over ranks.
 
-    The candidates are interleaved within every rep, in an order rotated from
-    rep to rep (no candidate always follows the same one), so drift (clocks,
-    cache state, other tenants) hits all of them alike. Three warm-up calls
-    each first.
+    The candidates are interleaved within every rep, in a shuffled order (no
+    candidate always follows the same one), so drift (clocks, cache state,
+    other tenants) and the previous candidate's wake hit all of them alike.
+    Three warm-up calls each first.
     """
     _warm(fns)
 

@@ -44,7 +44,7 @@ models are built on meta from one config, one of them swapped, and initialised b
   bf16-parameter one).
 * ``bench``: that model, every block compiled as torchtitan does, both models resident; the first (compiling)
   step's loss within 1 % and every parameter's gradient within 5 % of torchtitan's, else nothing is timed; a training step
-  (forward, backward, AdamW step) of each timed interleaved (``timing.timed``: rotated order, median);
+  (forward, backward, AdamW step) of each timed interleaved (``timing.timed``: shuffled order, median);
   tokens/s and peak memory: the most a step allocates above what is resident (weights, gradients,
   optimizer state: reported beside it).
 

@@ -6,7 +6,7 @@ The older copy (``benchmarks/base_copy.sh``: the package at ``REV`` renamed ``sp
 build the same layer (same weights, ``load_balance_coeff`` set) in bf16 and in FP8 (``fp8_rowwise``, weight
 cache warm: policy (b) of ``vs_torchtitan.py``), eager and compiled (``fullgraph=True``); only these eight
 candidates, so the rotation is short and the medians tight. A fwd+bwd step each (input gradient and
-parameter gradients, grads set to None), ``timing.timed``: interleaved, rotated, median of ``--reps`` of
+parameter gradients, grads set to None), ``timing.timed``: interleaved, shuffled, median of ``--reps`` of
 ``--iters`` steps. Before timing, each candidate's output is compared with its base twin (max abs diff).
 Prints ms per step and ours / base per precision and mode. ``--base-first``: the base's layers built first
 (run both orders: an allocation-order effect flips with it, a code change does not).
