@@ -100,6 +100,10 @@ def main() -> None:
     cases["expert order, EP 2 received (2N fp32 ids, E/2 here)"] = (
         lambda: eo.expert_order_triton(meta[:, K:], E // 2, E // 2, 2 * N, E),
         lambda: eo.expert_order_reference(meta[:, K:], E // 2, E // 2, 2 * N, E), 2 * N * 12)
+    ids4 = torch.randint(0, E, (4 * T, K), device=dev).float()  # EP 4's received ids (the symmetric transport: 4T rows)
+    cases["expert order, EP 4 received (4N fp32 ids, E/4 here)"] = (
+        lambda: eo.expert_order_triton(ids4, E // 4, E // 4, 4 * N, E),
+        lambda: eo.expert_order_reference(ids4, E // 4, E // 4, 4 * N, E), 4 * N * 12)
     # the sync-free overflow record: two 0-d demands in, the 4-int64 state read and written; 12 scalar ops eagerly
     rec = (torch.tensor(T // 2, device=dev), torch.tensor(N // 2, device=dev), torch.zeros(4, dtype=torch.int64, device=dev),
            T // 2, N // 2, 2, N, T)  # its own names: the cases below rebind state

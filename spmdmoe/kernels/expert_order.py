@@ -9,15 +9,17 @@ sort); ``-1`` for any other id (another rank's expert; ``-1``) and past ``R`` ro
 ``< E`` (every rank's demand, where the ids are every rank's). Ids: any dtype holding exact integers (the fp32 ids
 beside the routing weights too), any row stride (a column slice: nothing copied).
 
-Three launches, no host sync, integers only (exact, deterministic): each chunk's counts (``tl.histogram``); one
-program sums them into the totals, the group ends and each chunk's first row per expert (written over its
-counts); each chunk's rows (its first row for the expert plus the copies of it before, in the chunk). They
-replace about twenty small torch ops, each a launch and host time in an eager step (issue 61).
+Three launches, no host sync, integers only (exact, deterministic): each chunk's counts (``tl.histogram``); a
+program per 8 experts scans their columns down the chunks (each chunk's copies of an expert before it, written over
+its counts) and sums their totals; each chunk's rows (the group's first row, from the totals, plus the copies of the
+expert in the chunks before, plus those before in the chunk; program 0 writes the group ends). They replace about
+twenty small torch ops, each a launch and host time in an eager step (issue 61).
 
-Measured (H200, torch 2.11, Triton 3.6, E=64, K=6; ``benchmarks/kernels.py --only "expert order"``): N = 24,576
-int64 ids, every expert here, 0.088 ms (the reference: 0.358 eager, 0.264 compiled); EP 2's received 2N fp32
-ids, 32 experts here, 0.098 ms (0.376 / 0.268); at T=16,384 0.092 and 0.136 ms (0.369 / 0.274, 0.406 / 0.345).
-Latency-bound (0.02 TB/s: ids in, rows out): the time is its three launches.
+Measured with the scan in one program (H200, torch 2.11, Triton 3.6, E=64, K=6; ``benchmarks/kernels.py --only
+"expert order"``): N = 24,576 int64 ids, every expert here, 0.088 ms (the reference: 0.358 eager, 0.264 compiled);
+EP 2's received 2N fp32 ids, 32 experts here, 0.098 ms (0.376 / 0.268); at T=16,384 0.092 and 0.136 ms (0.369 /
+0.274, 0.406 / 0.345), and 0.242 ms at EP 4's 4N ids, most of it that one program's serial loop over the chunks
+(0.099 ms of the 0.121 ms in a sync-free step's profile at EP 2): the column scan is not yet measured.
 """
 
 from __future__ import annotations
@@ -55,38 +57,36 @@ def _chunk_counts_kernel(ids_ptr, counts_ptr, MJ, J, stride_m, total, C: tl.cons
 
 
 @triton.jit
-def _chunk_scan_kernel(counts_ptr, totals_ptr, offsets_ptr, P, total, first, experts, rows,
-                       B: tl.constexpr, BP: tl.constexpr):
-    b = tl.arange(0, B)
-    sums = tl.zeros([B], dtype=tl.int64)
-    for p0 in range(0, P, BP):
-        ps = p0 + tl.arange(0, BP)
-        c = tl.load(counts_ptr + ps[:, None].to(tl.int64) * B + b[None, :], mask=(ps < P)[:, None], other=0)
-        sums += tl.sum(c.to(tl.int64), axis=0)
-    tl.store(totals_ptr + b, sums, mask=b < total)
-    local = (b >= first) & (b < first + experts)
-    mine = tl.where(local, sums, 0)
-    ends = tl.cumsum(mine, axis=0)
-    tl.store(offsets_ptr + b - first, tl.minimum(ends, rows).to(tl.int32), mask=local)
-    run = ends - mine  # each group's first row, then each chunk's (written over its counts)
+def _chunk_scan_kernel(counts_ptr, totals_ptr, P, total, B: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr):
+    """Program (``BB`` bins): each bin's copies in every chunk before, written over the chunks' counts (a scan down
+    the bin's column, ``BP`` chunks a step), and the bin's total (bins below ``total``)."""
+    b = tl.program_id(0) * BB + tl.arange(0, BB)
+    run = tl.zeros([BB], dtype=tl.int64)
     for p0 in range(0, P, BP):
         ps = p0 + tl.arange(0, BP)
         at = counts_ptr + ps[:, None].to(tl.int64) * B + b[None, :]
         c = tl.load(at, mask=(ps < P)[:, None], other=0)
         tl.store(at, (run[None, :] + tl.cumsum(c, axis=0) - c).to(tl.int32), mask=(ps < P)[:, None])
         run += tl.sum(c.to(tl.int64), axis=0)
+    tl.store(totals_ptr + b, run, mask=b < total)
 
 
 @triton.jit
-def _chunk_positions_kernel(ids_ptr, starts_ptr, pos_ptr, MJ, J, stride_m, first, experts, rows,
-                            C: tl.constexpr, B: tl.constexpr):
+def _chunk_positions_kernel(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, pos_ptr, MJ, J, stride_m, first, experts,
+                            rows, C: tl.constexpr, B: tl.constexpr):
     p = tl.program_id(0)
+    bins = tl.arange(0, B)
+    local = (bins >= first) & (bins < first + experts)
+    mine = tl.load(totals_ptr + bins, mask=local, other=0)  # the local experts' copies; program 0: their ends
+    if p == 0:
+        tl.store(offsets_ptr + bins - first, tl.minimum(tl.cumsum(mine, axis=0), rows).to(tl.int32), mask=local)
     r, i, live, m, j = _chunk(p, MJ, J, C)
     key = tl.load(ids_ptr + m * stride_m + j, mask=live, other=-1).to(tl.int32)
     here = live & (key >= first) & (key < first + experts)
     before = tl.sum(((key[:, None] == key[None, :]) & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
+    group = tl.sum(tl.where(bins[None, :] < key[:, None], mine[None, :], 0), axis=1)  # the group's first row
     start = tl.load(starts_ptr + p.to(tl.int64) * B + tl.where(here, key, 0), mask=here, other=0)
-    pos = start + before
+    pos = group + start + before
     tl.store(pos_ptr + i, tl.where(here & (pos < rows), pos, -1).to(tl.int64), mask=live)
 
 
@@ -106,11 +106,10 @@ def expert_order_triton(ids_MJ: torch.Tensor, first: int, experts: int, rows: in
     stride = ids_MJ.stride(0)
     if guard_or_true(M > 0):
         wrap_triton(_chunk_counts_kernel)[(P,)](ids_MJ, counts, M * J, J, stride, total, C=CHUNK, B=B, num_warps=4)
-    wrap_triton(_chunk_scan_kernel)[(1,)](counts, totals, offsets, P, total, first, experts, rows, B=B,
-                                          BP=max(1, min(64, 8192 // B)), num_warps=4)
-    if guard_or_true(M > 0):
-        wrap_triton(_chunk_positions_kernel)[(P,)](ids_MJ, counts, pos_MJ, M * J, J, stride, first, experts, rows,
-                                                   C=CHUNK, B=B, num_warps=4)
+    BB, BP = min(B, 8), 1024 if ids_MJ.is_cuda else 4  # the CPU's interpreter: its scan loop turns
+    wrap_triton(_chunk_scan_kernel)[(B // BB,)](counts, totals, P, total, B=B, BB=BB, BP=BP, num_warps=4)
+    wrap_triton(_chunk_positions_kernel)[(torch.sym_max(P, 1),)](  # program 0 writes the offsets, chunks or none
+        ids_MJ, counts, totals, offsets, pos_MJ, M * J, J, stride, first, experts, rows, C=CHUNK, B=B, num_warps=4)
     return pos_MJ, offsets, totals
 
 
