@@ -14,6 +14,8 @@ Per candidate and token count (T tokens a rank, bf16, the same weights; columns)
 * launches: kernel launches and async copies/fills a step (the CUDA runtime and driver calls in ``torch.profiler``);
 * ops: ATen ops dispatched a step (a ``TorchDispatchMode`` counting every op that reaches the kernels' level,
   autograd's included): on a GPU each is at least one launch or host work.
+* idle: of five steps back to back, profiled on the device alone, the time a step's kernels leave the GPU idle
+  (``timing.idle_gaps``; rank 0's) and where: the host left behind, or a read of the device waited for.
 
 Candidates: torchtitan's MoE (its all-to-all dispatcher on an "ep" mesh at N > 1); ours ``parallelize_moe`` with
 EP over the ranks, ``ep_mode`` "sync" and "sync_free" (as a user's first call writes it: no ``max_tokens``); at
@@ -40,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from shapes import SHAPES, Shape  # noqa: E402
-from timing import issued_us, report, timed  # noqa: E402
+from timing import idle_gaps, issued_us, report, timed  # noqa: E402
 from vs_torchtitan import build_torchtitan, on_backend, torchtitan_ready  # noqa: E402
 
 import spmdmoe  # noqa: E402
@@ -278,12 +280,15 @@ def main() -> None:
             stages = {name: stage_us(layers[name], x, g) for name in ours}
             host = issued_us(steps)
             launches = {name: launches_per_step(s) for name, s in steps.items()}
+            idle = {name: idle_gaps(s) for name, s in steps.items()}
             base = host["torchtitan MoE"]
-            lines.append("| candidate | host us | GPU ms | host / GPU | launches | ATen ops | host vs torchtitan |")
-            lines.append("|---|---|---|---|---|---|---|")
+            lines.append("| candidate | host us | GPU ms | host / GPU | launches | ATen ops | host vs torchtitan | "
+                         "idle ms of a back-to-back step | its largest idle times |")
+            lines.append("|---|---|---|---|---|---|---|---|---|")
             for name in steps:
                 lines.append(f"| {name} | {host[name]:.0f} | {gpu[name]:.3f} | {host[name] / 1e3 / gpu[name]:.2f}"
-                             f" | {launches[name]:.0f} | {ops[name]} | {host[name] / base:.2f}x |")
+                             f" | {launches[name]:.0f} | {ops[name]} | {host[name] / base:.2f}x | "
+                             f"{idle[name][1]:.3f} of {idle[name][0]:.3f} | {idle[name][2]} |")
             if world == 1:
                 lines.append(graphed(layers[plain], steps[plain], x, g))
             columns = next(iter(stages.values()))

@@ -109,6 +109,31 @@ def host_us(fn, calls: int = 200) -> float:
     return t.item()
 
 
+def idle_gaps(fn: Callable[[], object], calls: int = 5, top: int = 3) -> tuple[float, float, str]:
+    """``calls`` calls of ``fn`` back to back, profiled on the device only (no CPU activity: the host runs at its
+    own speed): ``(span ms, idle ms, gaps)`` a call, the span from the first kernel's start to the last one's end,
+    idle the part of it no kernel ran (the device waited for the host, or for a read of it), and the ``top``
+    largest idle times summed by the kernels around them (``"us after A before B"``). Timeline of one step for
+    the table of ``host_cost.py``: what of the step the host leaves exposed."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
+    gaps: dict[tuple[str, str], float] = {}
+    busy, end, before = 0.0, ks[0][0], ""
+    for start, stop, name in ks:
+        if start > end:
+            gaps[(before[:30], name[:30])] = gaps.get((before[:30], name[:30]), 0.0) + start - end
+        busy += max(0.0, stop - max(start, end))
+        end, before = max(end, stop), name
+    span = (ks[-1][1] - ks[0][0]) / calls / 1e3
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:top]
+    return span, span - busy / calls / 1e3, "; ".join(f"{v / calls:.0f} us after {a} before {b}" for (a, b), v in worst)
+
+
 def kernel_table(fn: Callable[[], object], calls: int = 3, rows: int = 25) -> str:
     """``calls`` calls of ``fn`` under ``torch.profiler`` (CPU and CUDA; kernels replayed from a CUDA graph
     included): the top ``rows`` ops by total CUDA time, as torch prints them, after two figures per call: the
