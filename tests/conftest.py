@@ -73,3 +73,12 @@ def nan_empty():
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+@pytest.fixture
+def three_programs(monkeypatch):
+    """The row kernels' bounded grid at 3 programs (``kernels.backend.row_programs``; the CPU interpreter's own
+    number) on every device, so that their loop over the valid rows turns at a test's few rows on a GPU too."""
+    from spmdmoe.kernels import fp8_rows, swiglu, swiglu_fp8
+    for module in (fp8_rows, swiglu, swiglu_fp8):
+        monkeypatch.setattr(module, "row_programs", lambda blocks, device: torch.sym_min(blocks, 3))

@@ -17,6 +17,10 @@ from spmdmoe import kernels as K
 from spmdmoe.kernels.fp8_cols import padded_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = pytest.mark.usefixtures("three_programs")  # conftest.py: the row kernels' loop turns
+
+
 DTYPES = [torch.bfloat16, torch.float32]
 # (R, C): odd sizes, wider than one tile (the two-read path), one column, empty
 ROW_SHAPES = [(7, 33), (5, 5000), (4, 16), (0, 8), (3, 1)]

@@ -15,6 +15,10 @@ import torch
 from spmdmoe import kernels as K
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = pytest.mark.usefixtures("three_programs")  # conftest.py: the row kernels' loop turns
+
+
 DTYPES = [torch.bfloat16, torch.float32]
 # (S, J, D): odd sizes, one copy, wide rows past one block, empty
 SHAPES = [(7, 3, 33), (5, 1, 16), (3, 2, 1500), (0, 4, 8), (1, 6, 1)]
