@@ -19,7 +19,8 @@ Measured (H200, torch 2.11, Triton 3.6, bf16, R = 98,304 rows, F = 1408; ``bench
 forward 0.209 ms, 3.97 TB/s (95 % of the 4.2 TB/s copy ceiling); backward 0.348 ms, 3.98 TB/s (95 %);
 with the routing weights folded in (and their row dots) backward 0.399 ms, 3.47 TB/s (83 %). The launch
 configuration is swept on the forward and the weighted backward together (the local transport's pair):
-0.573 ms, against 0.636 with the previous one (8 rows x 512 columns, 8 warps).
+0.573 ms, against 0.636 with the previous one (8 rows x 512 columns, 8 warps). The bounded grid against a program
+a row, one process (H200, 2026-11-30): forward 202.7 against 195.8 us, weighted backward 403.3 against 382.4.
 """
 
 from __future__ import annotations
