@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import random
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmdmoe
 from older import config_in
+from timing import shuffled
 from spmdmoe.moe import MoEConfig
 from spmdmoe.moe.transports.sync_free import capacity_rows
 
@@ -67,7 +67,7 @@ def simulate(dp: int, sp: int, ep: int, tokens: int, libs: dict[str, Any], reps:
         times: dict[str, list[float]] = {name: [] for name in calls}
         names = list(calls)
         for rep in range(reps):
-            for name in random.Random(rep).sample(names, len(names)):
+            for name in shuffled(names, rep):
                 layer, inp = calls[name]
                 t0 = time.perf_counter()
                 layer(inp)

@@ -6,10 +6,16 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+
+def shuffled(names: list[str], rep: int) -> list[str]:
+    """The candidates' order in repetition ``rep``: shuffled, seeded by ``rep`` (the same on every rank, which run
+    the candidates' collectives together), so no candidate always follows the same one."""
+    return random.Random(rep).sample(names, len(names))
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], reps: int, run: Callable[[Callable[[], object]], float],
@@ -20,7 +26,7 @@ def _interleaved(fns: dict[str, Callable[[], object]], reps: int, run: Callable[
     times: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for rep in range(reps):
-        for name in random.Random(rep).sample(names, len(names)):
+        for name in shuffled(names, rep):
             if dist.is_initialized():
                 dist.barrier()
             times[name].append(run(fns[name]))
@@ -109,26 +115,39 @@ def host_us(fn, calls: int = 200) -> float:
     return t.item()
 
 
+def _profiled(fn: Callable[[], object], calls: int, acts: list) -> Any:
+    """``calls`` calls of ``fn`` under ``torch.profiler`` with ``acts``, from an idle device."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
+def _timeline(prof: Any) -> tuple[list[tuple[float, float, str]], float, dict[tuple[str, str], float]]:
+    """A profile's device activity (user annotations left out): the kernels ``(start us, end us, name)`` in start
+    order, the time the device was busy (the union of their intervals, us), and the idle time between them
+    summed by the names (cut to 30 characters) of the kernels around it."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
+    gaps: dict[tuple[str, str], float] = {}
+    busy, end, before = 0.0, ks[0][0] if ks else 0.0, ""
+    for start, stop, name in ks:
+        if start > end:
+            gaps[(before[:30], name[:30])] = gaps.get((before[:30], name[:30]), 0.0) + start - end
+        busy += max(0.0, stop - max(start, end))
+        end, before = max(end, stop), name
+    return ks, busy, gaps
+
+
 def idle_gaps(fn: Callable[[], object], calls: int = 5, top: int = 3) -> tuple[float, float, str]:
     """``calls`` calls of ``fn`` back to back, profiled on the device only (no CPU activity: the host runs at its
     own speed): ``(span ms, idle ms, gaps)`` a call, the span from the first kernel's start to the last one's end,
     idle the part of it no kernel ran (the device waited for the host, or for a read of it), and the ``top``
     largest idle times summed by the kernels around them (``"us after A before B"``). Timeline of one step for
     the table of ``host_cost.py``: what of the step the host leaves exposed."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
-    gaps: dict[tuple[str, str], float] = {}
-    busy, end, before = 0.0, ks[0][0], ""
-    for start, stop, name in ks:
-        if start > end:
-            gaps[(before[:30], name[:30])] = gaps.get((before[:30], name[:30]), 0.0) + start - end
-        busy += max(0.0, stop - max(start, end))
-        end, before = max(end, stop), name
+    ks, busy, gaps = _timeline(_profiled(fn, calls, [torch.profiler.ProfilerActivity.CUDA]))
     span = (ks[-1][1] - ks[0][0]) / calls / 1e3
     worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:top]
     return span, span - busy / calls / 1e3, "; ".join(f"{v / calls:.0f} us after {a} before {b}" for (a, b), v in worst)
@@ -140,19 +159,9 @@ def kernel_table(fn: Callable[[], object], calls: int = 3, rows: int = 25) -> st
     kernel time summed over streams (as torch's "Self CUDA time total": device events, user annotations left out)
     and the time the GPU was busy (the union of those kernels' intervals). Their difference is kernel time that
     ran concurrently (communication under compute, or a collective spinning beside a GEMM)."""
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
-    busy, end = 0.0, float("-inf")
-    for start, stop in kernels:  # the union of the intervals, in us
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    summed = sum(stop - start for start, stop in kernels)
+    prof = _profiled(fn, calls, [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+    kernels, busy, _ = _timeline(prof)
+    summed = sum(stop - start for start, stop, _ in kernels)
     return (f"kernel time per call: {summed / calls / 1e3:.3f} ms summed over streams, "
             f"{busy / calls / 1e3:.3f} ms GPU busy (their union)\n"
             + prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows))
