@@ -99,7 +99,7 @@ def unit_rows(t: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def row_programs(blocks: Any, device: torch.device, per_sm: int = 128) -> Any:
