@@ -94,7 +94,7 @@ def main() -> None:
     # the expert order of N copies: a rank's own (int64 ids, every expert here), and EP 2's received rows (the fp32
     # ids beside the weights of 2T rows, half the experts here, every id counted); bytes: the ids in, the rows out
     ids = torch.randint(0, E, (T, K), device=dev)
-    meta = torch.cat([w, w, ids.float(), torch.randint(0, E, (T, K), device=dev).float()], 1).view(2 * T, 2 * K)
+    meta = torch.cat([w, ids.float(), w, torch.randint(0, E, (T, K), device=dev).float()], 1).view(2 * T, 2 * K)
     cases["expert order, all here (N int64 ids)"] = (lambda: eo.expert_order_triton(ids, 0, E, N, E),
                                                      lambda: eo.expert_order_reference(ids, 0, E, N, E), N * 16)
     cases["expert order, EP 2 received (2N fp32 ids, E/2 here)"] = (

@@ -444,7 +444,7 @@ def main() -> None:
     ap.add_argument("--eager-only", action="store_true", help="no compiled candidate (ours or torchtitan's): a "
                     "quick run of the eager rows, e.g. EP against one GPU")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", default=None, help="write rank 0's top CUDA ops of each timed spmdmoe candidate "
+    ap.add_argument("--profile", default=None, help="write rank 0's top CUDA ops of each timed spmdmoe (and base) candidate "
                     "here (eager against compiled: where a compiled step's time goes)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims, fp32, compile with aot_eager, no timing")
     ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base`, an older spmdmoe renamed "
@@ -662,7 +662,7 @@ def main() -> None:
         if rank == 0:
             report(text, args.out)
         if args.profile:  # on every rank (the steps run collectives); rank 0 writes
-            tables = [f"## {n}\n{kernel_table(step)}" for n, step in steps.items() if n.startswith("spmdmoe")]
+            tables = [f"## {n}\n{kernel_table(step)}" for n, step in steps.items() if n.startswith(("spmdmoe", "base"))]
             if rank == 0:
                 with open(args.profile, "w") as f:
                     f.write("\n\n".join(tables) + "\n")

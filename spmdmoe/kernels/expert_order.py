@@ -10,16 +10,15 @@ sort); ``-1`` for any other id (another rank's expert; ``-1``) and past ``R`` ro
 beside the routing weights too), any row stride (a column slice: nothing copied).
 
 Three launches, no host sync, integers only (exact, deterministic): each chunk's counts (``tl.histogram``); a
-program per 8 experts scans their columns down the chunks (each chunk's copies of an expert before it, written over
+program per 2 experts scans their columns down the chunks (each chunk's copies of an expert before it, written over
 its counts) and sums their totals; each chunk's rows (the group's first row, from the totals, plus the copies of the
 expert in the chunks before, plus those before in the chunk; program 0 writes the group ends). They replace about
 twenty small torch ops, each a launch and host time in an eager step (issue 61).
 
-Measured with the scan in one program (H200, torch 2.11, Triton 3.6, E=64, K=6; ``benchmarks/kernels.py --only
-"expert order"``): N = 24,576 int64 ids, every expert here, 0.088 ms (the reference: 0.358 eager, 0.264 compiled);
-EP 2's received 2N fp32 ids, 32 experts here, 0.098 ms (0.376 / 0.268); at T=16,384 0.092 and 0.136 ms (0.369 /
-0.274, 0.406 / 0.345), and 0.242 ms at EP 4's 4N ids, most of it that one program's serial loop over the chunks
-(0.099 ms of the 0.121 ms in a sync-free step's profile at EP 2): the column scan is not yet measured.
+Measured (H200, torch 2.11, Triton 3.6, E=64, K=6, T=16,384; device time a launch, counts / scan / positions):
+N int64 ids, every expert here, 2 / 3 / 13 us; EP 2's received 2N fp32 ids, 32 here, 2 / 5 / 23 us; EP 4's 4N,
+3 / 9 / 43 us (the scan in one program took 99 us at EP 2; the group's first row as a masked (C, B) sum in place of
+``tl.gather`` made positions 0.52 ms). Eagerly a call is host-bound, 90-140 us (``benchmarks/kernels.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from .backend import kernel_op, unit_rows, use_triton
 __all__ = ["expert_order", "expert_order_reference", "expert_order_triton"]
 
 CHUNK = 128  # copies a program orders (its rank-within-chunk compares C x C)
+SCAN_BINS, SCAN_CHUNKS = 2, 1024  # the scan: bins a program, chunks a step (H200: fastest of 8 tried)
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _chunk_positions_kernel(ids_ptr, starts_ptr, totals_ptr, offsets_ptr, pos_pt
     key = tl.load(ids_ptr + m * stride_m + j, mask=live, other=-1).to(tl.int32)
     here = live & (key >= first) & (key < first + experts)
     before = tl.sum(((key[:, None] == key[None, :]) & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
-    group = tl.sum(tl.where(bins[None, :] < key[:, None], mine[None, :], 0), axis=1)  # the group's first row
+    group = tl.gather(tl.cumsum(mine, axis=0) - mine, tl.where(here, key, 0), 0)  # the group's first row
     start = tl.load(starts_ptr + p.to(tl.int64) * B + tl.where(here, key, 0), mask=here, other=0)
     pos = group + start + before
     tl.store(pos_ptr + i, tl.where(here & (pos < rows), pos, -1).to(tl.int64), mask=live)
@@ -106,7 +106,7 @@ def expert_order_triton(ids_MJ: torch.Tensor, first: int, experts: int, rows: in
     stride = ids_MJ.stride(0)
     if guard_or_true(M > 0):
         wrap_triton(_chunk_counts_kernel)[(P,)](ids_MJ, counts, M * J, J, stride, total, C=CHUNK, B=B, num_warps=4)
-    BB, BP = min(B, 8), 1024 if ids_MJ.is_cuda else 4  # the CPU's interpreter: its scan loop turns
+    BB, BP = min(B, SCAN_BINS), SCAN_CHUNKS if ids_MJ.is_cuda else 4  # the CPU's interpreter: its scan loop turns
     wrap_triton(_chunk_scan_kernel)[(B // BB,)](counts, totals, P, total, B=B, BB=BB, BP=BP, num_warps=4)
     wrap_triton(_chunk_positions_kernel)[(torch.sym_max(P, 1),)](  # program 0 writes the offsets, chunks or none
         ids_MJ, counts, totals, offsets, pos_MJ, M * J, J, stride, first, experts, rows, C=CHUNK, B=B, num_warps=4)
