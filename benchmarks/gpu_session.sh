@@ -271,12 +271,16 @@ print(",4 4 --compile" if fsdp_meshes_per_parameter() else "")')  # the benchmar
       > "$OUT/log_titan_ep_$1_$2${3:-}.txt" 2>&1
     echo "torchtitan parallelize, $1 GPUs, EP $2 ${3:-}: exit $?"
   done
+  # PEER_TOKENS: tokens a GPU, one run each (`PEER_TOKENS="16384 4096"`; default the shape's own)
   for n in ${PEER_EPS:-2 4}; do
     [ "$NGPU" -ge "$n" ] || continue
-    CUDA_VISIBLE_DEVICES=$(gpus "$n") timeout --foreground -k 10 480 torchrun --standalone --nproc-per-node "$n" \
-      benchmarks/vs_torchtitan.py --shape "${SHAPE:-dsmoe16b}" --out "$OUT/bench_peer_ep$n.md" ${PEER_ARGS:-} \
-      $([ "${PEER_PROFILE:-0}" = 1 ] && echo --profile "$OUT/profile_peer_ep$n.txt") > "$OUT/log_peer_ep$n.txt" 2>&1
-    echo "vs_torchtitan, EP $n: exit $?"
+    for T in ${PEER_TOKENS:-shape}; do
+      CUDA_VISIBLE_DEVICES=$(gpus "$n") timeout --foreground -k 10 480 torchrun --standalone --nproc-per-node "$n" \
+        benchmarks/vs_torchtitan.py --shape "${SHAPE:-dsmoe16b}" --out "$OUT/bench_peer_ep$n.md" ${PEER_ARGS:-} \
+        $([ "$T" = shape ] || echo --tokens "$T") $([ "${PEER_PROFILE:-0}" = 1 ] && echo --profile \
+        "$OUT/profile_peer_ep${n}_$T.txt") > "$OUT/log_peer_ep${n}_$T.txt" 2>&1
+      echo "vs_torchtitan, EP $n, $T tokens: exit $?"; grep "^| spmdmoe\|^| torchtitan" "$OUT/log_peer_ep${n}_$T.txt"
+    done
   done
 fi
 if [ "$PART" = whole ]; then  # not in all: minutes per row
