@@ -1,6 +1,8 @@
 """Each Triton kernel of spmdmoe.kernels against its torch reference (eager and compiled), in TB/s.
 
     python benchmarks/kernels.py [--tokens 16384] [--out FILE] [--sweep]
+    python benchmarks/kernels.py --only "expert order" --base DIR   # beside an older copy (a kernel change's A/B,
+        # before it lands: bash benchmarks/base_copy.sh REV DIR)
 
 MoE shapes (bf16): T tokens, K=6 copies, D=2048; SwiGLU over R = T*K rows of
 F=1408. Bytes = what a kernel must read and write at least (each row once);
@@ -30,10 +32,12 @@ import json
 import torch
 
 import importlib
+import importlib.util
+import types
 
-fo, gs, sw, fr, fc, sq, fg, fw, eo, orec, tr = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in (
-    "fan_out", "gather_sum", "swiglu", "fp8_rows", "fp8_cols", "swiglu_fp8", "fingerprint", "fp8_weights",
-    "expert_order", "overflow_record", "topk_route"))
+MODULES = {"fo": "fan_out", "gs": "gather_sum", "sw": "swiglu", "fr": "fp8_rows", "fc": "fp8_cols", "sq": "swiglu_fp8",
+           "fg": "fingerprint", "fw": "fp8_weights", "eo": "expert_order", "orec": "overflow_record", "tr": "topk_route"}
+fo, gs, sw, fr, fc, sq, fg, fw, eo, orec, tr = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in MODULES.values())
 from timing import report, timed
 
 CEILING = 4.2e12
@@ -54,8 +58,8 @@ def main() -> None:
     ap.add_argument("--sweep-out", default=None, help="write each swept module's fastest CONFIG here (JSON)")
     ap.add_argument("--only", default=None, help="comma-separated substrings: time only the kernels named so")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base` (benchmarks/base_copy.sh): its weight "
-                    "quantization and column quantizer join the rotation as 'base'")
+    ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base` (benchmarks/base_copy.sh): each "
+                    "case's Triton call made with its kernel modules (where it has them) joins the rotation as 'base'")
     args = ap.parse_args()
     T, K, D, F = args.tokens, args.top_k, args.dim, args.hidden
     N = T * K
@@ -175,15 +179,24 @@ def main() -> None:
             sw.swiglu_backward_triton(gh, h13, valid, wN)[0], valid),
         "dispatch fan-out + FP8 rows, quantized once per token": lambda: fr.quantize_rows_triton(
             fo.fan_out_triton(x, pos, N)[0], valid)}
-    base = {}
+    base, keep = {}, (args.only.split(",") if args.only else [""])
     if args.base:
         import sys
         sys.path.insert(0, args.base)
-        from spmdmoe_base.moe.fp8 import quantize_weights as base_weights
-        from spmdmoe_base.kernels.fp8_cols import quantize_cols_pair_triton as base_cols
+        from spmdmoe_base.moe.experts.fp8 import quantize_weights as base_weights
         base["FP8 weights, both layouts of [w1|w3] and w2 (E=64)"] = lambda: base_weights(w1v, w2, w3v)
-        base["FP8 dual colwise, 16-aligned (N x D, N x F)"] = lambda: base_cols(gy, gh, offs)
-        base["FP8 dual colwise, one hot expert"] = lambda: base_cols(gy, gh, hot)
+        older = {k: importlib.import_module(f"spmdmoe_base.kernels.{m}") for k, m in MODULES.items()
+                 if importlib.util.find_spec(f"spmdmoe_base.kernels.{m}")}
+        for name, (tri, _, _) in cases.items():  # the same call, the names above bound to the base's modules
+            uses = MODULES.keys() & set(tri.__code__.co_names)
+            if not (any(k in name for k in keep) and uses and uses <= older.keys()):
+                continue
+            call = types.FunctionType(tri.__code__, dict(tri.__globals__, **older), name, None, tri.__closure__)
+            try:
+                call()
+            except Exception:  # not in the base, or another signature there
+                continue
+            base.setdefault(name, call)
     torchao = {}
     try:
         from torchao.prototype.moe_training.kernels.float8_rowwise import triton_fp8_rowwise_2d_scale_and_cast
@@ -205,7 +218,6 @@ def main() -> None:
              "torchao ms (TB/s) | ours vs torchao |",
              "|---|---|---|---|---|---|---|---|---|"]
     notes: list[str] = []
-    keep = args.only.split(",") if args.only else [""]
     for name, (tri, ref, nbytes) in cases.items():
         if not any(k in name for k in keep):
             continue
