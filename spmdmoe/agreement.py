@@ -312,10 +312,7 @@ def problems_error(
     bad = [(r, b) for r, b in zip(ranks, bits_by_rank) if b]
     if not bad:
         return None
-    present = 0
-    for _, b in bad:
-        present |= b
-    error = _kinds(present)[0].error
+    error = next(kind.error for i, kind in enumerate(KINDS) if any(b >> i & 1 for _, b in bad))
     parts = "; ".join(f"rank {r}: " + ", ".join(k.what for k in _kinds(b)) for r, b in bad)
     own = "".join(f"\n  this rank: {d}" for d in details)
     return error(f"{op} rejected the input on {len(bad)} of {len(bits_by_rank)} ranks ({parts}){own}")

@@ -23,14 +23,12 @@ from .types.tensor import (SPMDTensor, _bad_rows_message, _buffer_rows, _check_t
 __all__ = ["shard", "from_local", "padded_empty"]
 
 
-def _strict_problem(total: int, axis: MeshAxis) -> Optional[str]:
-    if total % axis.size == 0:
-        return None
-    return (
-        f"rank {axis.rank}: strict=True needs global_tokens divisible by the axis size: found "
-        f"global_tokens={total} on {axis.size} ranks ({total} % {axis.size} = {total % axis.size}); "
-        f"pad the batch to {layout.padded_global_tokens(total, axis.size)} tokens or drop strict=True"
-    )
+def _check_strict(total: int, axis: MeshAxis) -> None:
+    if total % axis.size:
+        raise SPMDLayoutError(
+            f"rank {axis.rank}: strict=True needs global_tokens divisible by the axis size: found "
+            f"global_tokens={total} on {axis.size} ranks ({total} % {axis.size} = {total % axis.size}); "
+            f"pad the batch to {layout.padded_global_tokens(total, axis.size)} tokens or drop strict=True")
 
 
 def shard(x: torch.Tensor, mesh: MeshLike, *, dim: int = 0, strict: bool = False) -> SPMDTensor:
@@ -53,8 +51,8 @@ def shard(x: torch.Tensor, mesh: MeshLike, *, dim: int = 0, strict: bool = False
         d = _check_token_dim(x, Shard(dim), 0, axis)
         axis.check_device(x, "shard(x)")
         total = x.shape[d]
-        if strict and (problem := _strict_problem(total, axis)) is not None:
-            raise SPMDLayoutError(problem)
+        if strict:
+            _check_strict(total, axis)
     start = layout.chunk_offset(total, axis.size, axis.rank)
     rows = layout.local_tokens(total, axis.size, axis.rank)
     return SPMDTensor._new(x.narrow(d, start, rows), axis, Shard(d), total, d)
@@ -181,8 +179,8 @@ def _from_local(local: Any, mesh: MeshLike, placement: Any, global_tokens: Any, 
     is_shard = isinstance(placement, Shard)
     total = declared if declared != _NO_T else (sum(rows_all) if is_shard else rows_all[0])
     _check_rows(rows_all, total, declared != _NO_T, axis, placement, dim)
-    if strict and (problem := _strict_problem(total, axis)) is not None:
-        raise SPMDLayoutError(problem)
+    if strict:
+        _check_strict(total, axis)
     return SPMDTensor._new(local, axis, Shard(dim) if is_shard else placement, total, dim)
 
 

@@ -112,11 +112,8 @@ def check_errors(mesh: Optional[MeshLike] = None) -> None:
     >>> import spmdmoe
     >>> spmdmoe.check_errors()   # nothing recorded: returns
     """
-    if dist.is_initialized():
-        axis = world_axis() if mesh is None else mesh_axis(mesh)
-        device = axis.metadata_device()
-    else:
-        axis, device = None, torch.device("cpu")
+    axis = (world_axis() if mesh is None else mesh_axis(mesh)) if dist.is_initialized() else None
+    device = torch.device("cpu") if axis is None else axis.metadata_device()
     flags = list(_flags)
     mine = torch.zeros(1, dtype=torch.int64, device=device)
     for flag in flags:

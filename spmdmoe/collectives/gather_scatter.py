@@ -65,11 +65,9 @@ def scatter_block(local: torch.Tensor, axis: MeshAxis, total: int, dim: int) -> 
     block = rows.new_empty((p, *rows.shape[1:]))
     if torch.compiler.is_compiling():  # one traced graph for every T (module docstring)
         reduce_scatter_single(block, zero_padded(rows, p * n), group=axis.group)
-    elif p == 0:
-        pass
-    elif p * n == total:
+    elif p and p * n == total:
         reduce_scatter_single(block, rows, group=axis.group)
-    else:
+    elif p:
         counts = layout.chunk_counts(total, n)
         reduce_scatter_list(block[: counts[axis.rank]], list(rows.split(counts)), group=axis.group)
     return restore_dim(written(block), dim)

@@ -53,14 +53,6 @@ class _Family:
     checks: Callable[[nn.Module], list[Check]]  # block -> what it holds that spmdmoe cannot express
 
 
-def _qwen3(block: nn.Module) -> dict[str, Any]:
-    return dict(score_func="softmax", route_norm=bool(block.gate.norm_topk_prob), router_dtype="input")
-
-
-def _mixtral(block: nn.Module) -> dict[str, Any]:
-    return dict(score_func="softmax", route_norm=True, router_dtype="input")
-
-
 def _deepseek_v3(block: nn.Module) -> dict[str, Any]:
     gate = block.gate
     groups = int(gate.num_group)
@@ -88,8 +80,10 @@ def _shared_mlp(block: nn.Module) -> list[Check]:
 
 
 _FAMILIES = (
-    _Family("transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeSparseMoeBlock", _qwen3, lambda b: []),
-    _Family("transformers.models.mixtral.modeling_mixtral:MixtralSparseMoeBlock", _mixtral, _no_jitter),
+    _Family("transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeSparseMoeBlock", lambda b: dict(
+        score_func="softmax", route_norm=bool(b.gate.norm_topk_prob), router_dtype="input"), lambda b: []),
+    _Family("transformers.models.mixtral.modeling_mixtral:MixtralSparseMoeBlock", lambda b: dict(
+        score_func="softmax", route_norm=True, router_dtype="input"), _no_jitter),
     _Family("transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3MoE", _deepseek_v3, _shared_mlp),
 )
 

@@ -155,13 +155,6 @@ class _Balance:
         return (counts_E / rows * (torch.stack(probs).sum(0) / rows)).sum() * counts_E.numel()
 
 
-def _wants_balance(module: nn.Module, kwargs: dict) -> bool:
-    """Whether this call asks for the load-balancing loss (the call's ``output_router_logits``, else the
-    config's: transformers' rule)."""
-    asked = kwargs.get("output_router_logits")
-    return bool(getattr(getattr(module, "config", None), "output_router_logits", False) if asked is None else asked)
-
-
 def _refused(module: nn.Module, args: tuple, kwargs: dict, batch: Optional[SPBatch], balance: bool) -> Optional[str]:
     """What this rank's call asks for that SP cannot give (raised on every rank by the exchange), or ``None``."""
     def given(name: str, index: int) -> bool:
@@ -186,7 +179,10 @@ def _refused(module: nn.Module, args: tuple, kwargs: dict, batch: Optional[SPBat
 def _before_forward(axis: MeshAxis, balance: _Balance) -> Any:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         batch = kwargs.pop(BATCH, None)
-        wanted = _wants_balance(module, kwargs)
+        # the load-balancing loss: the call's output_router_logits, else the config's (transformers' rule)
+        asked = kwargs.get("output_router_logits")
+        config = getattr(module, "config", None)
+        wanted = bool(getattr(config, "output_router_logits", False) if asked is None else asked)
         found = Problem()
         fix = _refused(module, args, kwargs, batch, wanted)
         rows = kwargs.get("input_ids", args[0] if args else None)

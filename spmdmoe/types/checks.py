@@ -20,11 +20,10 @@ from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 from typing_extensions import Annotated, get_args, get_origin, get_type_hints
 
-from . import layout
 from .errors import SPMDLayoutError
 from .mesh import MeshAxis, MeshLike, mesh_axis
 from .placement import Partial, Placement, Replicate, Shard, Varying
-from .tensor import SPMDTensor
+from .tensor import SPMDTensor, _rows_expected
 
 __all__ = [
     "Layout",
@@ -139,12 +138,8 @@ def _layout_problem(
         return f"rank {r}: expected a tensor on mesh axis {axis}, found one on {x.axis}"
     if total is not None and x.global_tokens != total:
         return f"rank {r}: expected global_tokens={total}, found {x.global_tokens}"
-    if x._global_tokens is not None:
-        want = (
-            layout.local_tokens(x.global_tokens, x.axis.size, r) if isinstance(placement, Shard) else x.global_tokens
-        )
-        if x.local_tokens != want:
-            return f"rank {r}: local holds {x.local_tokens} rows, the layout says {want}"
+    if x._global_tokens is not None and x.local_tokens != (want := _rows_expected(placement, x._global_tokens, x.axis)):
+        return f"rank {r}: local holds {x.local_tokens} rows, the layout says {want}"
     return None
 
 

@@ -98,12 +98,11 @@ class MeshAxis:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)
 
-    def __copy__(self) -> "MeshAxis":
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "MeshAxis":
+    def __copy__(self, memo: Any = None) -> "MeshAxis":
         """Itself: an axis names a process group, which a copied module shares (groups cannot be copied)."""
         return self
+
+    __deepcopy__ = __copy__
 
     def device_problem(self, tensor: torch.Tensor) -> str | None:
         """Why ``tensor`` cannot be communicated on this axis, or ``None``."""

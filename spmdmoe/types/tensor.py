@@ -122,14 +122,9 @@ class SPMDTensor:
         axis = mesh_axis(mesh)
         with rejecting("SPMDTensor(...)", axis):
             dim = _check_token_dim(local, placement, token_dim, axis)
-            rows = local.shape[dim]
-            if not isinstance(placement, Varying):
-                total = _check_total(global_tokens, axis)
-                expected = _rows_expected(placement, total, axis)
-                if rows != expected:
-                    raise SPMDLayoutError(_bad_rows_message(placement, total, axis, rows, dim))
-            else:
-                total = None
+            total = None if isinstance(placement, Varying) else _check_total(global_tokens, axis)
+            if total is not None and local.shape[dim] != _rows_expected(placement, total, axis):
+                raise SPMDLayoutError(_bad_rows_message(placement, total, axis, local.shape[dim], dim))
         _init(self, local, axis, _normalised(placement, dim), total, dim, None)
 
     # ------------------------------------------------------------------ builders

@@ -131,12 +131,9 @@ def ddp(module: nn.Module, reductions: Optional[Reductions] = None, **kwargs: An
             "SP axis or absent): there is nothing for DDP to do; pass dp_mesh to parallelize_moe"
         )
     group = max(axes, key=lambda a: a.size).group
-    no_buffer_sync: dict[str, Any] = (
-        {"forward_sync_buffers": False}
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-        else {"broadcast_buffers": False}
-    )
-    wrapped = DistributedDataParallel(module, process_group=group, init_sync=False, **no_buffer_sync, **kwargs)
+    key = "forward_sync_buffers"  # a newer DDP's name; older ones: broadcast_buffers
+    key = key if key in inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers"
+    wrapped = DistributedDataParallel(module, process_group=group, init_sync=False, **{key: False}, **kwargs)
     by_param = {id(p): reductions[name] for name, p in module.named_parameters() if name in reductions}
     wrapped.register_comm_hook(by_param, _ddp_hook)
     return wrapped
