@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: environment facts, GPU tests, the NCCL distributed suite, the main job
 # on NCCL, the benchmarks; a short summary last.
-#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: the single-process suite only) | suite4 | suite2 | files4 | files2 | compile4 | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf | whole | host (these three not in all) | all (default all)
+#   bash benchmarks/gpu_session.sh [part]   part: tests (dist: its NCCL suite only; WORLDS="2", FILES="torchtitan sync_free"; single: the single-process suite only) | suite4 | suite2 | files4 | files2 | compile4 | exits | titan | bench | profile | peer | fp8 | numerics | syncfree | overlap | hf | whole | host | ab (these four not in all: ab is a change's A/B, see its part) | all (default all)
 #   SHAPES="dsmoe16b qwen3-30b" bash benchmarks/gpu_session.sh peer      # the peer part at some shapes only
 # The tests, a part per call (device time is scarce: each fits one call; `timeout 590 bash ...` around it):
 #   single     the whole single-process suite (`pytest`: tests/ and the package's doctests; the training runs too)
@@ -402,6 +402,23 @@ if [ "$PART" = host ]; then
         > "$OUT/log_host_cost_${ep}_${st%%:*}.txt" 2>&1; grep "host vs torchtitan\|^| ours\|^| torchtitan" \
         "$OUT/log_host_cost_${ep}_${st%%:*}.txt" | head -4
     done
+  done
+fi
+if [ "$PART" = ab ]; then
+  # a change's A/B against the code before it, in one process each (not in all): make the older package here with
+  # `git archive REV spmdmoe > base.tar` (untracked: it travels with the tree), then on the GPU host `gpu_session.sh ab`:
+  # benchmarks/kernels.py --base (AB_KERNELS: its --only names, default every kernel) on one GPU, then the layer's
+  # vs_torchtitan.py --base at AB_TOKENS (default 16384 4096) tokens a GPU on AB_EP GPUs (default 2), bf16 eager
+  peer_wheels
+  bash benchmarks/base_copy.sh "${BASE_TAR:-base.tar}" /tmp/ab_base > /dev/null || exit 2
+  CUDA_VISIBLE_DEVICES=$GPU0 timeout --foreground -k 10 240 python3 benchmarks/kernels.py --base /tmp/ab_base \
+    ${AB_KERNELS:+--only "$AB_KERNELS"} --out "$OUT/bench_ab_kernels.md" > "$OUT/log_ab_kernels.txt" 2>&1
+  echo "kernels.py --base: exit $?"; grep "vs the base copy" "$OUT/log_ab_kernels.txt"
+  for T in ${AB_TOKENS:-16384 4096}; do
+    CUDA_VISIBLE_DEVICES=$(gpus "${AB_EP:-2}") timeout --foreground -k 10 240 torchrun --standalone --nproc-per-node \
+      "${AB_EP:-2}" benchmarks/vs_torchtitan.py --tokens "$T" --precision bf16 --eager-only --base /tmp/ab_base \
+      --out "$OUT/bench_ab_layer.md" > "$OUT/log_ab_layer_$T.txt" 2>&1
+    echo "vs_torchtitan --base, $T tokens: exit $?"; grep "^| spmdmoe\|^| base\|^| torchtitan" "$OUT/log_ab_layer_$T.txt"
   done
 fi
 if [ "$PART" = hf ]; then
