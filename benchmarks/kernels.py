@@ -35,9 +35,11 @@ import importlib
 import importlib.util
 import types
 
-MODULES = {"fo": "fan_out", "gs": "gather_sum", "sw": "swiglu", "fr": "fp8_rows", "fc": "fp8_cols", "sq": "swiglu_fp8",
-           "fg": "fingerprint", "fw": "fp8_weights", "eo": "expert_order", "orec": "overflow_record", "tr": "topk_route"}
-fo, gs, sw, fr, fc, sq, fg, fw, eo, orec, tr = (importlib.import_module(f"spmdmoe.kernels.{m}") for m in MODULES.values())
+MODULES = {"fo": "fan_out", "gs": "gather_sum", "sw": "swiglu", "fr": "fp8_rows", "fc": "fp8_cols",
+           "sq": "swiglu_fp8", "fg": "fingerprint", "fw": "fp8_weights", "eo": "expert_order",
+           "orec": "overflow_record", "tr": "topk_route"}
+fo, gs, sw, fr, fc, sq, fg, fw, eo, orec, tr = (
+    importlib.import_module(f"spmdmoe.kernels.{m}") for m in MODULES.values())
 from timing import report, timed
 
 CEILING = 4.2e12

@@ -444,8 +444,8 @@ def main() -> None:
     ap.add_argument("--eager-only", action="store_true", help="no compiled candidate (ours or torchtitan's): a "
                     "quick run of the eager rows, e.g. EP against one GPU")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", default=None, help="write rank 0's top CUDA ops of each timed spmdmoe (and base) candidate "
-                    "here (eager against compiled: where a compiled step's time goes)")
+    ap.add_argument("--profile", default=None, help="write rank 0's top CUDA ops of each timed spmdmoe (and "
+                    "base) candidate here (eager against compiled: where a compiled step's time goes)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims, fp32, compile with aot_eager, no timing")
     ap.add_argument("--base", default=None, help="a folder holding `spmdmoe_base`, an older spmdmoe renamed "
                     "(benchmarks/base_copy.sh): its bf16 and FP8 layers (eager, compiled) join the rotation")
