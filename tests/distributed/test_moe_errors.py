@@ -5,7 +5,7 @@ import torch
 
 import spmdmoe
 from moe_plans import reference_moe
-from spmdmoe import MoEConfigError, Replicate, SPMDCollectiveError, SPMDLayoutError, SPMDRoutingError, SPMDShapeError
+from spmdmoe import MoEConfigError, Replicate, SPMDLayoutError, SPMDRoutingError, SPMDShapeError
 from spmdmoe.moe import MoEConfig, parallelize_moe
 from spmdmoe.testing import assert_raises_everywhere, reference_tensor
 from spmdmoe.types import layout
@@ -222,14 +222,36 @@ def test_replicate_of_every_row_on_one_rank_of_an_sp_ep_layer(world, device, req
         spmdmoe.set_checks(previous)
 
 
-@pytest.mark.parametrize("mode,error", [("on", SPMDLayoutError), ("collectives", SPMDCollectiveError)])
-def test_local_replicate_on_one_rank_while_its_peers_call_from_local(world, device, monkeypatch, mode, error):
+@pytest.mark.parametrize("plan", ["sync", "sync_free", "gather"])
+def test_shard_of_another_length_on_one_rank_in_the_collective_checking_mode(world, device, monkeypatch, plan):
+    """An SP layer (SP = EP = world, or gather mode); rank 2 (the last on fewer ranks) builds its input with the
+    local constructor ``shard`` from 36 rows, its peers from 37: each rank's tensor is valid on its own. The
+    collective-checking mode compares the layer's input at every forward (docs/guide.md), so every rank raises
+    SPMDLayoutError naming the global_tokens each rank declared. (Before, the layer skipped its input there: sync
+    EP returned a T = 36 output on rank 2 alone, sync-free EP and gather mode aborted inside gloo.)"""
+    monkeypatch.setenv("SPMDMOE_CHECK_TIMEOUT", "10")
+    previous = spmdmoe.set_checks("collectives")
+    try:
+        bad = min(2, world.size() - 1)
+        layer = parallelize_moe(reference_moe(CFG, 0, device), sp_mesh=world,
+                                ep_mesh=None if plan == "gather" else world, ep_mode="sync_free" if plan == "sync_free"
+                                else "sync", sp_mode="gather" if plan == "gather" else "local")
+        x = spmdmoe.shard(reference_tensor((36 if world.get_local_rank() == bad else 37, D), 5, device=device), world)
+        assert_raises_everywhere(SPMDLayoutError, lambda: layer(x),
+                                 match=rf"global_tokens is 37 on axis rank\(s\) .*36 on axis rank\(s\) \[{bad}\]")
+    finally:
+        spmdmoe.set_checks(previous)
+
+
+@pytest.mark.parametrize("mode", ["on", "collectives"])
+def test_local_replicate_on_one_rank_while_its_peers_call_from_local(world, device, monkeypatch, mode):
     """Issue 60's first snippet, as a user writes it: an SP x EP layer (SP = EP = world); rank 2 (the last on fewer
     ranks) wraps all 37 rows as a ``Replicate`` SPMDTensor (a local constructor: no exchange), its peers wrap
     their rows with ``from_local`` (which exchanges); then the layer, backward, ``check_errors``. Rank 2's first
     exchange is the layer's count exchange while its peers are in ``from_local``'s: the two check exchanges meet
-    (``spmdmoe.agreement.mixed_ops_error``) and every rank raises the same type: rank 2's layout problem in the
-    default mode; in the collective-checking mode the records (``from_local`` against ``MoE layer``) differ."""
+    (``spmdmoe.agreement.mixed_ops_error``) and every rank raises rank 2's layout problem, SPMDLayoutError; in the
+    collective-checking mode the layer's record (``MoE layer``, with rank 2's problem) meets ``from_local``'s, and
+    the problem decides there too."""
     monkeypatch.setenv("SPMDMOE_CHECK_TIMEOUT", "10")
     previous = spmdmoe.set_checks("collectives" if mode == "collectives" else True)
     try:
@@ -246,8 +268,8 @@ def test_local_replicate_on_one_rank_while_its_peers_call_from_local(world, devi
             y.local.sum().backward()
             spmdmoe.check_errors(world)
 
-        err = assert_raises_everywhere(error, step, match=rf"\[{bad}\]|rank {bad}")
-        assert type(err) is error, f"{type(err).__name__}: {err}"
+        err = assert_raises_everywhere(SPMDLayoutError, step, match=rf"rank {bad}: input is not in the layer's layout")
+        assert type(err) is SPMDLayoutError, f"{type(err).__name__}: {err}"
     finally:
         spmdmoe.set_checks(previous)
 

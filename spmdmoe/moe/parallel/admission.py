@@ -89,13 +89,15 @@ class Admission:
         steps 1-5)."""
         sp = self.sp
         axis = sp if sp is not None else self.ep
-        if axis is not None and checks_mode() == "collectives":  # train / eval and grad mode decide collectives
-            check_collective("MoE layer", axis, None, None, {"training": training})
         if self.ride is not None:
             self.ride.surface()
         problem = Problem(flag=self.flag)
         x_TD = (accept(x, problem, sp=sp, ep=self.ep, dim=self.dim, dtype=dtype, device=device) if checks_enabled()
                 else (x.local if isinstance(x, SPMDTensor) else x))
+        if axis is not None and checks_mode() == "collectives":  # the SP input's record (its declared T too; an
+            # EP input's rows may differ), this rank's problem and train / eval mode (which decides collectives)
+            check_collective("MoE layer", axis, x if sp is not None else None, problems_error(
+                "MoE layer", [problem.bits], problem.details, [global_rank()]), {"training": training})
         sized = isinstance(transport, SyncFreeTransport)
         if problem.bits and alone():  # the only process of the job: nobody to leave waiting
             raise_if(problems_error("MoE layer", [problem.bits], problem.details))
