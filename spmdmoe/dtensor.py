@@ -170,16 +170,17 @@ class DTensorAdapter(nn.Module):
 
     ``forward(dt)`` converts with :func:`from_dtensor` (checked unless it came from :func:`to_dtensor`), runs the layer
     and returns a DTensor with the input's placements and global shape. Parameters keep their names under ``layer.``.
-    For an EP-only layer (no ``sp_mesh``) the DTensor's local rows are this rank's batch.
+    ``dt``: for a layer with ``sp_mesh``, a ``(tokens, dim)`` DTensor ``Shard(0)`` on that mesh (the layer's rows:
+    flatten ``(batch, seq, dim)`` activations and redistribute them to ``Shard(0)`` first); for an EP-only layer
+    (no ``sp_mesh``), any DTensor whose local ``(tokens, dim)`` rows are this rank's batch.
     """
 
-    def __init__(self, layer: nn.Module, *, token_dim: int = 0):
+    def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
-        self.token_dim = token_dim
 
     def forward(self, dt: DTensor) -> DTensor:
         if getattr(self.layer, "sp", None) is None:
             rows = self.layer(dt.to_local())
             return DTensor.from_local(rows, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
-        return to_dtensor(self.layer(from_dtensor(dt, token_dim=self.token_dim)))
+        return to_dtensor(self.layer(from_dtensor(dt)))

@@ -145,6 +145,15 @@ def test_module_adapter_runs_a_parallel_moe_on_dtensor_activations(world, device
     assert [n for n, _ in block.named_parameters()][0].startswith("layer.")
 
 
+def test_module_adapter_refuses_batch_seq_activations_with_the_fix(world, device):
+    """torchtitan's activations as they come, ``(batch, seq, dim)`` sharded on the sequence: the SP layer takes
+    ``(tokens, dim)`` rows, so every rank raises SPMDLayoutError saying to flatten them and shard the tokens."""
+    block = DTensorAdapter(parallelize_moe(reference_moe(MoEConfig(dim=16, hidden_dim=16, num_experts=8, top_k=2), 5,
+                                                         device), sp_mesh=world, ep_mesh=world))
+    dt = distribute_tensor(reference_tensor((2, 37, 16), 8, device=device), world, [DShard(1)])
+    assert_raises_everywhere(SPMDLayoutError, lambda: block(dt), match=r"DTensorAdapter: flatten it to \(tokens, dim\)")
+
+
 @pytest.mark.one_rank_bad
 def test_unsupported_placement_on_one_rank_raises_everywhere(world, device):
     """Before: the rank whose DTensor had an unsupported placement (Partial('max')) raised on its own, and its

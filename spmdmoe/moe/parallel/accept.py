@@ -35,7 +35,8 @@ def accept(x: Any, found: Problem, *, sp: Optional[MeshAxis], ep: Optional[MeshA
         expected = "an SPMDTensor sharded with Shard(0) on the layer's sp_mesh"
         if not (isinstance(x, SPMDTensor) and isinstance(x.placement, Shard) and x.token_dim == 0):
             found.add("input_layout", f"rank {rank}: this MoE layer takes {expected}, found {_describe(x)}; "
-                                      "wrap the local rows with spmdmoe.shard(...) or spmdmoe.from_local(...)")
+                                      "wrap the local rows with spmdmoe.shard(...) or spmdmoe.from_local(...) (a "
+                                      "DTensor through DTensorAdapter: flatten it to (tokens, dim), Shard(0))")
             return None
         if x.axis != sp:
             found.add("input_mesh", f"rank {rank}: the input is sharded on {x.axis}, but the layer's sp_mesh "
