@@ -268,9 +268,12 @@ def main() -> int:
     dp = world // args.sp if world % args.sp == 0 else 0
     if not dp or args.ep not in {1, args.sp, dp} or args.experts % args.ep or args.batch % max(dp, 1):
         if rank == 0:
-            print(f"error: {world} processes need --sp dividing {world} (found {args.sp}), --ep in "
-                  f"{{1, sp={args.sp}, processes/sp={dp}}} dividing --experts={args.experts} (found {args.ep}), "
-                  f"and --batch divisible by processes/sp", file=sys.stderr)
+            wrong = (f"--sp must divide the {world} processes (found {args.sp})" if not dp else
+                     f"--ep (default: --sp) must be 1, --sp={args.sp} or processes/sp={dp} and divide "
+                     f"--experts={args.experts} (found {args.ep})" if args.ep not in {1, args.sp, dp}
+                     or args.experts % args.ep else f"--batch must be divisible by processes/sp={dp} (found "
+                     f"{args.batch})")
+            print(f"error: {wrong}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     args.ep_dim = "sp" if args.ep == args.sp and (args.ep_dim == "sp" or args.ep != dp) else "dp"

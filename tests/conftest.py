@@ -10,10 +10,12 @@ set here, before any test module imports spmdmoe): ``tests/test_kernels.py``
 compares them with their references on CPU tensors.
 """
 
+import getpass
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,20 +48,24 @@ def pytest_collection_modifyitems(config, items):
 def torchrun_job():
     """``run(script, *args, timeout=..., nproc=4) -> (returncode, stdout, stderr)``: ``script`` (a path under the
     repo) on ``nproc`` local processes through ``torchrun --standalone``, outside this process's own launch variables; on
-    timeout, torchrun and its workers are killed (the whole session), nothing left behind."""
+    timeout, torchrun and its workers are killed (the whole session), nothing left behind: the job's temporary files
+    (torchrun's own, a script's checkpoints) go to a directory of its own, removed after it (the compile cache stays
+    where it was, shared between jobs)."""
     root = Path(__file__).resolve().parents[1]
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
     def run(script: str, *args: str, timeout: float, nproc: int = 4) -> tuple[int, str, str]:
-        proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), str(root / script), *args],
-                                cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+        with tempfile.TemporaryDirectory(prefix="spmdmoe-job-") as tmp:
+            proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), str(root / script),
+                                     *args], cwd=root, env={**env, "TMPDIR": tmp}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
         return proc.returncode, out, err
     return run
 

@@ -4,9 +4,11 @@ They share one namespace (as a reader running the guide top to bottom would), an
 in them is a check of this test. A failure names the block (its first line in the file).
 """
 
+import shutil
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from spmdmoe.testing import markdown_python_blocks
 
@@ -27,3 +29,8 @@ def test_migration_guide_runs():
             exec(compile(code, f"{GUIDE.name}:{line}", "exec"), namespace)
         except Exception as e:
             raise AssertionError(f"the block at {GUIDE.name} line {line} failed: {e!r}") from e
+    # the checkpoint blocks' directories, removed once: every rank passed the later blocks' collectives, so none
+    # still reads them
+    if dist.get_rank() == 0:
+        for suffix in ("", "-plain"):
+            shutil.rmtree(namespace["path"] + suffix, ignore_errors=True)
