@@ -318,10 +318,11 @@ def problems_error(
     return error(f"{op} rejected the input on {len(bad)} of {len(bits_by_rank)} ranks ({parts}){own}")
 
 
-def disagreement_error(op: str, fields: Sequence[Field], table: Sequence[Sequence[int]], start: int) -> Optional[Exception]:
-    """The error for the first field whose values differ between rows (``None`` if all agree)."""
-    for i, field in enumerate(fields):
-        values = [row[start + i] for row in table]
+def disagreement_error(op: str, fields: Sequence[Field], table: Sequence[Sequence[int]]) -> Optional[Exception]:
+    """The error for the first field whose values differ between ``[bits, *fields, ...]`` rows (``None`` if all
+    agree)."""
+    for i, field in enumerate(fields, 1):
+        values = [row[i] for row in table]
         if len(set(values)) > 1:
             if len(values) <= 16:
                 shown = "per rank [" + ", ".join(field.show(v) for v in values) + "]"
@@ -364,4 +365,4 @@ def verdict(op: str, axis: Optional[MeshAxis], table: Sequence[Sequence[int]], f
     ranks = None
     if global_ranks and dist.is_initialized():
         ranks = (world_axis() if axis is None else axis).ranks
-    return problems_error(op, [r[0] for r in table], found.details, ranks) or disagreement_error(op, fields, table, 1)
+    return problems_error(op, [r[0] for r in table], found.details, ranks) or disagreement_error(op, fields, table)

@@ -102,7 +102,7 @@ def test_overflow_is_never_silent(world, device, request, monkeypatch):
     plan = build_plan("sp_ep", moe, TOTAL, world, request, ep_mode="sync_free", capacity_factor=1.0)
     address = plan.layer.transport.overflow.data_ptr()
     sent = []
-    for name in ("exchange_launched", "exchanged_op"):  # the transports' token exchanges (dedup.launch_tokens / send_back)
+    for name in ("exchange_launched", "exchanged_op"):  # the transports' token exchanges (dedup.launch_tokens / SentBack.combine)
         real = getattr(dedup, name)
         monkeypatch.setattr(dedup, name, lambda t, *a, real=real: (sent.append(tuple(t.shape)), real(t, *a))[1])
     x = reference_tensor((TOTAL, D), 9, device=device)[plan.rows]

@@ -46,10 +46,9 @@ HIDDEN_DIM = {"experts.w1": 1, "experts.w2": 2, "experts.w3": 1}
 class ExpertLayout:
     """Where this rank's expert slices sit in the global expert tensors, and their DTensor mesh."""
 
-    def __init__(self, num_experts: int, experts: slice, hidden: slice, hidden_dim: int,
-                 mesh: Optional[DeviceMesh], ep_dim: Optional[int], tp_dim: Optional[int]):
-        self.num_experts, self.experts, self.hidden, self.hidden_dim = num_experts, experts, hidden, hidden_dim
-        self.mesh, self.ep_dim, self.tp_dim = mesh, ep_dim, tp_dim
+    def __init__(self, experts: slice, hidden: slice, mesh: Optional[DeviceMesh], ep_dim: Optional[int],
+                 tp_dim: Optional[int]):
+        self.experts, self.hidden, self.mesh, self.ep_dim, self.tp_dim = experts, hidden, mesh, ep_dim, tp_dim
 
     def placements(self, name: str) -> list[Any]:
         from torch.distributed.tensor import Shard  # not at import: DTensor costs every process about 1 s
@@ -61,11 +60,6 @@ class ExpertLayout:
         if self.tp_dim is not None:
             out[self.tp_dim] = Shard(HIDDEN_DIM[name])
         return out
-
-    def global_shape(self, name: str, local: torch.Tensor) -> torch.Size:
-        shape = list(local.shape)
-        shape[0], shape[HIDDEN_DIM[name]] = self.num_experts, self.hidden_dim
-        return torch.Size(shape)
 
     def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
         index: list[Any] = [self.experts, slice(None), slice(None)]
@@ -117,8 +111,7 @@ def expert_layout(cfg: MoEConfig, sp: Optional[MeshAxis], ep: Optional[MeshAxis]
         mesh = grid_mesh(ep, tp)
     else:
         mesh = ep.device_mesh() if ep is not None else tp.device_mesh() if tp is not None else None
-    return ExpertLayout(cfg.num_experts, experts, hidden, cfg.hidden_dim, mesh, None if ep is None else 0,
-                        None if tp is None else int(ep is not None))
+    return ExpertLayout(experts, hidden, mesh, None if ep is None else 0, None if tp is None else int(ep is not None))
 
 
 def to_torchtitan(state_dict: dict[str, Any], *, names: str = "new") -> dict[str, Any]:
@@ -186,7 +179,7 @@ def _save_hook(layout: ExpertLayout) -> Any:
                 local = state_dict[key]
                 if is_dtensor(local):  # FSDP2 shards this rank's experts over its DP group
                     local = local.full_tensor()
-                shape = layout.global_shape(name, local)
+                shape = torch.Size(_global_shape(name, module.config))
                 state_dict[key] = DTensor.from_local(
                     local, layout.mesh, layout.placements(name), run_check=False, shape=shape,
                     stride=contiguous_strides(shape),

@@ -14,11 +14,10 @@ must not differ between ranks). Why buckets are per call, exactness, FSDP2 units
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import types
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -27,7 +26,7 @@ from ..._dist import all_reduce
 from ...types.tensor import SPMDTensor
 from .flat import by_dtype, split_as
 
-__all__ = ["overlap_grads", "Join", "joined", "active_join", "call_joined", "sync_params"]
+__all__ = ["overlap_grads", "Join", "active_join", "call_joined", "sync_params"]
 
 _local = threading.local()
 
@@ -97,32 +96,6 @@ def active_join() -> Optional[Join]:
     return stack[-1] if stack else None
 
 
-@contextlib.contextmanager
-def joined(x: Any, params: Sequence[torch.Tensor]) -> Iterator[Any]:
-    """Run the body as a joined call on input ``x`` (a tensor or an ``SPMDTensor``); yields the
-    ``x`` to use instead. Yields ``x`` unchanged, joining nothing, when an enclosing joined call
-    already covers ``params``, when there are none, under ``torch.compile``, with grad off, or when
-    ``x`` is not floating point. The decision must be the same on every rank (their collectives
-    differ otherwise), so it does not depend on ``x.requires_grad``: an ``x`` that needs no
-    gradient is joined too, and backward then computes its gradient (to reach the join)."""
-    local = x.local if isinstance(x, SPMDTensor) else x
-    outer = active_join()  # an enclosing joined call that covers params joins them
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not params
-            or not isinstance(local, torch.Tensor) or not local.is_floating_point()
-            or (outer is not None and outer.covers(params))):
-        yield x
-        return
-    join = Join(params)
-    local, join.token = _JoinNode.apply(join, local, *params)
-    join.node = join.token.grad_fn
-    stack = _local.__dict__.setdefault("stack", [])
-    stack.append(join)
-    try:
-        yield x.with_local(local) if isinstance(x, SPMDTensor) else local
-    finally:
-        stack.pop()
-
-
 def sync_params(module: nn.Module) -> list[torch.Tensor]:
     """The parameters whose SP reductions a joined call on ``module`` defers: those of every
     module inside it that says (``_spmdmoe_sync_params()``: ``ParallelMoE``, ``replicate_grads`` modules), read at call
@@ -159,13 +132,29 @@ def inside_fsdp_unit(root: nn.Module, name: str) -> bool:
 
 def call_joined(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                 params: Callable[[], Sequence[torch.Tensor]]) -> Any:
-    """``fn(*args, **kwargs)`` as a joined call on its first tensor (or ``SPMDTensor``) argument,
-    deferring the reductions of ``params()`` (not called under ``torch.compile``)."""
+    """``fn(*args, **kwargs)`` as a joined call on its first tensor (or ``SPMDTensor``) argument ``x``, deferring the
+    reductions of ``params()`` (not called under ``torch.compile``). It calls ``fn`` unjoined when an enclosing
+    joined call already covers the parameters, when there are none, under ``torch.compile``, with grad off, or when
+    ``x`` is not floating point. The decision must be the same on every rank (their collectives differ otherwise),
+    so it does not depend on ``x.requires_grad``: an ``x`` that needs no gradient is joined too, and backward then
+    computes its gradient (to reach the join)."""
     i = next((i for i, a in enumerate(args) if isinstance(a, (torch.Tensor, SPMDTensor))), None)
     if i is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    with joined(args[i], params()) as x:
-        return fn(*args[:i], x, *args[i + 1:], **kwargs)
+    x, ps = args[i], params()
+    local = x.local if isinstance(x, SPMDTensor) else x
+    outer = active_join()  # an enclosing joined call that covers the parameters joins them
+    if not ps or not local.is_floating_point() or (outer is not None and outer.covers(ps)):
+        return fn(*args, **kwargs)
+    join = Join(ps)
+    local, join.token = _JoinNode.apply(join, local, *ps)
+    join.node = join.token.grad_fn
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(join)
+    try:
+        return fn(*args[:i], x.with_local(local) if isinstance(x, SPMDTensor) else local, *args[i + 1:], **kwargs)
+    finally:
+        stack.pop()
 
 
 def overlap_grads(module: nn.Module) -> nn.Module:

@@ -35,8 +35,7 @@ from ...types.mesh import MeshAxis
 from ..routing.permute import weighted_combine
 from .routed import Dispatching, RoutedTokens
 
-__all__ = ["destinations", "send_positions", "pack_meta", "received_order", "launch_tokens", "Sent", "launch_back",
-           "send_back", "SentBack"]
+__all__ = ["destinations", "send_positions", "pack_meta", "received_order", "launch_tokens", "Sent", "SentBack"]
 
 
 def destinations(ids_TK: torch.Tensor, local_experts: int, ranks: int) -> torch.Tensor:
@@ -168,21 +167,6 @@ class Sent:
     recv: list[int]  # rows received from each EP rank
 
 
-def launch_back(y_QD: torch.Tensor, sent: Sent, axis: MeshAxis) -> Callable[[], torch.Tensor]:
-    """The experts' row per received token back to its rank (the reverse of :func:`launch_tokens`' exchange
-    ``sent``), started now; the call it returns waits and gives each token's rows summed over the ranks it
-    visited (fp32, rounded once): ``(T, D)``. One ``all_to_all_single`` over ``axis`` in flight until that call
-    (:func:`spmdmoe.collectives.alltoall.exchange_launched`); its reverse in the backward."""
-    rows_wait = exchange_launched(y_QD, sent.recv, sent.send, axis, 0)
-    return lambda: weighted_combine(rows_wait(), sent.pos_Tn, None)
-
-
-def send_back(y_QD: torch.Tensor, sent: Sent, axis: MeshAxis) -> torch.Tensor:
-    """:func:`launch_back` waited for at once (one ``all_to_all_single``, one autograd node each way: nothing is
-    issued between its launch and its wait, so none is made): ``(T, D)``."""
-    return weighted_combine(exchanged_op(y_QD, sent.recv, sent.send, axis, 0), sent.pos_Tn, None)
-
-
 class SentBack(Dispatching):
     """An EP transport over ``axis`` (a block of ``e = E / n`` experts a rank) whose dispatch sends with
     :func:`launch_tokens` (its handle a :class:`Sent`) and whose combine is that exchange reversed."""
@@ -192,9 +176,17 @@ class SentBack(Dispatching):
         self.axis, self.num_experts, self.local_experts = axis, num_experts, num_experts // axis.size
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:
-        """:meth:`Transport.launch_combine`: :func:`launch_back` (the reverse exchange, launched now)."""
-        return launch_back(y_QD, routed.handle, self.axis)
+        """:meth:`Transport.launch_combine`: the experts' row per received token back to its rank (the reverse of
+        :func:`launch_tokens`' exchange ``routed.handle``), started now; the call it returns waits and gives each
+        token's rows summed over the ranks it visited (fp32, rounded once): ``(T, D)``. One ``all_to_all_single``
+        over ``axis`` in flight until that call (:func:`spmdmoe.collectives.alltoall.exchange_launched`); its
+        reverse in the backward."""
+        sent: Sent = routed.handle
+        rows_wait = exchange_launched(y_QD, sent.recv, sent.send, self.axis, 0)
+        return lambda: weighted_combine(rows_wait(), sent.pos_Tn, None)
 
     def combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
-        """:meth:`Transport.combine`: the rows back and summed at once (:func:`send_back`)."""
-        return send_back(y_QD, routed.handle, self.axis)
+        """:meth:`Transport.combine`: :meth:`launch_combine` waited for at once (one ``all_to_all_single``, one
+        autograd node each way: nothing is issued between its launch and its wait, so none is made)."""
+        sent: Sent = routed.handle
+        return weighted_combine(exchanged_op(y_QD, sent.recv, sent.send, self.axis, 0), sent.pos_Tn, None)

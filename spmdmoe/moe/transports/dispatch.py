@@ -160,8 +160,8 @@ class LocalTransport(Dispatching):
         if problem is not None:
             problem.record(problem.bits, x_TD.device)
         N = ids_TK.numel()
-        routed = routed_copies(x_TD, expert_order(ids_TK, 0, self.num_experts, N), weights_TK, N,
-                               fp8_rows=fp8_rows, all_here=True)  # its handle: the copies (the combine's)
+        order = expert_order(ids_TK, 0, self.num_experts, N)  # every copy here: its rows are the combine's handle
+        routed = routed_copies(x_TD, order, weights_TK, N, fp8_rows=fp8_rows, handle=order[0])
         return lambda: routed
 
     def launch_combine(self, y_QD: torch.Tensor, routed: RoutedTokens) -> Callable[[], torch.Tensor]:

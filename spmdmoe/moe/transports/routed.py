@@ -63,8 +63,8 @@ class RoutedTokens:
 
 
 def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weights_MJ: torch.Tensor,
-                  rows: int, *, fp8_rows: bool = False, group_sizes: Optional[list[int]] = None, handle: Any = None,
-                  all_here: bool = False) -> RoutedTokens:
+                  rows: int, *, fp8_rows: bool = False, group_sizes: Optional[list[int]] = None, handle: Any = None
+                  ) -> RoutedTokens:
     """The copies of ``M`` rows for this rank's experts, in expert-major order, with the routing weights folded
     into the experts (they return each row's weighted sum of its copies: ``copies_TK``). Every transport ends
     its dispatch here, on its own tokens or on the rows it received (a token once per rank, with all its ids).
@@ -78,8 +78,6 @@ def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor, t
             ``valid_rows`` never read; fewer than the copies: ``order`` dropped the rest, the transport records it).
         fp8_rows: also the rowwise e4m3 of the copies, quantized once per row (``RoutedTokens.fp8_rows``).
         group_sizes, handle: what the transport knows on the host and needs in its combine.
-        all_here: the local transport (no ``-1``, ``rows == M * J``): the ``handle`` is the copies' positions (its
-            combine's).
 
     No host sync."""
     pos_MJ, offsets, _ = order
@@ -90,7 +88,7 @@ def routed_copies(x_MD: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor, t
     else:
         x_RD = scatter_rows(x_MD, pos_MJ, rows)
     weights_R = spread_weights(weights_MJ, pos_MJ, rows)
-    return RoutedTokens(x_RD, offsets, rows, group_sizes, pos_MJ if all_here else handle, weights_R=weights_R,
+    return RoutedTokens(x_RD, offsets, rows, group_sizes, handle, weights_R=weights_R,
                         fp8_rows=q, copies_TK=pos_MJ)
 
 
