@@ -37,6 +37,9 @@ class ProblemFlag:
         self.on_clear = on_clear
         self.home = home  # the owner's int64 scalar buffer (moves with it): recorded into with no new tensor
         self.generation = 0  # how often it was cleared: a delayed read of older bits is stale after a clear
+        # run before every exchange of this flag (``update_expert_bias``, :func:`check_errors`): an SP layer's ride
+        # raises there, on this rank alone, a grad mode that differed (``moe/parallel/ride.py``)
+        self.before_exchange: Callable[[], None] = lambda: None
         _flags.add(self)
 
     def _home(self) -> Optional[torch.Tensor]:
@@ -115,6 +118,8 @@ def check_errors(mesh: Optional[MeshLike] = None) -> None:
     axis = (world_axis() if mesh is None else mesh_axis(mesh)) if dist.is_initialized() else None
     device = torch.device("cpu") if axis is None else axis.metadata_device()
     flags = list(_flags)
+    for flag in flags:
+        flag.before_exchange()
     mine = torch.zeros(1, dtype=torch.int64, device=device)
     for flag in flags:
         flag.bits_into(mine)

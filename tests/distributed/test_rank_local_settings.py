@@ -242,6 +242,31 @@ def test_grad_off_on_one_rank_sp_layer_raises_everywhere(world, device, request,
     spmdmoe.check_errors()
 
 
+@pytest.mark.parametrize("plan_name,ep_mode", [("sp", "sync"), ("gather", "sync"), ("sp_ep", "sync_free")])
+def test_grad_off_on_one_rank_in_a_training_loop_with_step_boundaries(world, device, request, plan_name, ep_mode):
+    """The guide's loop (forward, backward where there is a graph, ``update_expert_bias``, ``check_errors``; an
+    spmdmoe error skips the step), the last rank under no_grad in step 0, on the layers whose T exchange carries
+    the grad mode. Before: the peers raised in their backward and skipped the boundary, while the last rank, which
+    ran no backward, waited in ``update_expert_bias``'s all-reduce for them (a hang). Now it raises there, before
+    the exchange: every rank raises in step 0 and at step 1's forward, and step 2 trains."""
+    plan = build_plan(plan_name, reference_moe(CFG, 0, device), 9, world, request, ep_mode=ep_mode)
+    x = reference_tensor((9, D), 4, device=device)[plan.rows]
+    outcomes = []
+    for step in range(3):
+        try:
+            with torch.set_grad_enabled(not (step == 0 and _last(world))):
+                y = plan.layer(plan.wrap(x.clone().requires_grad_()))
+            if y.local.requires_grad:
+                y.local.sum().backward()
+            plan.layer.update_expert_bias()
+            spmdmoe.check_errors()
+            outcomes.append("ok")
+        except SPMDCollectiveError as e:
+            assert f"rank {world.size() - 1}: it ran the forward with grad off" in str(e), str(e)
+            outcomes.append("raised")
+    assert outcomes == ["raised", "raised", "ok"], outcomes
+
+
 def test_grad_off_on_one_rank_ep_layer_raises_at_the_exchange(world, device, request):
     """With EP spanning the layer, the grad mode rides the count exchange: the forward raises on every rank."""
     plan = build_plan("sp_ep", reference_moe(CFG, 0, device), 9, world, request)

@@ -6,9 +6,10 @@ Legend: ``T`` this rank's tokens, ``D`` model dim.
 Each forward's ``T`` exchange (one all-gather over SP) carries, per rank, three more int64: this forward's input
 problem bits, the sticky flag's bits from earlier forwards, and 1 when this rank runs the forward with grad off.
 The table is copied to the host without waiting (:class:`spmdmoe.host.DelayedRead`) and read, with the same verdict
-on every rank, by the backward of this forward's output (a grad mode that differs between ranks) or by the layer's
-next forward (every problem). Only for a layer whose SP axis is the whole job; eager only. The columns, the two
-reads and why: ``docs/design.md`` §6 (the table's row "the bits of a forward without EP").
+on every rank, by the backward of this forward's output and by the step boundary's exchanges, before they exchange
+(a grad mode that differs between ranks: the ranks with grad off run no backward), or by the layer's next forward
+(every problem). Only for a layer whose SP axis is the whole job; eager only. The columns, the reads and why:
+``docs/design.md`` §6 (the table's row "the bits of a forward without EP").
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Ride:
     def __init__(self, axis: MeshAxis, flag: ProblemFlag) -> None:
         self.axis, self.flag = axis, flag
         self.pending: Optional[tuple[DelayedRead, int]] = None
+        flag.before_exchange = self.before_exchange
 
     def fill(self, row: torch.Tensor) -> None:
         """OR the ride's two columns (recorded, grad off) into ``row``, a zeroed device slice of the exchange's
@@ -60,8 +62,17 @@ class Ride:
             return out_TD
         entry = self.pending
         op = "MoE layer (in the backward of the forward that found it; the next forward raises it on every rank)"
-        out_TD.register_hook(lambda grad: self._raise(self._take(entry), op, in_backward=True))
+        out_TD.register_hook(lambda grad: self._raise(self._take(entry), op, grad_mode_only=True))
         return out_TD
+
+    def before_exchange(self) -> None:
+        """At the step boundary (``update_expert_bias``, ``check_errors``), before their exchange: raise a grad
+        mode that differed in the last forward's exchange, on this rank alone and kept pending, as the backward
+        does. A rank with grad off ran no backward, so it gets here while its peers raised in theirs and skipped
+        the exchange; every rank that gets here raises (the same verdict), so none waits in it."""
+        if not tracing():
+            self._raise(self._take(None), "MoE layer (at the step boundary of the forward that found it; the next "
+                                          "forward raises it on every rank)", grad_mode_only=True)
 
     def _take(self, entry: Any) -> Optional[tuple[DelayedRead, int]]:
         """The pending read (``entry``: only if it is still the pending one); ``None`` if stale or consumed."""
@@ -73,17 +84,17 @@ class Ride:
             return None
         return pending
 
-    def _raise(self, pending: Optional[tuple[DelayedRead, int]], op: str, in_backward: bool = False) -> None:
-        """Raise ``pending``'s verdict. At a forward: consumed, the flag cleared. In a backward: only when the grad
-        mode differed, and it stays pending, so the next forward raises it again on every rank, the one with
-        grad off (which ran no backward) included."""
+    def _raise(self, pending: Optional[tuple[DelayedRead, int]], op: str, grad_mode_only: bool = False) -> None:
+        """Raise ``pending``'s verdict. At a forward: consumed, the flag cleared. ``grad_mode_only`` (a backward, the
+        step boundary): only when the grad mode differed, and it stays pending, so the next forward raises it again
+        on every rank, whichever way each rank raised it in the step."""
         if pending is None:
             return
         bits = grad_mode_codes([bad | recorded | (GRAD_OFF if off else 0) for bad, recorded, off in pending[0].get()])
-        if in_backward and not any(b & BIT["grad_mode"] for b in bits):
+        if grad_mode_only and not any(b & BIT["grad_mode"] for b in bits):
             return
-        error = problems_error(op, bits, [] if in_backward else self.flag.details, list(self.axis.ranks))
-        if not in_backward:
+        error = problems_error(op, bits, [] if grad_mode_only else self.flag.details, list(self.axis.ranks))
+        if not grad_mode_only:
             self.pending = None
             if error is not None:
                 self.flag.clear()

@@ -101,6 +101,7 @@ def update_expert_bias(
     would raise too: it drops a failed step's counts and leaves the bias, but
     does not raise; :func:`spmdmoe.check_errors` raises on every rank.
     """
+    problems.before_exchange()
     E = tokens_per_expert.numel()
     checking = checks_enabled()
     slots = problems.slots(tokens_per_expert.device)
