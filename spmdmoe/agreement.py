@@ -63,6 +63,7 @@ __all__ = [
     "verdict",
     "exchange_rows",
     "problems_error",
+    "local_problem",
     "check_payload",
     "check_exchange",
     "mixed_ops_error",
@@ -316,6 +317,13 @@ def problems_error(
     parts = "; ".join(f"rank {r}: " + ", ".join(k.what for k in _kinds(b)) for r, b in bad)
     own = "".join(f"\n  this rank: {d}" for d in details)
     return error(f"{op} rejected the input on {len(bad)} of {len(bits_by_rank)} ranks ({parts}){own}")
+
+
+def local_problem(bits: int, details: Sequence[str]) -> Optional[Exception]:
+    """This rank's problem alone (``None``: none), for a verdict that names the ranks itself (the collective-checking
+    mode's): the error of its most specific kind, saying what each kind is, then this rank's details."""
+    kinds = _kinds(bits)
+    return kinds[0].error(", ".join(k.what for k in kinds) + "".join(f"; {d}" for d in details)) if kinds else None
 
 
 def disagreement_error(op: str, fields: Sequence[Field], table: Sequence[Sequence[int]]) -> Optional[Exception]:

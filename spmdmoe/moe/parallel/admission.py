@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ...agreement import Problem, alone, global_rank, problems_error, raise_if
+from ...agreement import Problem, alone, global_rank, local_problem, problems_error, raise_if
 from ...collective_check import check_collective, exchange
 from ...stand_in import stand_in
 from ...sticky import ProblemFlag
@@ -96,8 +96,8 @@ class Admission:
                 else (x.local if isinstance(x, SPMDTensor) else x))
         if axis is not None and checks_mode() == "collectives":  # the SP input's record (its declared T too; an
             # EP input's rows may differ), this rank's problem and train / eval mode (which decides collectives)
-            check_collective("MoE layer", axis, x if sp is not None else None, problems_error(
-                "MoE layer", [problem.bits], problem.details, [global_rank()]), {"training": training})
+            check_collective("MoE layer", axis, x if sp is not None else None,
+                             local_problem(problem.bits, problem.details), {"training": training})
         sized = isinstance(transport, SyncFreeTransport)
         if problem.bits and alone():  # the only process of the job: nobody to leave waiting
             raise_if(problems_error("MoE layer", [problem.bits], problem.details))
