@@ -99,7 +99,7 @@ _STRICT = Field("strict", show=lambda v: str(bool(v)))
 _DECLARED = Field("declared global_tokens", show=lambda v: "None" if v == _NO_T else str(v),
                   fix="every rank must declare the same global_tokens (or none)")
 _DTYPE = Field("dtype", show=dtype_name, fix="every rank's shard needs the same dtype")
-_FEATURES = Field("non-token dims", show=lambda v: f"shape#{v % 9973}",
+_FEATURES = Field("non-token dims", show=lambda v: f"[{v}]" if v >= 0 else f"shape#{-v % 9973}",  # one dim or a hash
                   fix="every rank's shard needs the same feature shape (dtype and non-token dims)")
 
 
@@ -114,7 +114,8 @@ def _local_findings(local: Any, axis: MeshAxis, placement: Any, total: Any, toke
     try:
         dim = _check_token_dim(local, placement, token_dim, axis)
         rest = tuple(s for i, s in enumerate(local.shape) if i != dim)
-        values[1:] = [dim, _NO_T, dtype_code(local.dtype), zlib.crc32(repr(rest).encode()), local.shape[dim]]
+        features = rest[0] if len(rest) == 1 else -1 - zlib.crc32(repr(rest).encode())  # a (T, D) shard: D itself
+        values[1:] = [dim, _NO_T, dtype_code(local.dtype), features, local.shape[dim]]
     except SPMDLayoutError as e:
         found.add("placement" if kind < 0 else "token_dim", str(e))
     if total is not None:

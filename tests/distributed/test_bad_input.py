@@ -171,7 +171,7 @@ def test_dtype_or_feature_shape_disagreement(world, device):
     assert_raises_everywhere(
         SPMDLayoutError,
         lambda: spmdmoe.from_local(_chunk(world, device, 5, features), world, global_tokens=5),
-        match="disagree on the non-token dims",
+        match=r"disagree on the non-token dims: per rank \[\[2\], \[3\]",  # a (T, D) shard's D shown as it is
     )
     dtype = torch.float64 if _rank(world) == 0 else torch.float32
     assert_raises_everywhere(
