@@ -104,7 +104,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("nonfinite", SPMDRoutingError, "non-finite router logits (NaN or inf input)"),
     Kind("failed", AssertionError, "check failed"),
     Kind("capacity", SPMDCapacityError, "more rows than the sync-free EP buffers hold (the fix: a larger "
-         "max_tokens or capacity_factor in parallelize_moe, or ep_mode='sync')"),
+         "max_tokens or capacity_factor in parallelize_moe or swap_moe, or ep_mode='sync')"),
     Kind("grad_mode", SPMDCollectiveError, "it ran the forward with grad off while its peers had it on (their "
                                            "backward would wait for it: torch.no_grad() on some ranks only)"),
     Kind("grad_set", SPMDLayoutError,

@@ -94,7 +94,8 @@ _flags: "weakref.WeakSet[ProblemFlag]" = weakref.WeakSet()
 def raise_and_clear(op: str, slots: Sequence[int], flags: Sequence[ProblemFlag],
                     ranks: Optional[Sequence[int]] = None) -> None:
     """Raise the verdict of exchanged ``slots`` (host ints, one per rank), clearing ``flags`` first."""
-    error = problems_error(op, slots, [d for flag in flags for d in flag.details], ranks)
+    details = dict.fromkeys(d for flag in flags for d in flag.details)  # once each (every layer's flag may hold it)
+    error = problems_error(op, slots, list(details), ranks)
     if error is not None:
         for flag in flags:
             flag.clear()

@@ -189,6 +189,8 @@ def swap_moe(
     ep_mesh: Optional[MeshLike] = None,
     sp_mode: Literal["local", "gather"] = "local",
     ep_mode: Literal["sync", "sync_free"] = "sync",
+    capacity_factor: Optional[float] = None,
+    max_tokens: Optional[int] = None,
     expert_precision: Optional[Literal["bf16", "fp8_rowwise"]] = None,
     expert_dtype: Optional[torch.dtype] = torch.bfloat16,
     agree_over: Optional[MeshLike] = None,
@@ -196,9 +198,9 @@ def swap_moe(
     """Replace every ``torchtitan.models.common.moe.MoE`` in ``model`` by a :class:`SwappedMoE`; returns their
     names. Call it on every rank, before torchtitan's ``parallelize``, on a model built on meta (as torchtitan's
     Trainer builds it), the CPU or a GPU, before or after ``init_states``: every weight keeps its value bitwise
-    (under ``ep_mesh`` each rank its experts' slice), a swap before ``init_states`` draws the same numbers as the
-    unswapped model from the same seed, and the layer's own buffers (problem flags, capacity counters) start at
-    zero on the model's device.
+    (under ``ep_mesh`` each rank its experts' slice), a swap without ``ep_mesh`` before ``init_states`` draws the
+    same numbers as the unswapped model from the same seed (with ``ep_mesh``: initialise first, ``docs/torchtitan.md``),
+    and the layer's own buffers (problem flags, capacity counters) start at zero on the model's device.
 
     ``sp_mesh``: an SP axis; each rank passes its own part of the sequence, ``(B, L_rank, D)``, with ``B * L_rank``
     rows following spmdmoe's chunk rule for the total (``spmdmoe.shard`` of the flattened tokens gives it; with
@@ -207,8 +209,9 @@ def swap_moe(
     over it, as tensor-parallel SP does: keep the axis out of FSDP's reduction mesh. For torchtitan's context
     parallelism leave it ``None`` (each rank routes its own chunk and FSDP reduces).
     ``ep_mesh``: the EP axis (torchtitan's ``parallel_dims.get_mesh("ep")``); the expert weights become DTensors
-    sharded on it, here (torchtitan's ``parallelize`` leaves them so). ``sp_mode``, ``ep_mode``, ``agree_over``:
-    as :func:`spmdmoe.moe.parallelize_moe` (run here: a collective over ``agree_over``). ``expert_precision``:
+    sharded on it, here (torchtitan's ``parallelize`` leaves them so). ``sp_mode``, ``ep_mode``, ``capacity_factor``,
+    ``max_tokens``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe` (run here: a collective over
+    ``agree_over``). ``expert_precision``:
     ``"bf16"`` (default: ``expert_dtype``) or ``"fp8_rowwise"``. ``expert_dtype``: the routed GEMMs' dtype (bf16
     as torchtitan's; ``None``: the activations').
 
@@ -230,7 +233,8 @@ def swap_moe(
             layer: _Layer = MoE(config)
         if sp_mesh is not None or ep_mesh is not None:
             layer = parallelize_moe(layer, sp_mesh=sp_mesh, ep_mesh=ep_mesh, sp_mode=sp_mode, ep_mode=ep_mode,
-                                    agree_over=agree_over, device="meta")
+                                    capacity_factor=capacity_factor, max_tokens=max_tokens, agree_over=agree_over,
+                                    device="meta")
         shard_experts(moe.routed_experts.inner_experts, layer,
                       {"w1_EFD": "experts.w1", "w2_EDF": "experts.w2", "w3_EFD": "experts.w3"})
         swapped = SwappedMoE(moe, config, layer, expert_dtype)

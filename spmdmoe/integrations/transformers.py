@@ -217,6 +217,8 @@ def swap_moe(
     sp_mesh: Optional[MeshLike] = None,
     ep_mesh: Optional[MeshLike] = None,
     ep_mode: Literal["sync", "sync_free"] = "sync",
+    capacity_factor: Optional[float] = None,
+    max_tokens: Optional[int] = None,
     expert_precision: Optional[Literal["bf16", "fp8_rowwise"]] = None,
     agree_over: Optional[MeshLike] = None,
     load_balance_coeff: Optional[float] = None,
@@ -228,8 +230,9 @@ def swap_moe(
     ``ep_mesh`` each rank its experts' slice), and the layer's own buffers (problem flags, capacity counters)
     start at zero on the model's device.
 
-    ``sp_mesh``, ``ep_mesh``, ``ep_mode``, ``agree_over``: as :func:`spmdmoe.moe.parallelize_moe` (run here: a
-    collective over ``agree_over``); local SP only (``docs/porting.md``). ``expert_precision``: ``"bf16"``
+    ``sp_mesh``, ``ep_mesh``, ``ep_mode``, ``capacity_factor``, ``max_tokens``, ``agree_over``: as
+    :func:`spmdmoe.moe.parallelize_moe` (run here: a collective over ``agree_over``); local SP only
+    (``docs/porting.md``). ``expert_precision``: ``"bf16"``
     (default: the experts compute in their parameters' dtype) or ``"fp8_rowwise"``. ``load_balance_coeff``: the
     aux-loss-free load balancing (DeepSeek-V3's), off by default: before each optimizer step every block's bias
     moves by this step against its load (the counts summed over SP, EP and data axes), steering the choice of
@@ -273,7 +276,8 @@ def swap_moe(
             layer: _Layer = MoE(config)
         if sp_mesh is not None or ep_mesh is not None:
             layer = parallelize_moe(layer, sp_mesh=sp_mesh, ep_mesh=ep_mesh, sp_mode="local", ep_mode=ep_mode,
-                                    agree_over=agree_over, device="meta")
+                                    capacity_factor=capacity_factor, max_tokens=max_tokens, agree_over=agree_over,
+                                    device="meta")
         shard_experts(block.experts, layer, {"gate_up_proj": "experts.w1", "down_proj": "experts.w2"})
         swapped = SwappedMoeBlock(block, config, layer)
         parent, _, child = name.rpartition(".")

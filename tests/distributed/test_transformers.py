@@ -73,6 +73,25 @@ def test_model_under_ep_each_rank_its_own_batch(name, world, device):
             assert _close(p.grad, q.grad, 1e-4), pname
 
 
+def test_sync_free_sizes_from_swap_moe(world, device):
+    """``swap_moe`` passes ``max_tokens`` (and ``capacity_factor``) to the layers, the fix the capacity error names:
+    a sync-free model sized for 12 tokens a rank matches transformers' on 12 (each rank its own batch), and when
+    the last rank routes 13, every rank raises SPMDCapacityError at the step boundary (that rank naming the bound)."""
+    name, rank, last = sorted(MODELS)[0], dist.get_rank(), dist.get_world_size() - 1
+    ref = MODELS[name](0).to(device)
+    ours = copy.deepcopy(ref)
+    swap_moe(ours, ep_mesh=world, ep_mode="sync_free", max_tokens=12, capacity_factor=None)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(rank)).to(device)
+    assert _close(ref(input_ids=ids).logits, ours(input_ids=ids).logits, 1e-5)
+    spmdmoe.check_errors()
+    ids = torch.randint(0, VOCAB, (1, 13 if rank == last else 12)).to(device)
+    ours(input_ids=ids, labels=ids).loss.backward()
+    err = assert_raises_everywhere(spmdmoe.SPMDCapacityError, spmdmoe.check_errors,
+                                   match=rf"rank {last}: more rows than the sync-free EP buffers hold")
+    assert rank != last or str(err).count("13 tokens routed, more than max_tokens=12") == 1, str(err)  # its own
+    # detail, once (each of the model's two layers recorded it)
+
+
 def _plan(plan: str, world, request):  # type: ignore[no-untyped-def]
     """``(ep, sp, batches, this rank's batch)``: ``sp_x_ep`` is the 2x2 mesh (2 x world / 2 on more ranks; EP
     "dp", SP "sp": a batch per EP index), anything else SP = EP = world (one batch)."""

@@ -142,9 +142,10 @@ class Admission:
         if bound is None:
             return _learn_t_max(self.key, operator.index(rows))  # (a symbolic count: specialised, once)
         if rows > bound:
-            fix = ("split the batch or pass a larger max_tokens to parallelize_moe" if self.max_tokens is not None
+            fix = ("split the batch or pass a larger max_tokens to parallelize_moe (or swap_moe)"
+                   if self.max_tokens is not None
                    else f"the layer sized them on its first forward, which routed at most {bound} a rank; pass "
-                        f"max_tokens={rows} (or the most any rank will route) to parallelize_moe")
+                        f"max_tokens={rows} (or the most any rank will route) to parallelize_moe (or swap_moe)")
             problem.add("capacity", f"rank {global_rank()}: {rows} tokens routed, more than "
                                     f"{'max_tokens=' if self.max_tokens is not None else ''}{bound}, which sizes "
                                     f"the sync-free EP buffers; {fix}")
