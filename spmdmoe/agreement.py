@@ -101,7 +101,8 @@ KINDS: tuple[Kind, ...] = (
     Kind("width", SPMDShapeError, "input width is not the model dim"),
     Kind("config", MoEConfigError, "MoE config or plan cannot work"),
     Kind("state_dict", SPMDLayoutError, "state dict entry cannot be loaded"),
-    Kind("nonfinite", SPMDRoutingError, "non-finite router logits (NaN or inf input)"),
+    Kind("nonfinite", SPMDRoutingError, "non-finite router logits (NaN or inf in the rank's input rows or gate "
+         "weight: skip the step, or find the source with torch.isfinite on the layer's input)"),
     Kind("failed", AssertionError, "check failed"),
     Kind("capacity", SPMDCapacityError, "more rows than the sync-free EP buffers hold (the fix: a larger "
          "max_tokens or capacity_factor in parallelize_moe or swap_moe, or ep_mode='sync')"),
