@@ -267,6 +267,24 @@ def test_grad_off_on_one_rank_in_a_training_loop_with_step_boundaries(world, dev
     assert outcomes == ["raised", "raised", "ok"], outcomes
 
 
+@pytest.mark.parametrize("plan_name", ["sp", "gather", "ep", "sp_ep", "sp_x_ep"])
+def test_experts_frozen_before_wrapping_stay_frozen(plan_name, world, device, request):
+    """An expert weight frozen (on every rank) before ``parallelize_moe``, as the guide says to freeze: the
+    parallel layer's copy is frozen too, gets no gradient, and the step boundary finds nothing. Before, the
+    experts' block was built as new parameters that all needed a gradient: frozen experts trained, and where the
+    experts are replicated over SP they could not be frozen at all (frozen after wrapping, ``check_errors``
+    raised: the SP sums' agreed set had changed)."""
+    moe = reference_moe(CFG, 0, device)
+    moe.experts.w3.requires_grad_(False)
+    plan = build_plan(plan_name, moe, 9, world, request)
+    trains = {n: p.requires_grad for n, p in plan.layer.named_parameters() if n.startswith("experts.")}
+    assert trains == {"experts.w1": True, "experts.w2": True, "experts.w3": False}, trains
+    y = plan.layer(plan.wrap(reference_tensor((9, D), 4, device=device)[plan.rows]))
+    (y.local if isinstance(y, spmdmoe.SPMDTensor) else y).sum().backward()
+    spmdmoe.check_errors()
+    assert plan.layer.experts.w3.grad is None and plan.layer.experts.w1.grad is not None
+
+
 def test_grad_off_on_one_rank_ep_layer_raises_at_the_exchange(world, device, request):
     """With EP spanning the layer, the grad mode rides the count exchange: the forward raises on every rank."""
     plan = build_plan("sp_ep", reference_moe(CFG, 0, device), 9, world, request)

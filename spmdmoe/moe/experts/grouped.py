@@ -149,7 +149,8 @@ class GroupedExperts(nn.Module):
 def experts_block(src: GroupedExperts, experts: slice, hidden: slice, precision: str, fp8_wgrad: str
                   ) -> GroupedExperts:
     """A copy of ``src``'s block: experts ``experts``, hidden units ``hidden`` of each, on ``src``'s device and
-    dtype, in ``precision`` (a meta ``src`` gives meta shards, uninitialised: nothing is allocated here)."""
+    dtype, in ``precision``, each weight frozen where ``src``'s is (a meta ``src`` gives meta shards, uninitialised:
+    nothing is allocated here)."""
     with torch.device("meta" if src.w1.is_meta else "cpu"):
         block = GroupedExperts(experts.stop - experts.start, src.w1.shape[2], hidden.stop - hidden.start,
                                precision, fp8_wgrad)
@@ -159,6 +160,8 @@ def experts_block(src: GroupedExperts, experts: slice, hidden: slice, precision:
             block.w1.copy_(src.w1[experts, hidden])
             block.w2.copy_(src.w2[experts, :, hidden])
             block.w3.copy_(src.w3[experts, hidden])
+    for name in ("w1", "w2", "w3"):
+        getattr(block, name).requires_grad_(getattr(src, name).requires_grad)
     return block
 
 
