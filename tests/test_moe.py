@@ -431,8 +431,10 @@ def test_single_device_loads_torchtitan_state_dicts(style):
     dst.load_state_dict(sd)
     for name, p in src.state_dict().items():
         assert torch.equal(dst.state_dict()[name], p), name
-    with pytest.raises(ValueError, match="expected shape"):
-        dst.load_state_dict({**src.state_dict(), "experts.w1": torch.zeros(2, 8, 16)})
+    with pytest.raises(ValueError, match="expected shape .* a plain tensor must hold every expert"):
+        dst.load_state_dict({**src.state_dict(), "experts.w1": torch.zeros(2, 8, 16)})  # an EP rank's slice
+    with pytest.raises(ValueError, match="expected shape .* another num_experts, dim or hidden_dim"):
+        dst.load_state_dict({**src.state_dict(), "experts.w1": torch.zeros(8, 8, 16)})  # another config's
     back = {k: v.clone() for k, v in to_torchtitan(dst.state_dict()).items()}
     assert "routed_experts.inner_experts.w1_EFD" in back and "expert_bias_E" in back
     src.load_state_dict(back)

@@ -301,9 +301,12 @@ def _shape_problem(name: str, found: tuple[int, ...], want: Any) -> str:
         text += ("; this looks like torchtitan's oldest (E, D, F) orientation: convert it with "
                  "spmdmoe.moe.checkpoint.from_torchtitan(state_dict, orientation='EDF') (never guessed: it is "
                  "ambiguous when dim == hidden_dim)")
-    elif name in HIDDEN_DIM:
+    elif name in HIDDEN_DIM and len(found) == 3 and found[0] < want[0] and found[1:] == tuple(want[1:]):
         text += ("; a plain tensor must hold every expert (save with the layer's state_dict(), which presents "
                  "global DTensors)")
+    elif name in HIDDEN_DIM:
+        text += ("; the checkpoint's layer has another num_experts, dim or hidden_dim than this layer's MoEConfig: "
+                 "build the layer with the checkpoint's")
     return text
 
 
