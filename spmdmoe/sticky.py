@@ -119,10 +119,9 @@ def check_errors(mesh: Optional[MeshLike] = None) -> None:
     axis = (world_axis() if mesh is None else mesh_axis(mesh)) if dist.is_initialized() else None
     device = torch.device("cpu") if axis is None else axis.metadata_device()
     flags = list(_flags)
-    for flag in flags:
-        flag.before_exchange()
     mine = torch.zeros(1, dtype=torch.int64, device=device)
     for flag in flags:
+        flag.before_exchange()
         flag.bits_into(mine)
     bits = [row[0] for row in exchange_rows(axis, mine, "check_errors", mine[0])]
     raise_and_clear("check_errors", bits, flags, None if axis is None else axis.ranks)

@@ -232,14 +232,13 @@ def swap_moe(
 
     ``sp_mesh``, ``ep_mesh``, ``ep_mode``, ``capacity_factor``, ``max_tokens``, ``agree_over``: as
     :func:`spmdmoe.moe.parallelize_moe` (run here: a collective over ``agree_over``); local SP only
-    (``docs/porting.md``). ``expert_precision``: ``"bf16"``
-    (default: the experts compute in their parameters' dtype) or ``"fp8_rowwise"``. ``load_balance_coeff``: the
-    aux-loss-free load balancing (DeepSeek-V3's), off by default: before each optimizer step every block's bias
-    moves by this step against its load (the counts summed over SP, EP and data axes), steering the choice of
-    experts, not their weights. DeepSeek-V3 updates its own ``e_score_correction_bias``; Qwen3-MoE and Mixtral
-    get one (``mlp.gate.e_score_correction_bias``, fp32 zeros, saved: a key the unswapped model does not load).
-    Their own load balancing is the aux loss (``output_router_logits``), as in transformers (under
-    ``sequence_parallel``, over the whole batch).
+    (``docs/porting.md``). ``expert_precision``: ``"bf16"`` (default: the experts compute in their parameters'
+    dtype) or ``"fp8_rowwise"``. ``load_balance_coeff``: the aux-loss-free load balancing (DeepSeek-V3's), off by
+    default: before each optimizer step every block's bias moves by this step against its load (the counts summed
+    over SP, EP and data axes), steering the choice of experts, not their weights. DeepSeek-V3 updates its own
+    ``e_score_correction_bias``; Qwen3-MoE and Mixtral get one (``mlp.gate.e_score_correction_bias``, fp32 zeros,
+    saved: a key the unswapped model does not load). Their own load balancing is the aux loss
+    (``output_router_logits``), as in transformers (under ``sequence_parallel``, over the whole batch).
 
     Raises ``MoEConfigError`` for what cannot be mapped exactly (``docs/porting.md``), and for a model with no
     MoE block.
